@@ -1,0 +1,5 @@
+import sys
+
+from hybridflow.cli import main
+
+sys.exit(main())

@@ -1,0 +1,58 @@
+"""The rollout interface every generation backend implements (hf, native, vllm).
+
+Batch layout (shared with the training engine and the workers):
+  input  ``input_ids [B, P]`` left-padded prompts, ``attention_mask [B, P]``, ``position_ids [B, P]``
+  output, B * n rows, sample j of prompt i at row ``i * n + j``:
+    ``prompts [B*n, P]``, ``responses [B*n, R]`` right-padded with pad_token_id,
+    ``input_ids [B*n, P+R]`` = cat(prompts, responses), ``attention_mask [B*n, P+R]``, ``position_ids [B*n, P+R]``,
+    ``response_mask [B*n, R]`` (1 on generated tokens, the eos/stop token included),
+    ``rollout_log_probs [B*n, R]`` (log p of each sampled token under the *temperature-scaled* distribution;
+    0 on padding). R is the longest response in the batch (at most max_new_tokens).
+Temperature semantics: logits / temperature, then top-k, then top-p; the training engine applies the same
+logits / temperature before its log-softmax, so the two sets of log-probs are comparable token by token.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridflow.protocol import DataProto
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = -1  # -1: off
+    top_p: float = 1.0
+    greedy: bool = False  # argmax decoding; temperature/top-k/top-p ignored, log-probs at temperature 1
+    n: int = 1  # samples per prompt
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the tokenizer's eos
+    seed: int | None = None  # same seed + same prompts -> same samples
+
+    def validate(self) -> None:
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (got {self.temperature}); use greedy=True for argmax decoding")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.n < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"n and max_new_tokens must be >= 1, got n={self.n}, max_new_tokens={self.max_new_tokens}")
+
+
+class RolloutEngine(ABC):
+    """Generates responses for a batch of prompts; holds its own copy of the policy weights."""
+
+    @abstractmethod
+    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        """Prompts in the layout above -> B * n rows of responses in the layout above."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new policy weights (HF parameter names) without rebuilding the engine."""
+
+    def release_memory(self) -> None:  # noqa: B027 - optional hook, most engines free KV after generate anyway
+        """Free KV cache and other generation-time buffers."""

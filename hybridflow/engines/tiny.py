@@ -1,0 +1,163 @@
+"""Write small random-init models and a character-level tokenizer to disk, for tests, examples and benchmarks.
+
+Everything is saved with ``save_pretrained`` and loaded back by path with the ordinary transformers code, so the
+code under test is the code a user runs on a real checkpoint. No hub downloads.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from dataclasses import dataclass
+
+import torch
+
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|im_end|>"
+BOS_TOKEN = "<|im_start|>"
+UNK_TOKEN = "<|unk|>"
+SPECIAL_TOKENS = [PAD_TOKEN, UNK_TOKEN, BOS_TOKEN, EOS_TOKEN]
+
+# A ChatML-style template: the assistant turn ends with <|im_end|>, which is also the eos token.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def char_vocab() -> list[str]:
+    """Special tokens, then one token per byte, written in the byte-level alphabet (" " is "Ġ", "\\n" is "Ċ").
+
+    The byte-level form makes the same tokenizer.json load identically through every transformers tokenizer class
+    (Qwen2's tokenizer rebuilds a byte-level pipeline around the saved vocabulary), and any UTF-8 text encodes.
+    """
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    printable = [ch for ch in string.printable if ch not in "\x0b\x0c\r"]
+    byte_map = _bytes_to_unicode()
+    first = [byte_map[ord(ch)] for ch in printable]  # ASCII first so small ids are readable characters
+    rest = sorted(set(alphabet) - set(first))
+    return SPECIAL_TOKENS + first + rest
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte-to-unicode table used by byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def build_char_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
+    """A transformers fast tokenizer that maps each character to one token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(char_vocab())}
+    # BPE without merges over the byte alphabet: one token per byte (per character for ASCII).
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD_TOKEN,
+        eos_token=EOS_TOKEN,
+        bos_token=BOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    if chat_template is not None:
+        hf_tok.chat_template = chat_template
+    return hf_tok
+
+
+@dataclass
+class TinyModelSpec:
+    """Shape of a small decoder-only model. The defaults give a ~0.4M-parameter model for unit tests."""
+
+    arch: str = "qwen2"  # qwen2 | llama
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int | None = None  # default: 4 * hidden_size rounded
+    vocab_size: int = 288
+    max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = True
+
+
+# Named sizes used across tests and benchmarks.
+SIZES = {
+    "unit": TinyModelSpec(),
+    "tiny": TinyModelSpec(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2),
+    "small": TinyModelSpec(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2),
+    # ~21M parameters: the "mid" size of the benchmarks.
+    "mid": TinyModelSpec(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536),
+}
+
+
+def make_config(spec: TinyModelSpec, tokenizer=None):
+    from transformers import LlamaConfig, Qwen2Config
+
+    inter = spec.intermediate_size or 4 * spec.hidden_size
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=inter,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+    )
+    if tokenizer is not None:
+        common.update(
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
+        )
+    if spec.arch == "qwen2":
+        return Qwen2Config(**common)
+    if spec.arch == "llama":
+        return LlamaConfig(**common)
+    raise ValueError(f"unknown tiny-model architecture {spec.arch!r}; choose 'qwen2' or 'llama'")
+
+
+def write_tiny_model(
+    path: str | os.PathLike,
+    spec: TinyModelSpec | str = "unit",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> str:
+    """Write a random-init causal LM plus the character tokenizer to `path`; returns the path.
+
+    `spec` is a TinyModelSpec or one of the names in SIZES.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(spec, str):
+        if spec not in SIZES:
+            raise ValueError(f"unknown tiny-model size {spec!r}; choose one of {sorted(SIZES)}")
+        spec = SIZES[spec]
+    tokenizer = build_char_tokenizer()
+    if len(tokenizer) > spec.vocab_size:
+        raise ValueError(f"vocab_size {spec.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    config = make_config(spec, tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(path)
+    return str(path)
