@@ -16,6 +16,61 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from hybridflow.trainer.config import ConfigError, load_config, to_dict
+
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(to_dict(load_config(args.overrides, preset=args.config, validate=False)), sort_keys=False))
+        return 0
+    from hybridflow.trainer.main import train_main
+
+    try:
+        train_main(args.overrides, preset=args.config)
+    except ConfigError as e:
+        print(f"hybridflow train: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from hybridflow.trainer.config import ConfigError
+    from hybridflow.trainer.sft_trainer import sft_main
+
+    try:
+        sft_main(args.overrides)
+    except ConfigError as e:
+        print(f"hybridflow sft: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from hybridflow.trainer.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out_dir)
+    print(f"exported a Hugging Face model to {out}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from hybridflow.trainer.report import make_report
+
+    written = make_report(args.run_dir, args.out_dir)
+    for name, path in written.items():
+        print(f"{name}: {path}")
+    return 0
+
+
+def _cmd_make_task(args: argparse.Namespace) -> int:
+    from hybridflow.data.builtin import write_builtin_task
+
+    train, val = write_builtin_task(args.out_dir)
+    print(f"wrote {train} and {val}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybridflow",
@@ -23,6 +78,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hybridflow {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = sub.add_parser(
+        "train",
+        help="run RL training (with no arguments: GRPO on the built-in task from the shipped base model)",
+        description="Dotted overrides use veRL's key names, e.g. algorithm.adv_estimator=grpo "
+        "actor_rollout_ref.rollout.n=8 data.train_files=train.parquet trainer.total_training_steps=100",
+    )
+    train.add_argument("overrides", nargs="*", help="key=value overrides")
+    train.add_argument("--config", help="a YAML file merged under the overrides")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    train.set_defaults(func=_cmd_train)
+
+    sft = sub.add_parser("sft", help="supervised fine-tuning on prompt/response data with the same training engine")
+    sft.add_argument("overrides", nargs="*", help="key=value overrides (see hybridflow/trainer/sft_trainer.py)")
+    sft.set_defaults(func=_cmd_sft)
+
+    export = sub.add_parser("export", help="turn a checkpoint folder into a Hugging Face model folder")
+    export.add_argument("checkpoint", help="a global_step_N folder (or a run folder: its latest checkpoint)")
+    export.add_argument("out_dir")
+    export.set_defaults(func=_cmd_export)
+
+    report = sub.add_parser("report", help="plots and an HTML page for a run folder")
+    report.add_argument("run_dir")
+    report.add_argument("--out-dir", default=None)
+    report.set_defaults(func=_cmd_report)
+
+    task = sub.add_parser("make-task", help="write the built-in arithmetic task's train/validation parquet files")
+    task.add_argument("out_dir")
+    task.set_defaults(func=_cmd_make_task)
 
     tiny = sub.add_parser("make-tiny-model", help="write a small random-init model + character tokenizer to a folder")
     tiny.add_argument("path")

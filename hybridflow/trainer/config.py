@@ -1,0 +1,418 @@
+"""Typed configuration: one dataclass per section, veRL's dotted key names, validated at start-up.
+
+    hybridflow train data.train_files=~/data/gsm8k/train.parquet actor_rollout_ref.rollout.n=8 \\
+        algorithm.adv_estimator=grpo trainer.total_training_steps=100
+
+Defaults live in these dataclasses (``hybridflow/config/*.yaml`` files are presets merged on top). Unknown keys fail
+with the closest valid key; inconsistent batch sizes fail with the numbers to change — before any worker starts.
+
+Batch-size semantics (as in veRL):
+  * ``data.train_batch_size``: prompts per training step; the step trains on ``train_batch_size * rollout.n`` responses.
+  * ``actor.ppo_mini_batch_size``: prompts per optimizer step (so ``ppo_mini_batch_size * rollout.n`` responses);
+    one training step makes ``train_batch_size / ppo_mini_batch_size * ppo_epochs`` optimizer steps.
+  * ``*_micro_batch_size_per_gpu``: rows per forward/backward on one rank (gradient accumulation inside a mini-batch),
+    or, with ``use_dynamic_bsz``, a token budget ``ppo_max_token_len_per_gpu`` per micro-batch instead.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message says which key and what to change."""
+
+
+# ----------------------------------------------------------------------------------------------------- sections
+@dataclass
+class DataConfig:
+    train_files: Any = None  # path or list of paths (parquet / jsonl); None = the built-in task
+    val_files: Any = None
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 32
+    val_batch_size: int | None = None  # None: the whole validation set in one batch
+    val_max_samples: int = -1  # -1: all
+    filter_overlong_prompts: bool = True
+    truncation: str = "error"  # error | left | right
+    shuffle: bool = True
+    seed: int = 1
+    reward_fn_key: str = "data_source"
+    apply_chat_template_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # None = the shipped base model of the built-in task
+    enable_gradient_checkpointing: bool = False
+    use_remove_padding: bool = True
+
+
+@dataclass
+class OptimSection:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.0
+    lr_scheduler_type: str = "constant"  # constant | cosine
+    warmup_style: str | None = None  # veRL's older name for lr_scheduler_type
+    min_lr_ratio: float = 0.0
+    total_training_steps: int = -1  # filled in by the trainer
+
+
+@dataclass
+class FSDPSection:
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    fsdp_size: int = -1
+    param_dtype: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights)
+
+
+@dataclass
+class PolicyLossSection:
+    loss_mode: str = "vanilla"  # vanilla (= ppo) | gspo | cispo | reinforce | any registered name
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "fsdp2"
+    ppo_mini_batch_size: int = 16  # prompts
+    ppo_micro_batch_size_per_gpu: int = 8  # responses
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None  # None: clip_ratio
+    clip_ratio_high: float | None = None  # None: clip_ratio (DAPO clip-higher: e.g. 0.28)
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    policy_loss: PolicyLossSection = field(default_factory=PolicyLossSection)
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    grad_clip: float = 1.0
+    recompute_old_log_prob: str = "auto"  # auto: skip the pass when the update is exactly on-policy | always
+    optim: OptimSection = field(default_factory=OptimSection)
+    fsdp_config: FSDPSection = field(default_factory=FSDPSection)
+
+
+@dataclass
+class ValKwargs:
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    n: int = 1
+    do_sample: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "native"  # native | hf | vllm
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    n: int = 1
+    do_sample: bool = True
+    dtype: str = "fp32"  # fp32 | bf16
+    log_prob_micro_batch_size_per_gpu: int = 16
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    stop_token_ids: list = field(default_factory=list)
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    engine_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 16
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_gpu: int = 16384
+    fsdp_config: FSDPSection = field(default_factory=FSDPSection)
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+@dataclass
+class CriticConfig:
+    enable: bool | None = None  # None: on when the advantage estimator needs values (gae)
+    model: ModelConfig = field(default_factory=ModelConfig)  # path None: the actor's model path
+    optim: OptimSection = field(default_factory=lambda: OptimSection(lr=1e-5))
+    ppo_mini_batch_size: int | None = None  # None: the actor's
+    ppo_micro_batch_size_per_gpu: int = 8
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    ppo_epochs: int | None = None  # None: the actor's
+    shuffle: bool = False
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    grad_clip: float = 1.0
+    fsdp_config: FSDPSection = field(default_factory=FSDPSection)
+
+
+@dataclass
+class OverlongBuffer:
+    enable: bool = False
+    len: int = 16
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = False
+    model: ModelConfig = field(default_factory=ModelConfig)
+    micro_batch_size_per_gpu: int = 16
+    weight: float = 1.0  # rm score weight when combined with rule scores
+    reward_manager: str = "naive"
+    overlong_buffer: OverlongBuffer = field(default_factory=OverlongBuffer)
+    # rule-scoring workers
+    num_workers: int = 2
+    timeout_s: float = 10.0
+    failure_score: float = 0.0
+    max_failure_fraction: float = 0.5
+
+
+@dataclass
+class CustomRewardConfig:
+    path: str | None = None
+    name: str = "compute_score"
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = False  # DAPO dynamic sampling
+    metric: str = "score"  # score | acc | seq_reward
+    max_num_gen_batches: int = 4  # 0 = unlimited
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "hybridflow"
+    experiment_name: str = "run"
+    total_epochs: int = 1
+    total_training_steps: int | None = None
+    logger: list = field(default_factory=lambda: ["console", "jsonl"])
+    nnodes: int = 1
+    n_gpus_per_node: int = 1  # ranks per node (processes); on CPU each rank is one process
+    device: str = "auto"  # auto | cpu | cuda
+    backend: str = "ray"  # ray | local (single process, for debugging)
+    placement: str = "colocate"  # colocate: every role shares the same processes | split: critic/rm apart
+    num_threads_per_worker: int | None = None  # torch threads per rank; None: cores / ranks
+    ray_address: str | None = None  # None: start a local cluster
+    seed: int = 1
+    critic_warmup: int = 0
+    save_freq: int = -1
+    test_freq: int = -1
+    val_before_train: bool = True
+    val_only: bool = False
+    default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    resume_mode: str = "auto"  # auto | disable | <checkpoint path>
+    max_ckpt_to_keep: int | None = 2
+    max_restarts: int = 0
+    call_timeout_s: float = 1800.0
+    log_samples_freq: int = 10
+    progress_bar: bool = True
+    balance_batch: bool = True
+    max_consecutive_nonfinite: int = 3
+
+
+@dataclass
+class HybridFlowConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# ----------------------------------------------------------------------------------------------------- loading
+def _all_keys(node: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for k in node:
+        full = f"{prefix}{k}"
+        keys.append(full)
+        v = node[k] if OmegaConf.is_config(node) else None
+        if OmegaConf.is_dict(v):
+            keys += _all_keys(v, full + ".")
+    return keys
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form key=value (e.g. actor_rollout_ref.rollout.n=8)")
+    key, raw = item.split("=", 1)
+    key = key.strip().lstrip("+")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def load_config(overrides: list[str] | None = None, preset: str | None = None, validate: bool = True) -> HybridFlowConfig:
+    """Defaults <- optional YAML preset file <- dotted command-line overrides; then validated."""
+    base = OmegaConf.structured(HybridFlowConfig)
+    known = set(_all_keys(base))
+    layers = []
+    if preset:
+        if not os.path.exists(preset):
+            raise ConfigError(f"config file {preset} does not exist")
+        with open(preset) as f:
+            layers.append(OmegaConf.create(yaml.safe_load(f) or {}))
+    for item in overrides or []:
+        key, value = _parse_override(item)
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.5)
+            hint = f" Did you mean {' or '.join(close)}?" if close else ""
+            raise ConfigError(f"unknown config key {key!r}.{hint} (run `hybridflow train --print-config` for all keys)")
+        layer = OmegaConf.create()
+        OmegaConf.update(layer, key, value, force_add=True)
+        layers.append(layer)
+    try:
+        merged = OmegaConf.merge(base, *layers)
+        cfg = OmegaConf.to_object(merged)
+    except (ConfigKeyError, ConfigAttributeError) as e:
+        raise ConfigError(f"unknown config key: {e}") from None
+    except ValidationError as e:
+        raise ConfigError(f"invalid config value: {e}") from None
+    if validate:
+        validate_config(cfg)
+    return cfg
+
+
+def to_dict(cfg: HybridFlowConfig) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+# ----------------------------------------------------------------------------------------------------- validation
+def validate_config(cfg: HybridFlowConfig) -> None:
+    """Fail before any worker starts, with the numbers to change."""
+    from hybridflow.algorithms import available_advantage_estimators, available_policy_losses
+
+    errors: list[str] = []
+    d, arr, t, alg = cfg.data, cfg.actor_rollout_ref, cfg.trainer, cfg.algorithm
+    actor, rollout = arr.actor, arr.rollout
+    n = rollout.n
+    world = t.nnodes * t.n_gpus_per_node
+    if alg.adv_estimator not in available_advantage_estimators():
+        errors.append(
+            f"algorithm.adv_estimator={alg.adv_estimator!r} is unknown; choose one of {available_advantage_estimators()}"
+        )
+    loss_mode = resolve_policy_loss_name(actor.policy_loss.loss_mode)
+    if loss_mode not in available_policy_losses():
+        errors.append(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={actor.policy_loss.loss_mode!r} is unknown; "
+            f"choose one of {['vanilla', *available_policy_losses()]}"
+        )
+    if t.backend not in ("ray", "local"):
+        errors.append(f"trainer.backend={t.backend!r}: choose 'ray' or 'local'")
+    if t.backend == "local" and world != 1:
+        errors.append(
+            f"trainer.backend=local runs one process, but trainer.nnodes*trainer.n_gpus_per_node = {world}; "
+            "set trainer.n_gpus_per_node=1 trainer.nnodes=1"
+        )
+    if t.placement not in ("colocate", "split"):
+        errors.append(f"trainer.placement={t.placement!r}: choose 'colocate' or 'split'")
+    if rollout.name not in ("native", "hf", "vllm"):
+        errors.append(f"actor_rollout_ref.rollout.name={rollout.name!r}: choose native, hf or vllm")
+    if n < 1:
+        errors.append(f"actor_rollout_ref.rollout.n={n} must be >= 1")
+    if d.truncation not in ("error", "left", "right"):
+        errors.append(f"data.truncation={d.truncation!r}: choose error, left or right")
+    if d.train_batch_size < 1 or actor.ppo_mini_batch_size < 1:
+        errors.append("data.train_batch_size and actor_rollout_ref.actor.ppo_mini_batch_size must be >= 1")
+    else:
+        if d.train_batch_size % actor.ppo_mini_batch_size:
+            errors.append(
+                f"data.train_batch_size={d.train_batch_size} prompts must be a multiple of "
+                f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} prompts "
+                "(each step is split into whole mini-batches); change one of them"
+            )
+        if actor.ppo_mini_batch_size > d.train_batch_size:
+            errors.append(
+                f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} is larger than "
+                f"data.train_batch_size={d.train_batch_size}"
+            )
+        mini_rows = actor.ppo_mini_batch_size * n
+        if world > 0 and mini_rows % world:
+            errors.append(
+                f"a mini-batch holds ppo_mini_batch_size*rollout.n = {actor.ppo_mini_batch_size}*{n} = {mini_rows} "
+                f"responses, which does not split evenly over {world} ranks (trainer.nnodes*trainer.n_gpus_per_node); "
+                "change ppo_mini_batch_size, rollout.n or the number of ranks"
+            )
+        elif not actor.use_dynamic_bsz and (mini_rows // max(world, 1)) % actor.ppo_micro_batch_size_per_gpu:
+            per_rank = mini_rows // max(world, 1)
+            errors.append(
+                f"each rank gets {per_rank} responses per mini-batch, which is not a multiple of "
+                f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu}; "
+                "pick a micro-batch size that divides it, or set actor_rollout_ref.actor.use_dynamic_bsz=true"
+            )
+    if d.max_prompt_length < 1 or d.max_response_length < 1:
+        errors.append("data.max_prompt_length and data.max_response_length must be >= 1")
+    if rollout.temperature <= 0 and rollout.do_sample:
+        errors.append("actor_rollout_ref.rollout.temperature must be > 0 when do_sample=true")
+    if alg.filter_groups.enable and n < 2:
+        errors.append("algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2 (groups of samples)")
+    if actor.recompute_old_log_prob not in ("auto", "always"):
+        errors.append("actor_rollout_ref.actor.recompute_old_log_prob: choose auto or always")
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def resolve_policy_loss_name(name: str) -> str:
+    """veRL calls the PPO clip loss 'vanilla'."""
+    return "ppo" if name == "vanilla" else name
+
+
+def check_resources(cfg: HybridFlowConfig, available_cpus: float, available_gpus: float) -> None:
+    """More ranks than devices is a configuration error, found before placement groups wait forever."""
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    if cfg.trainer.device == "cuda" and world > available_gpus:
+        raise ConfigError(
+            f"the run asks for {world} GPU ranks (trainer.nnodes*trainer.n_gpus_per_node) but the cluster has "
+            f"{available_gpus:g} GPUs; lower trainer.n_gpus_per_node"
+        )
+    if world > max(available_cpus, 1) * 4:
+        raise ConfigError(
+            f"the run asks for {world} ranks but the cluster has {available_cpus:g} CPUs; "
+            "lower trainer.n_gpus_per_node (on CPU, each rank is one process)"
+        )

@@ -1,0 +1,176 @@
+"""`hybridflow train`: build data, rewards and worker groups from the config, run the RL loop, survive worker deaths."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from hybridflow.trainer.config import HybridFlowConfig, check_resources, load_config, to_dict
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    run_dir: str
+    global_step: int
+    last_metrics: dict[str, float]
+    initial_val: dict[str, float]
+    restarts: int
+
+
+def resolve_defaults(cfg: HybridFlowConfig) -> HybridFlowConfig:
+    """Fill what the user left empty: the built-in task's data and base model, the critic switch, step counts."""
+    from hybridflow.algorithms import get_advantage_estimator
+    from hybridflow.data.builtin import builtin_base_model_path, ensure_builtin_task_files
+
+    if cfg.data.train_files is None or cfg.data.val_files is None:
+        train, val = ensure_builtin_task_files()
+        cfg.data.train_files = cfg.data.train_files or train
+        cfg.data.val_files = cfg.data.val_files or val
+    if cfg.actor_rollout_ref.model.path is None:
+        cfg.actor_rollout_ref.model.path = builtin_base_model_path()
+    path = os.path.expanduser(cfg.actor_rollout_ref.model.path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path!r} is not a folder; point it at a "
+            "Hugging Face model folder (config.json + weights + tokenizer), e.g. one written by "
+            "`hybridflow make-tiny-model DIR`"
+        )
+    cfg.actor_rollout_ref.model.path = path
+    if cfg.critic.enable is None:
+        cfg.critic.enable = bool(getattr(get_advantage_estimator(cfg.algorithm.adv_estimator), "needs_critic", False))
+    return cfg
+
+
+def _init_ray(cfg: HybridFlowConfig, roles_per_rank: int) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if cfg.trainer.ray_address:
+        ray.init(address=cfg.trainer.ray_address, include_dashboard=False)
+        return
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    # Logical CPUs: one per rank and role, so colocated and split placements both fit on a small machine.
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, world * roles_per_rank),
+        include_dashboard=False,
+        log_to_driver=True,
+        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+    )
+
+
+def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult:
+    """Everything `hybridflow train` does after parsing the command line."""
+    from transformers import AutoTokenizer
+
+    from hybridflow.data import RLDataLoader, RLDataset
+    from hybridflow.rewards import RewardManager, load_custom_reward_fn
+    from hybridflow.single_controller import WorkerGroupError
+    from hybridflow.trainer.placement import build_worker_groups
+    from hybridflow.trainer.progress import ProgressBar
+    from hybridflow.trainer.rl_trainer import RLTrainer
+    from hybridflow.trainer.samples import RolloutSampleWriter
+    from hybridflow.trainer.tracking import Tracking
+    from hybridflow.trainer.validation import Validator
+
+    cfg = resolve_defaults(cfg)
+    d, t = cfg.data, cfg.trainer
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
+    ds_kwargs = dict(
+        prompt_key=d.prompt_key,
+        max_prompt_length=d.max_prompt_length,
+        truncation=d.truncation,
+        filter_overlong_prompts=d.filter_overlong_prompts,
+        apply_chat_template_kwargs=dict(d.apply_chat_template_kwargs) or None,
+    )
+    train_ds = RLDataset(d.train_files, tokenizer, name="train", **ds_kwargs)
+    train_loader = RLDataLoader(train_ds, d.train_batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=True)
+    val_loader = None
+    if d.val_files:
+        val_ds = RLDataset(d.val_files, tokenizer, name="val", **ds_kwargs)
+        if d.val_max_samples > 0:
+            val_ds = val_ds.head(d.val_max_samples)
+        val_loader = RLDataLoader(val_ds, d.val_batch_size or len(val_ds), shuffle=False, drop_last=False)
+    steps_per_epoch = len(train_loader)
+    total_steps = t.total_training_steps or steps_per_epoch * t.total_epochs
+    cfg.actor_rollout_ref.actor.optim.total_training_steps = total_steps
+    cfg.critic.optim.total_training_steps = total_steps
+
+    custom = None
+    if cfg.custom_reward_function.path:
+        custom = load_custom_reward_fn(f"{cfg.custom_reward_function.path}:{cfg.custom_reward_function.name}")
+    rm = cfg.reward_model
+    reward_fn = RewardManager(
+        tokenizer, custom, num_workers=rm.num_workers, timeout_s=rm.timeout_s, failure_score=rm.failure_score,
+        max_failure_fraction=rm.max_failure_fraction, reward_fn_key=d.reward_fn_key,
+    )
+    need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+    roles = 1 + int(bool(cfg.critic.enable)) + int(rm.enable)
+    if t.backend == "ray":
+        import ray
+
+        _init_ray(cfg, roles)
+        res = ray.cluster_resources()
+        check_resources(cfg, res.get("CPU", 0), res.get("GPU", 0))
+
+    run_dir = t.default_local_dir
+    os.makedirs(run_dir, exist_ok=True)
+    tracker = Tracking(run_dir, list(t.logger), project=t.project_name, experiment=t.experiment_name, config=to_dict(cfg))
+    restarts, initial_val = 0, {}
+    try:
+        while True:
+            groups = build_worker_groups(cfg, need_ref=need_ref, need_critic=bool(cfg.critic.enable), need_rm=rm.enable)
+            try:
+                for group in groups.all():
+                    group.init_model()
+                validator = Validator(cfg, groups.actor_rollout, val_loader, reward_fn) if val_loader else None
+                bar = ProgressBar(total_steps, disable=not (progress and t.progress_bar))
+                trainer = RLTrainer(
+                    cfg, groups, train_loader, reward_fn, validator, tracker, tokenizer, progress=bar,
+                    sample_writer=RolloutSampleWriter(run_dir, every_n_steps=t.log_samples_freq),
+                )
+                resume_from = trainer.ckpt.resolve("auto" if restarts else t.resume_mode)
+                if resume_from:
+                    logger.warning("resuming from %s", resume_from)
+                    trainer.load_checkpoint(resume_from)
+                if validator is not None and trainer.global_step == 0 and t.val_before_train:
+                    initial_val = validator.run(0)
+                    tracker.log(initial_val, step=0)
+                    cfg.trainer.val_before_train = False  # logged once; fit() must not repeat it
+                last = trainer.fit(total_steps) if not t.val_only else initial_val
+                bar.close()
+                return TrainResult(run_dir, trainer.global_step, last, initial_val, restarts)
+            except WorkerGroupError as err:
+                if restarts >= t.max_restarts:
+                    raise
+                restarts += 1
+                logger.error("a worker failed (%s); restart %d/%d from the latest checkpoint", err, restarts,
+                             t.max_restarts)
+            finally:
+                groups.shutdown()
+    finally:
+        tracker.finish()
+        reward_fn.close()
+
+
+def train_main(overrides: list[str], preset: str | None = None) -> TrainResult:
+    cfg = load_config(overrides, preset=preset)
+    result = run_training(cfg)
+    _print_summary(result)
+    return result
+
+
+def _print_summary(result: TrainResult) -> None:
+    def acc(metrics: dict[str, Any]) -> dict[str, float]:
+        return {k: v for k, v in metrics.items() if k.startswith("val/") and k.endswith("mean@1")}
+
+    before, after = acc(result.initial_val), acc(result.last_metrics)
+    print(f"\nrun directory: {result.run_dir} (metrics.jsonl, samples.jsonl, checkpoints)")
+    for key in sorted(set(before) | set(after)):
+        b, a = before.get(key), after.get(key)
+        fmt = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+        print(f"held-out accuracy {key}: before {fmt(b)} -> after {fmt(a)}")

@@ -1,0 +1,330 @@
+"""The RL driver: one process writes the algorithm as a dataflow over worker groups.
+
+One training step (``RLTrainer.train_step``) is, line for line, the HybridFlow dataflow:
+
+    generate -> reward -> old log-probs -> ref log-probs -> values -> advantages -> update critic -> update actor
+    -> sync weights
+
+Every algorithm (PPO, GRPO, Dr.GRPO, RLOO, REINFORCE++, ReMax, DAPO, GSPO) is this same loop with different registered
+pieces chosen by config: the advantage estimator, the policy loss, KL in the reward or in the loss, the group filter.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow.algorithms import (
+    apply_kl_penalty,
+    filter_groups,
+    get_advantage_estimator,
+    get_kl_controller,
+    masked_mean,
+    overlong_reward_penalty,
+)
+from hybridflow.engines.mismatch import logprob_mismatch
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.balance import balance_batch
+from hybridflow.trainer.checkpoint import CheckpointManager
+from hybridflow.trainer.metrics import (
+    Timer,
+    compute_data_metrics,
+    compute_throughput_metrics,
+    compute_timing_metrics,
+)
+from hybridflow.trainer.placement import WorkerGroups
+from hybridflow.trainer.validation import Validator
+from hybridflow.workers.actor_rollout_ref import derive_seed
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteUpdateError(RuntimeError):
+    """Too many consecutive updates had a non-finite loss or gradient."""
+
+
+class RLTrainer:
+    def __init__(self, cfg: Any, groups: WorkerGroups, train_loader, reward_fn, validator: Validator | None,
+                 tracker, tokenizer, progress=None, sample_writer=None):
+        self.cfg = cfg
+        self.groups = groups
+        self.loader = train_loader
+        self.reward_fn = reward_fn
+        self.validator = validator
+        self.tracker = tracker
+        self.tokenizer = tokenizer
+        self.progress = progress
+        self.sample_writer = sample_writer
+        alg = cfg.algorithm
+        self.estimator = get_advantage_estimator(alg.adv_estimator)
+        self.kl_ctrl = get_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon)
+        self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_ckpt_to_keep)
+        self.global_step = 0
+        self.nonfinite_in_a_row = 0
+        actor = cfg.actor_rollout_ref.actor
+        # The update is exactly on-policy when one optimizer step consumes the whole batch once: the log-probs of
+        # the first forward in update_actor *are* the old log-probs, so the extra pass is skipped.
+        self.on_policy = (
+            actor.recompute_old_log_prob == "auto"
+            and actor.ppo_epochs == 1
+            and actor.ppo_mini_batch_size == cfg.data.train_batch_size
+            and not alg.use_kl_in_reward
+        )
+
+    # ------------------------------------------------------------------------------------------- one step
+    def train_step(self, prompts: DataProto) -> dict[str, float]:
+        cfg, g, timing, metrics = self.cfg, self.groups, {}, {}
+        step_start = time.perf_counter()
+        batch, gen_metrics = self.rollout_and_score(prompts, timing)  # times "generate" and "reward"
+        metrics.update(gen_metrics)
+        if cfg.trainer.balance_batch:
+            balance_batch(batch, g.actor_rollout.world_size)
+        batch.meta_info.update(self.step_meta())
+        if not self.on_policy:
+            with Timer("old_log_prob", timing):
+                batch = batch.union(g.actor_rollout.compute_log_prob(batch))
+            metrics.update(self.mismatch_metrics(batch))
+        if self.need_ref:
+            with Timer("ref", timing):
+                batch = batch.union(g.actor_rollout.compute_ref_log_prob(batch))
+        if g.critic is not None:
+            with Timer("values", timing):
+                batch = batch.union(g.critic.compute_values(batch))
+        with Timer("adv", timing):
+            metrics.update(self.compute_advantage(batch))
+        if g.critic is not None:
+            with Timer("update_critic", timing):
+                metrics.update(_mean_over_ranks(g.critic.update_critic(batch)))
+        if self.global_step >= cfg.trainer.critic_warmup:
+            with Timer("update_actor", timing):
+                metrics.update(_mean_over_ranks(g.actor_rollout.update_actor(batch)))
+            self.check_finite(metrics)
+            with Timer("sync_weights", timing):
+                g.actor_rollout.sync_rollout_weights()
+        timing["step"] = time.perf_counter() - step_start
+        num_tokens = int(batch.batch["attention_mask"].sum())
+        metrics.update(compute_data_metrics(batch, use_critic=g.critic is not None))
+        metrics.update(compute_timing_metrics(timing, num_tokens))
+        metrics.update(compute_throughput_metrics(timing, num_tokens, g.actor_rollout.world_size, None, None))
+        self.last_batch = batch
+        return metrics
+
+    # ------------------------------------------------------------------------------------------- stages
+    def step_meta(self) -> dict[str, Any]:
+        r = self.cfg.actor_rollout_ref.rollout
+        return {
+            "temperature": r.temperature,
+            "global_step": self.global_step,
+            "max_response_length": self.cfg.data.max_response_length,
+            "with_entropy": True,
+            "calculate_entropy": self.cfg.actor_rollout_ref.actor.entropy_coeff != 0,
+        }
+
+    def sampling_meta(self, *, greedy: bool = False, n: int | None = None, salt: int = 0) -> dict[str, Any]:
+        r = self.cfg.actor_rollout_ref.rollout
+        return {
+            "temperature": r.temperature,
+            "top_k": r.top_k,
+            "top_p": r.top_p,
+            "greedy": greedy or not r.do_sample,
+            "n": r.n if n is None else n,
+            "max_new_tokens": self.cfg.data.max_response_length,
+            "stop_token_ids": list(r.stop_token_ids),
+            "seed": derive_seed(self.cfg.trainer.seed, self.global_step, salt),
+        }
+
+    def rollout_and_score(self, prompts: DataProto, timing: dict) -> tuple[DataProto, dict]:
+        """Generate n responses per prompt and score them; with DAPO dynamic sampling, keep generating from fresh
+        prompts until the batch holds train_batch_size groups whose rewards are not all equal."""
+        fg = self.cfg.algorithm.filter_groups
+        kept: list[DataProto] = []
+        metrics: dict[str, float] = {}
+        target = self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n
+        for attempt in range(max(1, fg.max_num_gen_batches) if fg.enable else 1):
+            if attempt:
+                prompts = self.next_prompts()
+            batch = self.generate_and_score_once(prompts, salt=attempt, metrics=metrics, timing=timing)
+            if not fg.enable:
+                return batch, metrics
+            keep = filter_groups(batch.non_tensor_batch["uid"], batch.batch["token_level_scores"].sum(-1).numpy())
+            kept.append(batch[keep])
+            dropped = batch[~keep]
+            metrics[f"dapo/kept_groups_batch_{attempt}"] = float(keep.sum()) / self.cfg.actor_rollout_ref.rollout.n
+            if sum(len(b) for b in kept) >= target:
+                break
+        merged = DataProto.concat(kept) if kept else batch
+        metrics["dapo/num_gen_batches"] = float(len(kept))
+        if len(merged) < target:
+            # Not enough informative groups within the budget: train on what we have plus filtered-out groups.
+            logger.warning("dynamic sampling found %d/%d rows; topping up with filtered groups", len(merged), target)
+            filler = dropped[: target - len(merged)]  # whole groups: rows are in group order, n per group
+            merged = DataProto.concat([merged, filler]) if len(merged) else filler
+        return merged[:target], metrics
+
+    def generate_and_score_once(self, prompts: DataProto, *, salt: int, metrics: dict, timing: dict) -> DataProto:
+        g, n = self.groups, self.cfg.actor_rollout_ref.rollout.n
+        prompts.non_tensor_batch["uid"] = np.array(
+            [f"{self.global_step}-{salt}-{i}" for i in range(len(prompts))], dtype=object
+        )
+        gen_in = prompts.select(["input_ids", "attention_mask", "position_ids"], meta_keys=[])
+        gen_in.meta_info = self.sampling_meta(salt=salt)
+        with Timer("generate", timing):
+            gen = g.actor_rollout.generate_sequences(gen_in)
+        batch = prompts.select([], non_tensor_keys=list(prompts.non_tensor_batch)).repeat(n, interleave=True)
+        batch.union(DataProto(batch=gen.batch, non_tensor_batch={}, meta_info={}))
+        batch.batch["response_mask"] = batch.batch["response_mask"].float()
+        if self.estimator_needs_greedy_baseline:
+            with Timer("generate_baseline", timing):
+                batch.batch["reward_baselines"] = self.greedy_baseline(prompts, salt).repeat_interleave(n)
+        with Timer("reward", timing):
+            return self.score(batch, metrics)
+
+    def greedy_baseline(self, prompts: DataProto, salt: int) -> torch.Tensor:
+        """ReMax: the reward of the greedy response to each prompt, [B]."""
+        baseline_in = prompts.select(["input_ids", "attention_mask", "position_ids"], meta_keys=[])
+        baseline_in.meta_info = self.sampling_meta(greedy=True, n=1, salt=salt)
+        base = self.groups.actor_rollout.generate_sequences(baseline_in)
+        base.non_tensor_batch = dict(prompts.non_tensor_batch)
+        base.batch["response_mask"] = base.batch["response_mask"].float()
+        return self.score(base).batch["token_level_scores"].sum(-1)
+
+    def score(self, batch: DataProto, metrics: dict | None = None) -> DataProto:
+        """Rule scores (and reward-model scores) -> token_level_scores [B, R] with overlong shaping."""
+        if self.groups.reward_model is not None:
+            batch = batch.union(self.groups.reward_model.compute_rm_score(batch))
+        result = self.reward_fn(batch)
+        scores = result.token_level_scores
+        ob = self.cfg.reward_model.overlong_buffer
+        if ob.enable:
+            lengths = batch.batch["response_mask"].sum(-1)
+            penalty = overlong_reward_penalty(lengths, self.cfg.data.max_response_length, ob.len, ob.penalty_factor)
+            last = (lengths.long() - 1).clamp(min=0)
+            scores = scores.clone()
+            scores[torch.arange(len(scores)), last] += penalty.to(scores.dtype)
+        batch.batch["token_level_scores"] = scores
+        if metrics is not None:
+            metrics.update(result.metrics)
+            self.last_texts = result.responses_text
+        return batch
+
+    def compute_advantage(self, batch: DataProto) -> dict[str, float]:
+        alg, metrics = self.cfg.algorithm, {}
+        mask = batch.batch["response_mask"]
+        if alg.use_kl_in_reward:
+            rewards, kl_metrics = apply_kl_penalty(
+                batch.batch["token_level_scores"], batch.batch["old_log_probs"], batch.batch["ref_log_probs"],
+                mask, self.kl_ctrl.value, alg.kl_penalty,
+            )
+            current_kl = float(kl_metrics.get("actor/reward_kl_penalty", 0.0))
+            self.kl_ctrl.update(current_kl, n_steps=len(batch))
+            metrics.update(kl_metrics)
+        else:
+            rewards = batch.batch["token_level_scores"]
+        batch.batch["token_level_rewards"] = rewards
+        adv, ret = self.estimator(
+            rewards, mask, index=batch.non_tensor_batch["uid"], values=batch.batch.get("values"),
+            reward_baselines=batch.batch.get("reward_baselines"), gamma=alg.gamma, lam=alg.lam,
+            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+        )
+        batch.batch["advantages"], batch.batch["returns"] = adv, ret
+        if "ref_log_probs" in batch.batch and "old_log_probs" in batch.batch:
+            kl = batch.batch["old_log_probs"] - batch.batch["ref_log_probs"]
+            metrics["actor/kl_to_ref"] = float(masked_mean(kl, mask))
+        return metrics
+
+    def mismatch_metrics(self, batch: DataProto) -> dict[str, float]:
+        if "rollout_log_probs" not in batch.batch:
+            return {}
+        mm = logprob_mismatch(batch.batch["rollout_log_probs"], batch.batch["old_log_probs"], batch.batch["response_mask"])
+        return {f"rollout/{k.split('/')[-1]}_mismatch": v for k, v in mm.items()}
+
+    def check_finite(self, metrics: dict[str, float]) -> None:
+        skipped = metrics.get("actor/skipped_nonfinite", 0.0)
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped > 0 else 0
+        if self.nonfinite_in_a_row >= self.cfg.trainer.max_consecutive_nonfinite:
+            raise NonFiniteUpdateError(
+                f"{self.nonfinite_in_a_row} consecutive actor updates had a non-finite loss or gradient and were "
+                "skipped; lower actor_rollout_ref.actor.optim.lr, check the rewards for NaN/inf, or raise "
+                "trainer.max_consecutive_nonfinite"
+            )
+
+    @property
+    def need_ref(self) -> bool:
+        return self.cfg.algorithm.use_kl_in_reward or self.cfg.actor_rollout_ref.actor.use_kl_loss
+
+    @property
+    def estimator_needs_greedy_baseline(self) -> bool:
+        return bool(getattr(self.estimator, "needs_greedy_baseline", False))
+
+    def next_prompts(self) -> DataProto:
+        return next(self._batches)
+
+    # ------------------------------------------------------------------------------------------- the loop
+    def fit(self, total_steps: int) -> dict[str, float]:
+        """Train until `total_steps`, validating and checkpointing on schedule; returns the last metrics."""
+        t = self.cfg.trainer
+        self._batches = self.loader.iter_batches()
+        last: dict[str, float] = {}
+        if self.validator is not None and t.val_before_train and self.global_step == 0:
+            last = self.validator.run(self.global_step)
+            self.tracker.log(last, step=self.global_step)
+        while self.global_step < total_steps:
+            prompts = self.next_prompts()
+            metrics = self.train_step(prompts)
+            self.global_step += 1
+            metrics["training/global_step"] = self.global_step
+            metrics["training/epoch"] = float(self.loader.state_dict().get("epoch", 0))
+            is_last = self.global_step == total_steps
+            if self.validator is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or is_last):
+                metrics.update(self.validator.run(self.global_step))
+            if self.sample_writer is not None and getattr(self, "last_texts", None) is not None:
+                self.write_samples()
+            self.tracker.log(metrics, step=self.global_step)
+            if self.progress is not None:
+                self.progress.update(self.global_step, metrics)
+            if (t.save_freq > 0 and self.global_step % t.save_freq == 0) or (is_last and t.save_freq != 0):
+                self.save_checkpoint()
+            last = metrics
+        return last
+
+    def write_samples(self) -> None:
+        b = self.last_batch
+        prompts = [self.tokenizer.decode(p[m.bool()[: p.shape[0]]]) for p, m in zip(b.batch["prompts"], b.batch["attention_mask"])]
+        scores = b.batch["token_level_scores"].sum(-1).tolist()
+        gts = list(b.non_tensor_batch.get("ground_truth", [None] * len(b)))
+        self.sample_writer.maybe_write(self.global_step, prompts, list(self.last_texts)[: len(b)], scores, None, gts)
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self) -> str:
+        tmp = self.ckpt.staging_dir(self.global_step)
+        for group in (self.groups.actor_rollout, self.groups.critic):
+            if group is not None:
+                group.save_checkpoint(tmp)
+        state = {
+            "global_step": self.global_step,
+            "dataloader": self.loader.state_dict(),
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+        }
+        return self.ckpt.commit(tmp, self.global_step, state)
+
+    def load_checkpoint(self, path: str) -> None:
+        state = self.ckpt.read_trainer_state(path)
+        for group in (self.groups.actor_rollout, self.groups.critic):
+            if group is not None:
+                group.load_checkpoint(path)
+        self.loader.load_state_dict(state["dataloader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.global_step = int(state["global_step"])
+        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+
+
+def _mean_over_ranks(per_rank: list[dict[str, float]] | dict[str, float]) -> dict[str, float]:
+    if isinstance(per_rank, dict):
+        return per_rank
+    keys = per_rank[0].keys()
+    return {k: float(np.mean([m[k] for m in per_rank if k in m])) for k in keys}

@@ -1,0 +1,161 @@
+"""`hybridflow sft`: supervised fine-tuning with the RL training engine (FSDP2, token budgets), saved in HF format.
+
+    hybridflow sft data.train_files=sft.parquet model.path=BASE_DIR trainer.default_local_dir=OUT \\
+        optim.lr=1e-3 trainer.total_epochs=3 data.train_batch_size=64
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow.trainer.config import ConfigError
+
+
+@dataclass
+class SFTData:
+    train_files: Any = None
+    val_files: Any = None
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    max_length: int = 512
+    train_batch_size: int = 64
+    micro_batch_size_per_gpu: int = 16
+    seed: int = 1
+
+
+@dataclass
+class SFTModel:
+    path: str | None = None
+    param_dtype: str = "fp32"
+
+
+@dataclass
+class SFTOptim:
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.05
+    lr_scheduler_type: str = "cosine"
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class SFTTrainerSection:
+    total_epochs: int = 1
+    total_training_steps: int | None = None
+    default_local_dir: str = "outputs/sft"
+    nnodes: int = 1
+    n_gpus_per_node: int = 1
+    backend: str = "local"  # local | ray
+    num_threads_per_worker: int | None = None
+    logger: list = field(default_factory=lambda: ["console", "jsonl"])
+    log_freq: int = 10
+    seed: int = 1
+
+
+@dataclass
+class SFTConfig:
+    data: SFTData = field(default_factory=SFTData)
+    model: SFTModel = field(default_factory=SFTModel)
+    optim: SFTOptim = field(default_factory=SFTOptim)
+    trainer: SFTTrainerSection = field(default_factory=SFTTrainerSection)
+
+
+def load_sft_config(overrides: list[str]) -> SFTConfig:
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    from hybridflow.trainer.config import _all_keys, _parse_override
+
+    base = OmegaConf.structured(SFTConfig)
+    known = set(_all_keys(base))
+    layers = []
+    for item in overrides:
+        key, value = _parse_override(item)
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.5)
+            raise ConfigError(f"unknown SFT config key {key!r}." + (f" Did you mean {' or '.join(close)}?" if close else ""))
+        layer = OmegaConf.create()
+        OmegaConf.update(layer, key, value, force_add=True)
+        layers.append(layer)
+    cfg = OmegaConf.to_object(OmegaConf.merge(base, *layers))
+    if not cfg.data.train_files or not cfg.model.path:
+        raise ConfigError("hybridflow sft needs data.train_files=... and model.path=...")
+    return cfg
+
+
+def run_sft(cfg: SFTConfig) -> dict[str, Any]:
+    """Train, then write the final model (HF format) to trainer.default_local_dir/huggingface; returns a summary."""
+    from transformers import AutoTokenizer
+
+    from hybridflow.data.sft_dataset import SFTDataset
+    from hybridflow.single_controller import ClassWithInitArgs, ResourcePool, WorkerGroup
+    from hybridflow.trainer.progress import ProgressBar
+    from hybridflow.trainer.tracking import Tracking
+    from hybridflow.workers.sft import SFTWorker, make_sft_engine_config
+
+    d, t = cfg.data, cfg.trainer
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    train = SFTDataset(d.train_files, tokenizer, prompt_key=d.prompt_key, response_key=d.response_key,
+                       max_length=d.max_length)
+    world = t.nnodes * t.n_gpus_per_node
+    if d.train_batch_size % world or (d.train_batch_size // world) % d.micro_batch_size_per_gpu:
+        raise ConfigError(
+            f"data.train_batch_size={d.train_batch_size} must split into {world} ranks x whole micro-batches of "
+            f"data.micro_batch_size_per_gpu={d.micro_batch_size_per_gpu}"
+        )
+    steps_per_epoch = len(train) // d.train_batch_size
+    if steps_per_epoch == 0:
+        raise ConfigError(f"data.train_batch_size={d.train_batch_size} is larger than the dataset ({len(train)} rows)")
+    total = t.total_training_steps or steps_per_epoch * t.total_epochs
+    engine_cfg = make_sft_engine_config(cfg.model.path, cfg.optim, d.micro_batch_size_per_gpu, t.seed,
+                                        cfg.model.param_dtype, total)
+    pool = None
+    if t.backend == "ray":
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(num_cpus=max(os.cpu_count() or 1, world), include_dashboard=False)
+        pool = ResourcePool(process_on_nodes=[t.n_gpus_per_node] * t.nnodes, use_gpu=False, num_cpus_per_process=1)
+    threads = t.num_threads_per_worker or max(1, (os.cpu_count() or 1) // world)
+    wg = WorkerGroup(resource_pool=pool, cls_with_init=ClassWithInitArgs(SFTWorker, engine_cfg), name_prefix="sft",
+                     backend=t.backend, num_threads=threads)
+    os.makedirs(t.default_local_dir, exist_ok=True)
+    tracker = Tracking(t.default_local_dir, list(t.logger), project="hybridflow-sft", experiment="sft")
+    bar = ProgressBar(total, headline_keys=["train/nll"])
+    rng = np.random.default_rng(d.seed)
+    try:
+        wg.init_model()
+        step, order = 0, np.array([], dtype=np.int64)
+        while step < total:
+            if len(order) < d.train_batch_size:
+                order = rng.permutation(len(train))
+            idx, order = order[: d.train_batch_size], order[d.train_batch_size:]
+            per_rank = wg.train_batch(train.collate(idx))
+            per_rank = per_rank if isinstance(per_rank, list) else [per_rank]
+            step += 1
+            metrics = {f"train/{k}": float(np.mean([m[k] for m in per_rank])) for k in per_rank[0]}
+            if step % t.log_freq == 0 or step == total:
+                tracker.log(metrics, step=step)
+            bar.update(step, metrics)
+        out = os.path.join(t.default_local_dir, "huggingface")
+        wg.save_hf_model(out)
+    finally:
+        bar.close()
+        tracker.finish()
+        wg.shutdown()
+    return {"model_dir": out, "steps": total, "final_nll": metrics.get("train/nll", math.nan)}
+
+
+def sft_main(overrides: list[str]) -> dict[str, Any]:
+    torch.manual_seed(0)
+    summary = run_sft(load_sft_config(overrides))
+    print(f"SFT finished after {summary['steps']} steps (nll {summary['final_nll']:.4f}); model: {summary['model_dir']}")
+    return summary

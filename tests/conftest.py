@@ -1,0 +1,31 @@
+"""Shared fixtures: one local Ray cluster per test session (ray.init costs seconds), tiny models on disk."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Workers are told how many torch threads to use; keep the driver (pytest) from oversubscribing 2 cores.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray cluster shared by every test of the session (dashboard off)."""
+    import ray
+
+    if not ray.is_initialized():
+        # Logical CPUs are accounting only: 8 lets several small groups coexist on a 2-core machine.
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True, namespace="hybridflow-tests")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory) -> str:
+    """A ~0.14M-parameter random-init Qwen2 + character tokenizer, written once per session."""
+    from hybridflow.engines.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), spec="unit", seed=0)
