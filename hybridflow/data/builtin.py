@@ -2,7 +2,7 @@
 
 The data is generated on first use (deterministic, a few seconds) into ``$HYBRIDFLOW_CACHE`` (default
 ``~/.cache/hybridflow``). The base policy ships inside the package (``hybridflow/assets/arithmetic_base``); the exact
-command that regenerates it is ``python -m hybridflow.data.make_base_model`` (see that module).
+command that regenerates it is ``python -m hybridflow.trainer.make_base_model`` (see that module).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def builtin_base_model_path() -> str:
     path = os.path.join(ASSETS, "arithmetic_base")
     if not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(
-            f"the shipped base model is missing at {path}; regenerate it with `python -m hybridflow.data.make_base_model`"
+            f"the shipped base model is missing at {path}; regenerate it with `python -m hybridflow.trainer.make_base_model`"
             " or pass actor_rollout_ref.model.path=<a model folder>"
         )
     return path

@@ -43,9 +43,8 @@ class SFTDataset:
                 raise DataConfigError(f"{where}: {response_key!r} must be a non-empty string")
             if isinstance(prompt, str):
                 prompt = [{"role": "user", "content": prompt}]
-            prompt_ids = list(tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True))
-            if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "keys"):
-                prompt_ids = list(prompt_ids["input_ids"])
+            text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+            prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             if len(prompt_ids) + len(response_ids) > max_length:
                 self.num_truncated += 1

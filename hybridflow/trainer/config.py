@@ -246,6 +246,7 @@ class TrainerConfig:
     resume_mode: str = "auto"  # auto | disable | <checkpoint path>
     max_ckpt_to_keep: int | None = 2
     max_restarts: int = 0
+    fault_injection: str | None = None  # tests: "method:rank:step" kills that worker once (see workers/fault.py)
     call_timeout_s: float = 1800.0
     log_samples_freq: int = 10
     progress_bar: bool = True

@@ -70,6 +70,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     from hybridflow.data import RLDataLoader, RLDataset
     from hybridflow.rewards import RewardManager, load_custom_reward_fn
     from hybridflow.single_controller import WorkerGroupError
+    from hybridflow.trainer.metrics import measure_peak_flops
     from hybridflow.trainer.placement import build_worker_groups
     from hybridflow.trainer.progress import ProgressBar
     from hybridflow.trainer.rl_trainer import RLTrainer
@@ -121,6 +122,10 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     os.makedirs(run_dir, exist_ok=True)
     tracker = Tracking(run_dir, list(t.logger), project=t.project_name, experiment=t.experiment_name, config=to_dict(cfg))
     restarts, initial_val = 0, {}
+    # The driver's matmul peak with all of this node's cores stands for one node; MFU divides by it per node.
+    peak_flops = None
+    if t.device != "cuda":
+        peak_flops = measure_peak_flops(dtype=_dtype(cfg.actor_rollout_ref.actor.fsdp_config.param_dtype)) * t.nnodes
     try:
         while True:
             groups = build_worker_groups(cfg, need_ref=need_ref, need_critic=bool(cfg.critic.enable), need_rm=rm.enable)
@@ -132,11 +137,14 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
                 trainer = RLTrainer(
                     cfg, groups, train_loader, reward_fn, validator, tracker, tokenizer, progress=bar,
                     sample_writer=RolloutSampleWriter(run_dir, every_n_steps=t.log_samples_freq),
+                    num_params=count_parameters(cfg.actor_rollout_ref.model.path), peak_flops=peak_flops,
                 )
                 resume_from = trainer.ckpt.resolve("auto" if restarts else t.resume_mode)
                 if resume_from:
                     logger.warning("resuming from %s", resume_from)
                     trainer.load_checkpoint(resume_from)
+                    tracker.rewind(trainer.global_step)  # drop rows logged after the checkpoint by a crashed run
+                    bar.start_at(trainer.global_step)
                 if validator is not None and trainer.global_step == 0 and t.val_before_train:
                     initial_val = validator.run(0)
                     tracker.log(initial_val, step=0)
@@ -155,6 +163,29 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     finally:
         tracker.finish()
         reward_fn.close()
+
+
+def _dtype(name: str):
+    import torch
+
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def count_parameters(model_path: str) -> int:
+    """Parameters of a safetensors checkpoint, read from the file headers (no weights loaded)."""
+    import glob
+
+    from safetensors import safe_open
+
+    total = 0
+    for path in glob.glob(os.path.join(model_path, "*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                n = 1
+                for d in f.get_slice(name).get_shape():
+                    n *= int(d)
+                total += n
+    return total
 
 
 def train_main(overrides: list[str], preset: str | None = None) -> TrainResult:

@@ -35,6 +35,8 @@ from hybridflow.trainer.metrics import (
     compute_data_metrics,
     compute_throughput_metrics,
     compute_timing_metrics,
+    dense_transformer_flops,
+    reduce_metrics,
 )
 from hybridflow.trainer.placement import WorkerGroups
 from hybridflow.trainer.validation import Validator
@@ -49,7 +51,8 @@ class NonFiniteUpdateError(RuntimeError):
 
 class RLTrainer:
     def __init__(self, cfg: Any, groups: WorkerGroups, train_loader, reward_fn, validator: Validator | None,
-                 tracker, tokenizer, progress=None, sample_writer=None):
+                 tracker, tokenizer, progress=None, sample_writer=None, num_params: int | None = None,
+                 peak_flops: float | None = None):
         self.cfg = cfg
         self.groups = groups
         self.loader = train_loader
@@ -59,6 +62,8 @@ class RLTrainer:
         self.tokenizer = tokenizer
         self.progress = progress
         self.sample_writer = sample_writer
+        self.num_params = num_params
+        self.peak_flops = peak_flops
         alg = cfg.algorithm
         self.estimator = get_advantage_estimator(alg.adv_estimator)
         self.kl_ctrl = get_kl_controller(alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon)
@@ -109,7 +114,13 @@ class RLTrainer:
         num_tokens = int(batch.batch["attention_mask"].sum())
         metrics.update(compute_data_metrics(batch, use_critic=g.critic is not None))
         metrics.update(compute_timing_metrics(timing, num_tokens))
-        metrics.update(compute_throughput_metrics(timing, num_tokens, g.actor_rollout.world_size, None, None))
+        flops = None
+        if self.num_params:  # forward+backward of the update plus the forward passes this step actually ran
+            passes = 1 + int(not self.on_policy) + int(self.need_ref)
+            flops = dense_transformer_flops(self.num_params, num_tokens, training=True) * (3 + passes) / 3
+        metrics.update(
+            compute_throughput_metrics(timing, num_tokens, g.actor_rollout.world_size, flops, self.peak_flops)
+        )
         self.last_batch = batch
         return metrics
 
@@ -118,7 +129,7 @@ class RLTrainer:
         r = self.cfg.actor_rollout_ref.rollout
         return {
             "temperature": r.temperature,
-            "global_step": self.global_step,
+            "global_step": self.global_step + 1,  # the step being computed, as in the metrics rows
             "max_response_length": self.cfg.data.max_response_length,
             "with_entropy": True,
             "calculate_entropy": self.cfg.actor_rollout_ref.actor.entropy_coeff != 0,
@@ -324,7 +335,4 @@ class RLTrainer:
 
 
 def _mean_over_ranks(per_rank: list[dict[str, float]] | dict[str, float]) -> dict[str, float]:
-    if isinstance(per_rank, dict):
-        return per_rank
-    keys = per_rank[0].keys()
-    return {k: float(np.mean([m[k] for m in per_rank if k in m])) for k in keys}
+    return per_rank if isinstance(per_rank, dict) else reduce_metrics(per_rank)

@@ -24,6 +24,7 @@ from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Execute, Worker, register
 from hybridflow.workers.engine_config import engine_config, optim_config
+from hybridflow.workers.fault import maybe_inject_fault
 from hybridflow.workers.rank_state import load_rank_state, save_rank_state
 
 VALID_ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref", "actor_ref")
@@ -140,6 +141,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """old_log_probs [B, R] (and entropys [B, R]) under the current actor, at the rollout temperature."""
+        self._fault_point("compute_log_prob", data)
         out = self.actor.compute_log_prob(
             data, temperature=data.meta_info["temperature"], calculate_entropy=data.meta_info.get("with_entropy", True)
         )
@@ -160,6 +162,7 @@ class ActorRolloutRefWorker(Worker):
         """PPO epochs over mini-batches of this rank's shard; one LR-schedule step per call."""
         actor = self.config.actor_rollout_ref.actor
         n = self.config.actor_rollout_ref.rollout.n
+        self._fault_point("update_actor", data)
         mini_rows = actor.ppo_mini_batch_size * n // self.world_size
         data.meta_info.setdefault("calculate_entropy", actor.entropy_coeff != 0)
         loss_fn = self._make_policy_loss_fn(data.meta_info)
@@ -175,6 +178,10 @@ class ActorRolloutRefWorker(Worker):
         out = {k: sum(v) / len(v) for k, v in metrics.items()}
         out["actor/lr"] = lr
         return out
+
+    def _fault_point(self, method: str, data: DataProto) -> None:
+        t = self.config.trainer
+        maybe_inject_fault(t.fault_injection, t.default_local_dir, method, self.rank, int(data.meta_info.get("global_step", -1)))
 
     def _make_policy_loss_fn(self, meta: dict):
         from hybridflow.trainer.config import resolve_policy_loss_name  # a pure helper; no trainer state
@@ -208,8 +215,7 @@ class ActorRolloutRefWorker(Worker):
             )
             loss = pg_loss
             metrics = {k: float(v) for k, v in pg_metrics.items()}
-            with torch.no_grad():  # an intensive (per-token) value for logging; the loss itself is a global share
-                metrics["pg_loss"] = float(pg_loss) * _share(counts, mask)
+            metrics["pg_loss"] = local_loss_value(pg_loss.detach(), counts, mask, actor.loss_agg_mode)
             if "entropy" in outputs:
                 entropy = agg_loss(outputs["entropy"], mask, actor.loss_agg_mode, **counts)
                 metrics["entropy"] = float(masked_mean(outputs["entropy"].detach(), mask))
@@ -246,8 +252,10 @@ class ActorRolloutRefWorker(Worker):
             self.rollout.update_weights(self.actor.named_full_parameters())
 
 
-def _share(counts: dict, mask: torch.Tensor) -> float:
-    """Factor that turns a micro-batch's share of a token-mean loss back into its own per-token mean."""
-    total = counts.get("global_num_tokens")
-    local = float(mask.sum())
-    return float(total) / local if total and local else 1.0
+def local_loss_value(loss: torch.Tensor, counts: dict, mask: torch.Tensor, loss_agg_mode: str) -> float:
+    """A micro-batch's share of the mini-batch loss, turned back into this micro-batch's own mean (for logging)."""
+    if loss_agg_mode == "token-mean":
+        total, local = counts.get("global_num_tokens"), float(mask.sum())
+    else:
+        total, local = counts.get("global_num_seqs"), float(mask.shape[0])
+    return float(loss) * (float(total) / local if total and local else 1.0)

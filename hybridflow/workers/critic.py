@@ -9,7 +9,7 @@ from hybridflow.algorithms import compute_value_loss
 from hybridflow.engines.fsdp_engine import FSDPEngine
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
-from hybridflow.workers.actor_rollout_ref import derive_seed
+from hybridflow.workers.actor_rollout_ref import derive_seed, local_loss_value
 from hybridflow.workers.engine_config import engine_config, optim_config
 from hybridflow.workers.rank_state import load_rank_state, save_rank_state
 
@@ -53,18 +53,19 @@ class CriticWorker(Worker):
         norm_length = data.meta_info.get("max_response_length")
 
         def loss_fn(micro: DataProto, outputs: dict):
-            loss, metrics = compute_value_loss(
-                outputs["values"],
-                micro.batch["values"],
-                micro.batch["returns"],
-                micro.batch["response_mask"].to(outputs["values"].dtype),
-                cliprange_value=critic.cliprange_value,
-                loss_agg_mode=critic.loss_agg_mode,
+            mask = micro.batch["response_mask"].to(outputs["values"].dtype)
+            counts = dict(
                 global_num_tokens=micro.meta_info.get("global_num_tokens"),
                 global_num_seqs=micro.meta_info.get("global_num_seqs"),
                 norm_length=norm_length,
             )
-            return loss, {k: float(v) for k, v in metrics.items()}
+            loss, metrics = compute_value_loss(
+                outputs["values"], micro.batch["values"], micro.batch["returns"], mask,
+                cliprange_value=critic.cliprange_value, loss_agg_mode=critic.loss_agg_mode, **counts,
+            )
+            metrics = {k: float(v) for k, v in metrics.items()}
+            metrics["vf_loss"] = local_loss_value(loss.detach(), counts, mask, critic.loss_agg_mode)
+            return loss, metrics
 
         step = int(data.meta_info.get("global_step", 0))
         metrics: dict[str, list[float]] = {}

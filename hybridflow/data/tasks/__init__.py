@@ -1,0 +1,1 @@
+"""Built-in tasks: generators that write prompt files in veRL's schema."""

@@ -1,0 +1,127 @@
+"""Which rule scorer handles which ``data_source``, and the veRL-compatible ``default_compute_score``.
+
+Every registered function has the custom-reward signature
+``fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict`` (a dict holds ``"score"`` plus any
+extra per-sample values to log). Add your own with ``register_scorer("my/source", fn)``; ``fn`` must be a module-level
+function (or a ``functools.partial`` of one) because scoring runs in worker processes that receive it by pickling.
+To change a built-in's options, re-register it, e.g.
+``register_scorer("hybridflow/arithmetic", functools.partial(arithmetic_score, format_score=0.1))``.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from hybridflow.rewards.scorers import arithmetic, code, countdown, gsm8k, math_answer
+
+__all__ = [
+    "RewardConfigError",
+    "ScorerTable",
+    "arithmetic_score",
+    "available_scorers",
+    "code_score",
+    "countdown_score",
+    "default_compute_score",
+    "gsm8k_score",
+    "math_score",
+    "register_scorer",
+    "unknown_data_source",
+]
+
+Scorer = Callable[..., Any]
+
+
+class RewardConfigError(ValueError):
+    """A reward function could not be found, loaded or used; the message says what to change."""
+
+
+def gsm8k_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    return gsm8k.compute_score(solution_str, ground_truth)
+
+
+def math_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    return math_answer.compute_score(solution_str, ground_truth)
+
+
+def countdown_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    return countdown.compute_score(solution_str, ground_truth)
+
+
+def arithmetic_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None, format_score: float = 0.0
+) -> float:
+    return arithmetic.compute_score(solution_str, ground_truth, format_score=format_score)
+
+
+def code_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> dict[str, float]:
+    return code.compute_score(solution_str, ground_truth)
+
+
+_SCORERS: dict[str, Scorer] = {}
+
+
+def register_scorer(data_sources: str | Iterable[str], fn: Scorer, *, overwrite: bool = True) -> None:
+    """Score rows whose data_source is one of `data_sources` with `fn` (custom-reward signature)."""
+    names = [data_sources] if isinstance(data_sources, str) else list(data_sources)
+    if not callable(fn):
+        raise RewardConfigError(f"register_scorer({names}): {fn!r} is not callable")
+    try:
+        pickle.dumps(fn)
+    except Exception as e:
+        raise RewardConfigError(
+            f"register_scorer({names}): {fn!r} cannot be pickled ({e}), so worker processes cannot receive it; "
+            "define it at module level (not a lambda or a nested function)"
+        ) from e
+    for name in names:
+        if name in _SCORERS and not overwrite:
+            raise RewardConfigError(f"a scorer for data_source {name!r} is registered already; pass overwrite=True")
+        _SCORERS[name] = fn
+
+
+def available_scorers() -> list[str]:
+    """The data_source names default_compute_score knows."""
+    return sorted(_SCORERS)
+
+
+register_scorer(["openai/gsm8k", "gsm8k"], gsm8k_score)
+register_scorer(
+    ["math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math500",
+     "EleutherAI/hendrycks_math"],
+    math_score,
+)
+register_scorer(["countdown", "Jiayi-Pan/Countdown-Tasks-3to4"], countdown_score)
+register_scorer(["hybridflow/arithmetic"], arithmetic_score)
+register_scorer(["code", "codecontests", "apps", "taco"], code_score)
+
+
+def unknown_data_source(data_source: str, known: Iterable[str]) -> RewardConfigError:
+    return RewardConfigError(
+        f"no reward function for data_source {data_source!r}; known: {sorted(known)}. Either write a function "
+        "fn(data_source, solution_str, ground_truth, extra_info=None) -> float and pass it as "
+        "reward.custom_reward_function='path/to/file.py:fn', or call "
+        "hybridflow.rewards.register_scorer(data_source, fn) before training"
+    )
+
+
+def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> Any:
+    """Score one response with the rule scorer registered for its data_source (veRL's signature)."""
+    fn = _SCORERS.get(data_source)
+    if fn is None:
+        raise unknown_data_source(data_source, _SCORERS)
+    return fn(data_source, solution_str, ground_truth, extra_info)
+
+
+class ScorerTable:
+    """A picklable snapshot of the registry: what worker processes use, so scorers registered at run time in the
+    driver are known there too (a worker imports this module fresh and would only see the built-ins)."""
+
+    def __init__(self, scorers: dict[str, Scorer] | None = None) -> None:
+        self.scorers = dict(_SCORERS if scorers is None else scorers)
+
+    def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> Any:
+        fn = self.scorers.get(data_source)
+        if fn is None:
+            raise unknown_data_source(data_source, self.scorers)
+        return fn(data_source, solution_str, ground_truth, extra_info)

@@ -1,0 +1,44 @@
+"""Reward functions used by the reward tests, loaded with load_custom_reward_fn (as a user's file would be)."""
+
+import math
+import os
+import time
+
+NOT_A_FUNCTION = 3
+
+
+def exact(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str.strip() == str(ground_truth))
+
+
+def misbehaving(data_source, solution_str, ground_truth, extra_info=None):
+    """Behaves as the ground truth says, so one batch can mix good and bad samples."""
+    if ground_truth == "raise":
+        raise KeyError("boom")
+    if ground_truth == "hang":
+        time.sleep(3600)
+    if ground_truth == "none":
+        return None
+    if ground_truth == "nan":
+        return math.nan
+    if ground_truth == "inf":
+        return -math.inf
+    if ground_truth == "string":
+        return "1.0"
+    if ground_truth == "tuple":
+        return (1.0, 0.5)
+    if ground_truth == "dict_without_score":
+        return {"acc": 1.0}
+    if ground_truth == "dict":
+        return {"score": 0.5, "acc": 1.0, "pred": solution_str[:3]}
+    if ground_truth == "exit":
+        os._exit(3)
+    return 1.0
+
+
+def wrong_signature(solution_str, ground_truth):
+    return 0.0
+
+
+def kwargs_only(**kwargs):
+    return float(kwargs["solution_str"] == kwargs["ground_truth"])

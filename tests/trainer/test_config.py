@@ -1,0 +1,75 @@
+"""Configuration: veRL key names, clear errors before any worker starts, and example scripts that stay valid."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from hybridflow.trainer.config import ConfigError, load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_verl_key_names_are_accepted():
+    cfg = load_config([
+        "data.train_files=a.parquet", "actor_rollout_ref.model.path=/m", "actor_rollout_ref.actor.optim.lr=3e-6",
+        "actor_rollout_ref.rollout.n=8", "algorithm.adv_estimator=rloo", "trainer.total_training_steps=7",
+        "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    ])
+    assert cfg.actor_rollout_ref.actor.optim.lr == 3e-6
+    assert cfg.actor_rollout_ref.rollout.n == 8
+    assert cfg.algorithm.adv_estimator == "rloo"
+    assert cfg.trainer.total_training_steps == 7
+
+
+def test_misspelled_key_names_the_closest_valid_one():
+    with pytest.raises(ConfigError) as e:
+        load_config(["actor_rollout_ref.rollout.temprature=0.7"])
+    assert "actor_rollout_ref.rollout.temperature" in str(e.value)
+
+
+def test_wrong_value_type_is_reported():
+    with pytest.raises(ConfigError, match="rollout.n"):
+        load_config(["actor_rollout_ref.rollout.n=many"])
+
+
+def test_unknown_estimator_lists_the_known_ones():
+    with pytest.raises(ConfigError) as e:
+        load_config(["algorithm.adv_estimator=grpoo"])
+    assert "grpo" in str(e.value) and "rloo" in str(e.value)
+
+
+def test_impossible_batch_sizes_say_which_numbers_to_change():
+    with pytest.raises(ConfigError) as e:
+        load_config(["data.train_batch_size=10", "actor_rollout_ref.actor.ppo_mini_batch_size=4"])
+    assert "data.train_batch_size=10" in str(e.value) and "ppo_mini_batch_size=4" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+                     "actor_rollout_ref.rollout.n=1", "trainer.n_gpus_per_node=2"])
+    assert "does not split evenly over 2 ranks" in str(e.value)
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(["actor_rollout_ref.rollout.n"])
+
+
+def test_cli_misspelled_override_fails_before_any_worker_starts():
+    out = subprocess.run([sys.executable, "-m", "hybridflow", "train", "trainer.total_trainig_steps=3"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "trainer.total_training_steps" in out.stderr
+    assert "ray" not in out.stderr.lower()  # no cluster was started
+
+
+@pytest.mark.parametrize("script", sorted(glob.glob(os.path.join(REPO, "examples", "*.sh"))), ids=os.path.basename)
+def test_example_scripts_hold_valid_overrides(script):
+    text = open(script).read()
+    args = shlex.split(text.split("hybridflow train", 1)[1].replace("\\\n", " ").split('"$@"')[0])
+    cfg = load_config(args)
+    assert cfg.trainer.experiment_name == os.path.basename(script)[:-3]

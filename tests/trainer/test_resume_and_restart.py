@@ -1,0 +1,112 @@
+"""Stopping and resuming changes nothing: metrics rows and final weights equal an uninterrupted run, bit for bit.
+
+Three ways to stop: a worker SIGKILLed mid-step (automatic restart from the latest checkpoint), the driver killed
+from outside (running the same command again resumes), and a crash in the middle of writing a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from e2e_helpers import tiny_run_overrides
+from safetensors.torch import load_file
+
+from hybridflow.trainer.config import load_config
+from hybridflow.trainer.export import export_checkpoint
+from hybridflow.trainer.main import run_training
+from hybridflow.trainer.metrics import without_timing
+
+STEPS = 3
+
+
+def _rows(run_dir: str) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    by_step = {r["step"]: without_timing(r) for r in rows}  # a resumed run may have re-logged a step
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _final_weights(run_dir: str, tmp) -> dict[str, torch.Tensor]:
+    out = export_checkpoint(run_dir, str(tmp / f"export-{os.path.basename(run_dir)}"))
+    return load_file(os.path.join(out, "model.safetensors"))
+
+
+def _assert_same_run(a: str, b: str, tmp) -> None:
+    ra, rb = _rows(a), _rows(b)
+    assert [r["step"] for r in ra] == list(range(1, STEPS + 1))
+    assert ra == rb
+    wa, wb = _final_weights(a, tmp), _final_weights(b, tmp)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def _overrides(files, model, run_dir, *extra):
+    return tiny_run_overrides(files, model, run_dir, f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1",
+                              "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", *extra)
+
+
+def test_worker_killed_mid_step_restarts_and_matches(ray_session, arithmetic_files, tiny_model_path, tmp_path):
+    ray_args = ("trainer.backend=ray", "trainer.n_gpus_per_node=2", "trainer.call_timeout_s=120")
+    straight = str(tmp_path / "straight")
+    run_training(load_config(_overrides(arithmetic_files, tiny_model_path, straight, *ray_args)), progress=False)
+    killed = str(tmp_path / "killed")
+    cfg = load_config(_overrides(arithmetic_files, tiny_model_path, killed, *ray_args, "trainer.max_restarts=1",
+                                 "trainer.fault_injection=update_actor:1:2"))
+    result = run_training(cfg, progress=False)
+    assert result.restarts == 1
+    assert os.path.exists(os.path.join(killed, ".fault_injected_update_actor_1_2"))
+    _assert_same_run(straight, killed, tmp_path)
+
+
+def _train_cmd(overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "hybridflow", "train", *overrides]
+
+
+def test_driver_killed_then_same_command_resumes(arithmetic_files, tiny_model_path, tmp_path):
+    local = ("trainer.backend=local",)
+    straight = str(tmp_path / "straight")
+    subprocess.run(_train_cmd(_overrides(arithmetic_files, tiny_model_path, straight, *local)), check=True,
+                   capture_output=True, timeout=600)
+    run_dir = str(tmp_path / "resumed")
+    cmd = _train_cmd(_overrides(arithmetic_files, tiny_model_path, run_dir, *local))
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    pointer = os.path.join(run_dir, "latest_checkpointed_iteration.txt")
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(pointer) and open(pointer).read().strip() == "1":
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the driver finished before it could be killed after step 1"
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "resuming from" in rerun.stderr
+    _assert_same_run(straight, run_dir, tmp_path)
+
+
+def test_crash_while_writing_checkpoint_keeps_previous(arithmetic_files, tiny_model_path, tmp_path):
+    from hybridflow.trainer.checkpoint import CheckpointManager
+
+    run_dir = str(tmp_path / "run")
+    cfg = load_config(_overrides(arithmetic_files, tiny_model_path, run_dir, "trainer.backend=local",
+                                 "trainer.total_training_steps=1"))
+    run_training(cfg, progress=False)
+    mgr = CheckpointManager(run_dir)
+    good = mgr.latest()
+    # A save of step 2 that died half way: files written into the staging folder, never committed.
+    tmp = mgr.staging_dir(2)
+    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+        f.write('{"global_step": 2, "dataloa')
+    assert mgr.latest() == good
+    assert mgr.resolve("auto") == good
+    # And a committed folder whose marker is missing (cut off after rename) is not taken either.
+    os.makedirs(os.path.join(run_dir, "global_step_5", "actor"))
+    assert mgr.latest() == good
