@@ -10,6 +10,22 @@ Batch layout (shared with the training engine and the workers):
     0 on padding). R is the longest response in the batch (at most max_new_tokens).
 Temperature semantics: logits / temperature, then top-k, then top-p; the training engine applies the same
 logits / temperature before its log-softmax, so the two sets of log-probs are comparable token by token.
+
+Log-prob convention (every backend): ``rollout_log_probs`` = log_softmax(logits / temperature) over the FULL
+vocabulary, gathered at the sampled token. top-k / top-p only restrict which tokens can be drawn; they do not
+renormalise the reported number (that is what the training engine can recompute). Greedy: temperature 1.
+top-p keeps the smallest set of most-likely tokens whose mass reaches top_p (the mass strictly above a token must be
+< top_p for it to stay), applied to the top-k-filtered distribution; at least one token is always kept.
+
+Stopping: a row ends at the first token in eos_token_ids (tokenizer + generation_config.json + model config, see
+layout.special_token_ids) or params.stop_token_ids; that token is part of the response (response_mask 1).
+
+Seeds: params.seed fixes the samples of a call. In the native engine sample j of prompt row i draws from its own
+random stream (seed, i, j, step), so it does not depend on the other rows (up to floating-point effects of batch
+shape); the hf engine seeds torch's generator once per call (reproducible, but batch-dependent). params.seed=None
+draws a fresh seed per call from the engine's own generator, seeded by the engine's ``seed`` argument.
+
+Non-tensor prompt columns are repeated n times (interleaved) into the output; meta_info is kept.
 """
 
 from __future__ import annotations

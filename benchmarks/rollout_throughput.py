@@ -1,0 +1,185 @@
+"""New tokens per second of the rollout engines on the ~21M-parameter "mid" model; prints one JSON document.
+
+    .venv/bin/python benchmarks/rollout_throughput.py                 # batch 1/16/64/256, fp32 and bf16, hf + native
+    .venv/bin/python benchmarks/rollout_throughput.py --quick         # batch 16/64 only, one repeat
+    .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,vllm
+
+Sampling at temperature 1 with the model's eos active: tokens/s counts the tokens actually generated (response_mask),
+and each configuration reports the best of --repeats runs after one warm-up call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hybridflow import device
+from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
+from hybridflow.engines.tiny import SIZES, write_tiny_model
+from hybridflow.protocol import DataProto
+
+
+def git_commit() -> str | None:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def make_prompts(tokenizer, batch: int, min_len: int, max_len: int, seed: int) -> DataProto:
+    """`batch` random printable-character prompts of min_len..max_len tokens, left-padded."""
+    g = torch.Generator().manual_seed(seed)
+    alphabet = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?"
+    texts = []
+    for _ in range(batch):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        texts.append("".join(alphabet[int(i)] for i in torch.randint(len(alphabet), (length,), generator=g)))
+    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left")
+    return DataProto.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+
+
+def measure(engine, prompts: DataProto, params: SamplingParams, repeats: int) -> dict:
+    best = None
+    for r in range(repeats):
+        device.synchronize()
+        start = time.perf_counter()
+        out = engine.generate(prompts, SamplingParams(**{**params.__dict__, "seed": r}))
+        device.synchronize()
+        seconds = time.perf_counter() - start
+        tokens = int(out.batch["response_mask"].sum())
+        if best is None or tokens / seconds > best["new_tokens_per_s"]:
+            best = {"seconds": round(seconds, 4), "new_tokens": tokens, "new_tokens_per_s": round(tokens / seconds, 1)}
+    return best
+
+
+def matmul_floor(size: str, dtype: str, batch: int, steps: int = 20) -> float:
+    """New tokens/s if a decode step cost only its weight matmuls (q/k/v/o, MLP, lm_head) at this batch size.
+
+    No engine can beat this on the same device and dtype; it shows how much of a step is the model itself.
+    """
+    spec = SIZES[size]
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    h, inter = spec.hidden_size, spec.intermediate_size or 4 * spec.hidden_size
+    kv = h // spec.num_heads * spec.num_kv_heads
+    shapes = [(h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter)] * spec.num_layers + [(spec.vocab_size, h)]
+    weights = [torch.randn(o, i, dtype=torch_dtype, device=device.current_device()) for o, i in shapes]
+    xs = {i: torch.randn(batch, i, dtype=torch_dtype, device=device.current_device()) for _, i in shapes}
+
+    def step():
+        for w in weights:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
+
+    step()
+    device.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    device.synchronize()
+    return round(batch * steps / (time.perf_counter() - start), 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", default="hf,native", help="comma-separated rollout engines (hf,native,vllm)")
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--batch-sizes", default="1,16,64,256")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", default="16,32", help="min,max prompt length in tokens")
+    parser.add_argument("--size", default="mid", choices=sorted(SIZES))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="batch 16 and 64, one repeat")
+    args = parser.parse_args()
+    if args.quick:
+        args.batch_sizes, args.repeats = "16,64", 1
+    backends = args.backends.split(",")
+    dtypes = args.dtypes.split(",")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    min_len, max_len = (int(x) for x in args.prompt_len.split(","))
+    device.set_num_threads(args.threads)
+
+    results, errors = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_tiny_model(os.path.join(tmp, args.size), args.size, seed=0)
+        for backend in backends:
+            for dtype in dtypes:
+                try:
+                    engine = create_rollout_engine(backend, path, dtype=dtype, num_threads=args.threads)
+                except (ImportError, ValueError) as err:
+                    errors[f"{backend}/{dtype}"] = str(err)
+                    continue
+                params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
+                engine.generate(make_prompts(engine.tokenizer, 4, min_len, max_len, seed=99), params)  # warm-up
+                for batch in batch_sizes:
+                    prompts = make_prompts(engine.tokenizer, batch, min_len, max_len, seed=batch)
+                    row = {"backend": backend, "dtype": dtype, "batch": batch}
+                    row.update(measure(engine, prompts, params, args.repeats))
+                    results.append(row)
+                    print(json.dumps(row), file=sys.stderr)
+                del engine
+
+    floors = [
+        {"dtype": dtype, "batch": batch, "matmul_floor_new_tokens_per_s": matmul_floor(args.size, dtype, batch)}
+        for dtype in dtypes
+        for batch in batch_sizes
+    ]
+    speedups = {}
+    for row in results:
+        if row["backend"] == "hf":
+            continue
+        ref = next((r for r in results if r["backend"] == "hf" and r["dtype"] == row["dtype"] and r["batch"] == row["batch"]), None)
+        if ref is not None:
+            speedups[f"{row['backend']}/{row['dtype']}/batch{row['batch']}_vs_hf"] = round(
+                row["new_tokens_per_s"] / ref["new_tokens_per_s"], 2
+            )
+        ref32 = next((r for r in results if r["backend"] == "hf" and r["dtype"] == "fp32" and r["batch"] == row["batch"]), None)
+        if ref32 is not None and row["dtype"] != "fp32":
+            speedups[f"{row['backend']}/{row['dtype']}/batch{row['batch']}_vs_hf_fp32"] = round(
+                row["new_tokens_per_s"] / ref32["new_tokens_per_s"], 2
+            )
+    import transformers
+
+    doc = {
+        "benchmark": "rollout_throughput",
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "device": device.device_name(),
+            "torch_threads": torch.get_num_threads(),
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        },
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
+        "git_commit": git_commit(),
+        "config": {
+            "size": args.size,
+            "backends": backends,
+            "dtypes": dtypes,
+            "batch_sizes": batch_sizes,
+            "new_tokens": args.new_tokens,
+            "prompt_len": [min_len, max_len],
+            "repeats": args.repeats,
+            "quick": args.quick,
+            "sampling": "temperature 1.0, eos active; new tokens counted from response_mask",
+        },
+        "results": results,
+        "speedups": speedups,
+        "matmul_floor": floors,
+        "errors": errors,
+    }
+    print(json.dumps(doc, indent=2))
+
+
+if __name__ == "__main__":
+    main()

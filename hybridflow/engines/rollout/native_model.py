@@ -1,0 +1,311 @@
+"""The decoder the native rollout runs: Qwen2 / Llama forward passes written for generation, on HF checkpoint weights.
+
+Same arithmetic as transformers' modeling_qwen2 / modeling_llama (RMSNorm in fp32, rotate-half rotary embeddings,
+grouped-query attention, SwiGLU MLP) so fp32 greedy decoding picks the same tokens. Differences are for speed:
+  * q/k/v projections are one fused matrix ``w_qkv`` and gate/up one ``w_gate_up``; incoming HF tensors are copied
+    into slices of them (``load``), so a weight update never rebuilds anything;
+  * the KV cache is pre-allocated ``[rows, kv_heads, max_len, head_dim]`` per layer and written in place;
+  * a decode step is 2-D ``[rows, hidden]`` end to end, and grouped-query attention runs without repeating K/V by
+    treating the query heads of one KV head as that head's query "positions".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["DecoderShape", "KVCache", "NativeDecoder"]
+
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama")
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The numbers of a checkpoint's config that the forward pass needs."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_config(cls, config) -> DecoderShape:
+        arch = getattr(config, "model_type", None)
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"the native rollout supports {list(SUPPORTED_ARCHITECTURES)} checkpoints, got model_type={arch!r}; "
+                "use the 'hf' rollout engine for other architectures"
+            )
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"native rollout: hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+        if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+            raise ValueError("native rollout: sliding-window attention layers are not supported; use the 'hf' engine")
+        num_heads = int(config.num_attention_heads)
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            arch=arch,
+            vocab_size=int(config.vocab_size),
+            hidden_size=int(config.hidden_size),
+            intermediate_size=int(config.intermediate_size),
+            num_layers=int(config.num_hidden_layers),
+            num_heads=num_heads,
+            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
+            head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // num_heads),
+            rms_norm_eps=float(config.rms_norm_eps),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=True if arch == "qwen2" else attention_bias,  # Qwen2 always has q/k/v biases
+            o_bias=False if arch == "qwen2" else attention_bias,
+            mlp_bias=False if arch == "qwen2" else bool(getattr(config, "mlp_bias", False)),
+        )
+
+
+def rotary_tables(config, head_dim: int, max_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_positions, head_dim] in fp32, computed exactly as transformers' rotary embedding does."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        scaling = 1.0
+    elif rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"native rollout: rope_type={rope_type!r} depends on the sequence length; use the 'hf' engine")
+    else:  # static scalings (linear, llama3, yarn, ...) come from transformers' own table
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    positions = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = positions[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(device), (emb.sin() * scaling).to(device)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class KVCache:
+    """Pre-allocated keys and values: per layer ``[rows, kv_heads, max_len, head_dim]``, written in place."""
+
+    def __init__(self, shape: DecoderShape, rows: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        size = (rows, shape.num_kv_heads, max_len, shape.head_dim)
+        self.keys = [torch.empty(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.values = [torch.empty(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+
+    def compact(self, keep: torch.Tensor, length: int) -> None:
+        """Move rows `keep` [m] to the front (first `length` positions only): finished rows leave the batch."""
+        m = keep.numel()
+        for cache in (*self.keys, *self.values):
+            cache[:m, :, :length] = cache[keep, :, :length]
+
+
+class NativeDecoder:
+    """Weights of one Qwen2/Llama checkpoint in fused, generation-friendly tensors, plus prefill and decode steps."""
+
+    def __init__(self, config, dtype: torch.dtype, device: torch.device, max_positions: int):
+        self.shape = s = DecoderShape.from_config(config)
+        self.dtype, self.device = dtype, device
+        self.q_size = s.num_heads * s.head_dim
+        self.kv_size = s.num_kv_heads * s.head_dim
+
+        def empty(*size: int) -> torch.Tensor:
+            return torch.zeros(size, dtype=dtype, device=device)
+
+        self.embed = empty(s.vocab_size, s.hidden_size)
+        self.norm = empty(s.hidden_size)
+        self.lm_head = self.embed if s.tie_word_embeddings else empty(s.vocab_size, s.hidden_size)
+        self.layers: list[dict[str, torch.Tensor | None]] = []
+        for _ in range(s.num_layers):
+            self.layers.append(
+                {
+                    "input_layernorm": empty(s.hidden_size),
+                    "post_attention_layernorm": empty(s.hidden_size),
+                    "w_qkv": empty(self.q_size + 2 * self.kv_size, s.hidden_size),
+                    "b_qkv": empty(self.q_size + 2 * self.kv_size) if s.qkv_bias else None,
+                    "w_o": empty(s.hidden_size, self.q_size),
+                    "b_o": empty(s.hidden_size) if s.o_bias else None,
+                    "w_gate_up": empty(2 * s.intermediate_size, s.hidden_size),
+                    "b_gate_up": empty(2 * s.intermediate_size) if s.mlp_bias else None,
+                    "w_down": empty(s.hidden_size, s.intermediate_size),
+                    "b_down": empty(s.hidden_size) if s.mlp_bias else None,
+                }
+            )
+        cos, sin = rotary_tables(config, s.head_dim, max_positions, device)
+        self.cos, self.sin = cos.to(dtype), sin.to(dtype)  # HF casts cos/sin to the activation dtype
+        self.max_positions = max_positions
+
+    # ------------------------------------------------------------------ weights
+    def expected_names(self) -> set[str]:
+        """The HF parameter names a full checkpoint of this shape must provide."""
+        s = self.shape
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not s.tie_word_embeddings:
+            names.add("lm_head.weight")
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                names.add(f"{p}self_attn.{proj}.weight")
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                names.add(f"{p}mlp.{proj}.weight")
+            if s.qkv_bias:
+                names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
+            if s.o_bias:
+                names.add(f"{p}self_attn.o_proj.bias")
+            if s.mlp_bias:
+                names |= {f"{p}mlp.{x}_proj.bias" for x in ("gate", "up", "down")}
+        return names
+
+    def _slot(self, name: str) -> torch.Tensor | None:
+        """The tensor (or slice of a fused tensor) that HF parameter `name` lives in; None for ignored buffers."""
+        if name == "model.embed_tokens.weight":
+            return self.embed
+        if name == "model.norm.weight":
+            return self.norm
+        if name == "lm_head.weight":
+            return self.lm_head  # the embedding itself when tied: an update carries equal values under both names
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        match = _LAYER_NAME.fullmatch(name)
+        if match is None or int(match.group(1)) >= self.shape.num_layers:
+            return self._unknown(name)
+        layer, rest = self.layers[int(match.group(1))], match.group(2)
+        kind = "w" if rest.endswith(".weight") else "b"
+        q, kv, inter = self.q_size, self.kv_size, self.shape.intermediate_size
+        slices = {
+            "self_attn.q_proj": ("qkv", 0, q),
+            "self_attn.k_proj": ("qkv", q, q + kv),
+            "self_attn.v_proj": ("qkv", q + kv, q + 2 * kv),
+            "self_attn.o_proj": ("o", None, None),
+            "mlp.gate_proj": ("gate_up", 0, inter),
+            "mlp.up_proj": ("gate_up", inter, 2 * inter),
+            "mlp.down_proj": ("down", None, None),
+        }
+        if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            return layer[rest.removesuffix(".weight")]
+        module = rest.rsplit(".", 1)[0]
+        if module not in slices:
+            return self._unknown(name)
+        fused, start, stop = slices[module]
+        target = layer[f"{kind}_{fused}"]
+        if target is None:
+            raise ValueError(f"native rollout: got {name!r} but this {self.shape.arch} config has no such bias")
+        return target if start is None else target[start:stop]
+
+    def _unknown(self, name: str):
+        raise KeyError(
+            f"native rollout: unknown parameter {name!r}; expected HF names such as 'model.layers.0.self_attn.q_proj"
+            ".weight' (strip wrapper prefixes like '_orig_mod.' or '_fsdp_wrapped_module.' before sending)"
+        )
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy one HF tensor into its place; returns False for buffers the decoder does not use."""
+        slot = self._slot(name)
+        if slot is None:
+            return False
+        if tuple(slot.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"native rollout: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(slot.shape)} "
+                "(is the update from a different model size?)"
+            )
+        slot.copy_(tensor.detach())
+        return True
+
+    # ------------------------------------------------------------------ forward
+    def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, layer["w_gate_up"], layer["b_gate_up"])
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer["w_down"], layer["b_down"])
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(_rms_norm(h, self.norm, self.shape.rms_norm_eps), self.lm_head).float()
+
+    def prefill(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache: KVCache, n: int
+    ) -> torch.Tensor:
+        """Run the unique prompts [B, P] once; write their K/V into cache rows i*n .. i*n+n-1 (positions 0..P-1).
+
+        Returns fp32 logits of the last prompt position [B, V].
+        """
+        s = self.shape
+        B, P = input_ids.shape
+        G = s.num_heads // s.num_kv_heads
+        key_valid = attention_mask.bool()
+        causal = torch.ones(P, P, dtype=torch.bool, device=input_ids.device).tril()
+        # A padding query attends to itself so that its (unused) output stays finite instead of NaN.
+        eye = torch.eye(P, dtype=torch.bool, device=input_ids.device)
+        mask = ((causal[None] & key_valid[:, None, :]) | eye[None])[:, None]  # [B, 1, P, P]
+        cos, sin = self.cos[position_ids][:, None], self.sin[position_ids][:, None]  # [B, 1, P, D]
+        x = F.embedding(input_ids, self.embed)
+        for li, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer["input_layernorm"], s.rms_norm_eps)
+            qkv = F.linear(h, layer["w_qkv"], layer["b_qkv"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = _rotate(q.view(B, P, s.num_heads, s.head_dim).transpose(1, 2), cos, sin)
+            k = _rotate(k.view(B, P, s.num_kv_heads, s.head_dim).transpose(1, 2), cos, sin)
+            v = v.view(B, P, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            cache.keys[li][: B * n, :, :P] = k.repeat_interleave(n, dim=0)
+            cache.values[li][: B * n, :, :P] = v.repeat_interleave(n, dim=0)
+            attn = F.scaled_dot_product_attention(
+                q, k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), attn_mask=mask, scale=s.head_dim**-0.5
+            )
+            attn = attn.transpose(1, 2).reshape(B, P, self.q_size)
+            x = x + F.linear(attn, layer["w_o"], layer["b_o"])
+            x = x + self._mlp(layer, _rms_norm(x, layer["post_attention_layernorm"], s.rms_norm_eps))
+        return self._logits(x[:, -1])
+
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, key_valid: torch.Tensor, column: int
+    ) -> torch.Tensor:
+        """One step for the first `rows` cache rows. tokens, positions [rows]; key_valid [rows, >column] bool.
+
+        Writes the new K/V at cache position `column` and returns fp32 logits [rows, V].
+        """
+        s = self.shape
+        rows = tokens.shape[0]
+        G = s.num_heads // s.num_kv_heads
+        length = column + 1
+        mask = key_valid[:rows, None, None, :length]  # [rows, 1, 1, length]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [rows, 1, D]
+        x = F.embedding(tokens, self.embed)
+        for li, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer["input_layernorm"], s.rms_norm_eps)
+            qkv = F.linear(h, layer["w_qkv"], layer["b_qkv"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = _rotate(q.view(rows, s.num_heads, s.head_dim), cos, sin)
+            k = _rotate(k.view(rows, s.num_kv_heads, s.head_dim), cos, sin)
+            keys, values = cache.keys[li], cache.values[li]
+            keys[:rows, :, column] = k
+            values[:rows, :, column] = v.view(rows, s.num_kv_heads, s.head_dim)
+            # the G query heads that share a KV head act as G query positions of that head: no K/V repeat needed
+            attn = F.scaled_dot_product_attention(
+                q.view(rows, s.num_kv_heads, G, s.head_dim),
+                keys[:rows, :, :length],
+                values[:rows, :, :length],
+                attn_mask=mask,
+                scale=s.head_dim**-0.5,
+            )
+            x = x + F.linear(attn.reshape(rows, self.q_size), layer["w_o"], layer["b_o"])
+            x = x + self._mlp(layer, _rms_norm(x, layer["post_attention_layernorm"], s.rms_norm_eps))
+        return self._logits(x)

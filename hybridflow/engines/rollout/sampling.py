@@ -1,0 +1,105 @@
+"""Token sampling for the native rollout: temperature, top-k, top-p, greedy, with per-row counter-based randomness.
+
+Randomness. Each running row carries a 32-bit key derived from (seed, prompt row, sample index); the uniform number
+used at decode step t is a hash of (key, t). A row's draws therefore depend only on its own key and step, never on
+how many other rows are in the batch or when they finished, and there is no Python loop over rows or generators.
+
+Sampling is inverse-CDF: draw u ~ U[0, 1), return the first token whose cumulative (filtered) probability exceeds
+u * total. Reported log-probs are always log_softmax(logits / temperature) over the full vocabulary, gathered at the
+chosen token (top-k / top-p restrict what can be drawn; they do not renormalise the reported number).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["row_keys", "sample_tokens", "uniform_from_keys"]
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer avalanche hash (xor-shift-multiply rounds) on int64 tensors holding values in [0, 2^32).
+
+    int64 multiplication wraps on overflow, and the low 32 bits of a wrapped product are the true ones, so masking
+    after each multiply gives exact uint32 arithmetic.
+    """
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def row_keys(seed: int, prompt_index: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
+    """Per-row random keys [rows] (int64 in [0, 2^32)) from a seed and each row's (prompt, sample) indices [rows]."""
+    base = _mix32(torch.full_like(prompt_index, int(seed) & _MASK32) ^ 0x9E3779B9)
+    h = _mix32(base ^ ((int(seed) >> 32) & _MASK32))
+    h = _mix32(h ^ prompt_index.long())
+    return _mix32(h ^ (sample_index.long() * 0x85EBCA6B & _MASK32))
+
+
+def uniform_from_keys(keys: torch.Tensor, step: int) -> torch.Tensor:
+    """U[0, 1) as float64 [rows] for decode step `step`, 53 random bits from two hash draws per row."""
+    h = _mix32(keys ^ _mix32(torch.full_like(keys, step)))
+    hi = _mix32(h ^ 0x68E31DA4) >> 5  # 27 bits
+    lo = _mix32(h ^ 0xB5297A4D) >> 6  # 26 bits
+    return (hi.double() * 67108864.0 + lo.double()) / 9007199254740992.0
+
+
+def _filter_sorted(probs_sorted: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Zero the sorted (descending) probabilities [rows, V] that top-k, then top-p, exclude."""
+    if top_k > 0 and top_k < probs_sorted.shape[-1]:
+        probs_sorted = probs_sorted.clone()
+        probs_sorted[:, top_k:] = 0
+    if top_p < 1.0:
+        total = probs_sorted.sum(-1, keepdim=True)
+        before = probs_sorted.cumsum(-1) - probs_sorted  # mass strictly above each token
+        # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+        probs_sorted = probs_sorted.masked_fill(before >= top_p * total, 0)
+        probs_sorted[:, 0] = probs_sorted[:, 0].clamp(min=torch.finfo(probs_sorted.dtype).tiny)
+    return probs_sorted
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index [rows] of the first position whose cumulative probability exceeds u * total; never a zero-prob one."""
+    cdf = probs.cumsum(-1)
+    x = (u * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    # u * total can round up to total: fall back to the last position with positive probability.
+    last_positive = (probs > 0).long().cumsum(-1).argmax(-1)
+    return torch.minimum(idx, last_positive)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    *,
+    greedy: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    keys: torch.Tensor | None,
+    step: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose one token per row. logits [rows, V] (any float dtype) -> (tokens [rows] int64, log_probs [rows] fp32).
+
+    Greedy: argmax, log-prob under the temperature-1 distribution. Sampling: temperature, then top-k, then top-p.
+    """
+    logits = logits.float()
+    if greedy:
+        tokens = logits.argmax(-1)
+        log_probs = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, log_probs
+    if keys is None:
+        raise ValueError("sampling needs per-row random keys; pass keys=row_keys(...)")
+    log_p = torch.log_softmax(logits / temperature, -1)
+    u = uniform_from_keys(keys, step)
+    probs = log_p.double().exp()
+    if (top_k > 0 and top_k < logits.shape[-1]) or top_p < 1.0:
+        probs_sorted, order = probs.sort(dim=-1, descending=True, stable=True)
+        pick = _inverse_cdf(_filter_sorted(probs_sorted, top_k, top_p), u)
+        tokens = order.gather(-1, pick[:, None]).squeeze(-1)
+    else:
+        tokens = _inverse_cdf(probs, u)
+    return tokens, log_p.gather(-1, tokens[:, None]).squeeze(-1)
