@@ -29,3 +29,11 @@ def tiny_model_path(tmp_path_factory) -> str:
     from hybridflow.engines.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), spec="unit", seed=0)
+
+
+@pytest.fixture(scope="session")
+def arithmetic_files(tmp_path_factory) -> tuple[str, str]:
+    from hybridflow.data.tasks.arithmetic import generate_arithmetic_task
+
+    return generate_arithmetic_task(tmp_path_factory.mktemp("arith"), num_train=128, num_val=16, seed=0,
+                                    max_operands=2)

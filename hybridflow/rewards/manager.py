@@ -192,7 +192,7 @@ class RewardManager:
         last = (mask.shape[1] - 1) - mask.flip(-1).long().argmax(-1)
         rows = torch.nonzero(has_tokens, as_tuple=True)[0]
         token_level[rows, last[rows]] = scores[rows]
-        metrics["reward/time_s"] = time.monotonic() - start
+        metrics["timing/reward_scoring"] = time.monotonic() - start
         return RewardResult(
             token_level_scores=token_level,
             scores=scores,

@@ -395,6 +395,13 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         errors.append("algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2 (groups of samples)")
     if actor.recompute_old_log_prob not in ("auto", "always"):
         errors.append("actor_rollout_ref.actor.recompute_old_log_prob: choose auto or always")
+    if t.fault_injection:
+        from hybridflow.workers.fault import parse_fault_spec  # a pure parser; no worker state
+
+        try:
+            parse_fault_spec(t.fault_injection)
+        except ValueError as e:
+            errors.append(str(e))
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 

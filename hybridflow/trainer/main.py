@@ -40,6 +40,10 @@ def resolve_defaults(cfg: HybridFlowConfig) -> HybridFlowConfig:
             "`hybridflow make-tiny-model DIR`"
         )
     cfg.actor_rollout_ref.model.path = path
+    if cfg.trainer.device == "auto":
+        from hybridflow.device import device_name
+
+        cfg.trainer.device = device_name()
     if cfg.critic.enable is None:
         cfg.critic.enable = bool(getattr(get_advantage_estimator(cfg.algorithm.adv_estimator), "needs_critic", False))
     return cfg
@@ -114,6 +118,8 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     if t.backend == "ray":
         import ray
 
+        if not t.ray_address and not ray.is_initialized():  # a local cluster: check against this machine
+            check_resources(cfg, os.cpu_count() or 1, _local_gpu_count())
         _init_ray(cfg, roles)
         res = ray.cluster_resources()
         check_resources(cfg, res.get("CPU", 0), res.get("GPU", 0))
@@ -143,6 +149,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
                 if resume_from:
                     logger.warning("resuming from %s", resume_from)
                     trainer.load_checkpoint(resume_from)
+                if resume_from or restarts:
                     tracker.rewind(trainer.global_step)  # drop rows logged after the checkpoint by a crashed run
                     bar.start_at(trainer.global_step)
                 if validator is not None and trainer.global_step == 0 and t.val_before_train:
@@ -153,7 +160,8 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
                 bar.close()
                 return TrainResult(run_dir, trainer.global_step, last, initial_val, restarts)
             except WorkerGroupError as err:
-                if restarts >= t.max_restarts:
+                # A rank that *raised* hit a deterministic error (bad checkpoint, bad data): a restart would repeat it.
+                if restarts >= t.max_restarts or err.kind == "raised":
                     raise
                 restarts += 1
                 logger.error("a worker failed (%s); restart %d/%d from the latest checkpoint", err, restarts,
@@ -163,6 +171,12 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     finally:
         tracker.finish()
         reward_fn.close()
+
+
+def _local_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _dtype(name: str):
@@ -188,7 +202,15 @@ def count_parameters(model_path: str) -> int:
     return total
 
 
+BUILTIN_PRESET = os.path.join(os.path.dirname(os.path.dirname(__file__)), "config", "arithmetic_grpo.yaml")
+
+
 def train_main(overrides: list[str], preset: str | None = None) -> TrainResult:
+    """`hybridflow train`: with no data and no model given, the built-in task's preset sits under the overrides."""
+    names_data = any(o.split("=", 1)[0].lstrip("+") in ("data.train_files", "actor_rollout_ref.model.path")
+                     for o in overrides)
+    if preset is None and not names_data:
+        preset = BUILTIN_PRESET
     cfg = load_config(overrides, preset=preset)
     result = run_training(cfg)
     _print_summary(result)

@@ -22,7 +22,7 @@ from hybridflow.engines.tiny import TinyModelSpec, write_tiny_model
 
 BASE_SPEC = TinyModelSpec(arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                           intermediate_size=384, max_position_embeddings=256)
-SFT_STEPS = 160
+SFT_STEPS = 1750
 SFT_BATCH = 64
 SFT_LR = 3e-3
 SEED = 0
@@ -54,7 +54,7 @@ def greedy_accuracy(model_path: str, val_file: str, max_rows: int = 256, max_new
 
 
 def make_base_model(out_dir: str, sft_steps: int = SFT_STEPS, *, batch_size: int = SFT_BATCH, lr: float = SFT_LR,
-                    seed: int = SEED) -> dict:
+                    seed: int = SEED, threads: int | None = None) -> dict:
     from hybridflow.trainer.sft_trainer import load_sft_config, run_sft
 
     train, val = ensure_builtin_task_files()
@@ -66,7 +66,8 @@ def make_base_model(out_dir: str, sft_steps: int = SFT_STEPS, *, batch_size: int
             f"data.train_batch_size={batch_size}", f"data.micro_batch_size_per_gpu={batch_size}",
             f"model.path={init}", f"optim.lr={lr}", f"trainer.total_training_steps={sft_steps}",
             f"trainer.default_local_dir={os.path.join(work, 'sft')}", "trainer.backend=local",
-            f"trainer.seed={seed}", "trainer.logger=[jsonl]",
+            f"trainer.seed={seed}", "trainer.logger=[jsonl]", "optim.lr_scheduler_type=constant",
+            "optim.warmup_ratio=0.02", *([f"trainer.num_threads_per_worker={threads}"] if threads else []),
         ])
         summary = run_sft(cfg)
         acc = greedy_accuracy(summary["model_dir"], val)
@@ -96,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=SFT_BATCH)
     p.add_argument("--lr", type=float, default=SFT_LR)
     p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     a = p.parse_args(argv)
-    info = make_base_model(a.out, a.sft_steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed)
+    info = make_base_model(a.out, a.sft_steps, batch_size=a.batch_size, lr=a.lr, seed=a.seed, threads=a.threads)
     print(json.dumps(info, indent=1))
     return 0
 

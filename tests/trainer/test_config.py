@@ -34,7 +34,7 @@ def test_misspelled_key_names_the_closest_valid_one():
 
 
 def test_wrong_value_type_is_reported():
-    with pytest.raises(ConfigError, match="rollout.n"):
+    with pytest.raises(ConfigError, match=r"rollout\.n"):
         load_config(["actor_rollout_ref.rollout.n=many"])
 
 

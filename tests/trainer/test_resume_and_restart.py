@@ -70,7 +70,7 @@ def _train_cmd(overrides: list[str]) -> list[str]:
 
 
 def test_driver_killed_then_same_command_resumes(arithmetic_files, tiny_model_path, tmp_path):
-    local = ("trainer.backend=local",)
+    local = ("trainer.backend=local", "trainer.resume_mode=auto")
     straight = str(tmp_path / "straight")
     subprocess.run(_train_cmd(_overrides(arithmetic_files, tiny_model_path, straight, *local)), check=True,
                    capture_output=True, timeout=600)

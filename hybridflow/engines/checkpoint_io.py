@@ -1,0 +1,157 @@
+"""Save and load the training engine's state: per-rank shards of weights, optimizer state, LR schedule and RNG.
+
+Layout of a checkpoint directory (one set of files per rank, written by that rank):
+  ``model_rank{r}.safetensors``   this rank's local shard of every parameter (HF names), exact bits
+  ``optim_rank{r}.pt``            AdamW state (local shards) + param groups + LR scheduler + RNG; plain tensors and
+                                  Python scalars only, read back with ``torch.load(weights_only=True)``
+  ``meta.json``                   world size, parameter names and full shapes (written by rank 0)
+Local shards (not gathered tensors) make resume bitwise exact and keep memory flat; the price is that a checkpoint
+is tied to its world size and sharding. For a portable copy use the engine's ``save_hf_model``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from hybridflow.device import device_name
+from hybridflow.engines.hf_model import hf_name
+
+__all__ = ["load_engine_state", "local_tensor", "save_engine_state"]
+
+META_FILE = "meta.json"
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _model_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"model_rank{rank}.safetensors")
+
+
+def _optim_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"optim_rank{rank}.pt")
+
+
+def save_engine_state(
+    directory: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    lr_scheduler: Any | None,
+    rank: int,
+    world_size: int,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Write this rank's files; every rank calls it (no collectives inside)."""
+    os.makedirs(directory, exist_ok=True)
+    named = list(model.named_parameters())
+    weights = {hf_name(n): local_tensor(p.detach()).cpu().contiguous() for n, p in named}
+    save_file(weights, _model_file(directory, rank))
+    state: dict[str, Any] = {"rng_cpu": torch.get_rng_state(), "extra": dict(extra or {})}
+    accelerator = _accelerator_module()
+    if accelerator is not None:
+        state["rng_device"] = accelerator.get_rng_state()
+    if optimizer is not None:
+        index = {id(p): hf_name(n) for n, p in named}
+        state["optimizer_state"] = {
+            index[id(p)]: {k: local_tensor(v).cpu().clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for p, s in optimizer.state.items()
+        }
+        state["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        for g in state["param_groups"]:
+            g["betas"] = list(g["betas"])
+    if lr_scheduler is not None:
+        state["lr_scheduler"] = lr_scheduler.state_dict()
+    torch.save(state, _optim_file(directory, rank))
+    if rank == 0:
+        meta = {
+            "world_size": world_size,
+            "parameters": {hf_name(n): list(p.shape) for n, p in named},
+            "has_optimizer": optimizer is not None,
+        }
+        with open(os.path.join(directory, META_FILE), "w") as f:
+            json.dump(meta, f, indent=1)
+
+
+def load_engine_state(
+    directory: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    lr_scheduler: Any | None,
+    rank: int,
+    world_size: int,
+) -> dict[str, Any]:
+    """Restore what `save_engine_state` wrote into an engine built with the same config; returns its `extra` dict."""
+    meta_path = os.path.join(directory, META_FILE)
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(f"{meta_path} not found: {directory!r} is not an engine checkpoint (save_checkpoint)")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta["world_size"] != world_size:
+        raise ValueError(
+            f"checkpoint {directory!r} was written by {meta['world_size']} ranks but this engine has {world_size}; "
+            "resume with the same number of ranks, or export with save_hf_model and start from that"
+        )
+    named = list(model.named_parameters())
+    weights = load_file(_model_file(directory, rank))
+    missing = [hf_name(n) for n, _ in named if hf_name(n) not in weights]
+    if missing:
+        raise KeyError(f"checkpoint {directory!r} (rank {rank}) lacks parameters {missing[:5]}; was it another model?")
+    with torch.no_grad():
+        for n, p in named:
+            dst = local_tensor(p)
+            src = weights[hf_name(n)]
+            if dst.shape != src.shape:
+                raise ValueError(
+                    f"parameter {hf_name(n)}: checkpoint shard {tuple(src.shape)} != engine {tuple(dst.shape)}"
+                )
+            dst.copy_(src)
+    state = torch.load(_optim_file(directory, rank), weights_only=True, map_location="cpu")
+    if optimizer is not None:
+        if "optimizer_state" not in state:
+            raise ValueError(f"checkpoint {directory!r} has no optimizer state (it was saved by a role without one)")
+        by_name = {hf_name(n): p for n, p in named}
+        optimizer.state.clear()
+        for name, s in state["optimizer_state"].items():
+            p = by_name[name]
+            optimizer.state[p] = {
+                k: _like_param(v, p) if k != "step" and torch.is_tensor(v) else v for k, v in s.items()
+            }
+        for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+    if lr_scheduler is not None and "lr_scheduler" in state:
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+    torch.set_rng_state(state["rng_cpu"])
+    accelerator = _accelerator_module()
+    if accelerator is not None and "rng_device" in state:
+        accelerator.set_rng_state(state["rng_device"])
+    return state.get("extra", {})
+
+
+def _accelerator_module():
+    """torch.cuda (or the like) when the engine computes on an accelerator, else None."""
+    name = device_name()
+    return None if name == "cpu" else getattr(torch, name)
+
+
+def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A saved local shard -> a state tensor laid out like `param` (a DTensor with the same sharding, or plain)."""
+    if hasattr(param, "to_local"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(
+            local.to(param.to_local().device),
+            param.device_mesh,
+            param.placements,
+            shape=param.shape,
+            stride=param.stride(),
+            run_check=False,
+        )
+    return local.to(param.device)

@@ -1,0 +1,472 @@
+"""The training engine: a transformers model sharded with FSDP2 over a data-parallel mesh, SPMD on every rank.
+
+One engine per rank. The driver-side worker hands each rank its shard of a batch (rollout/base.py layout) and calls
+  * ``compute_log_prob``  log p(response token | everything before it) at a temperature, optionally entropy;
+  * ``compute_values``    the critic's V(state before each response token);
+  * ``train_step``        one optimizer step on one mini-batch: micro-batches -> forward -> loss_fn -> backward,
+                          then global-norm clipping and AdamW;
+  * weight / checkpoint I/O: ``named_full_parameters``, ``full_state_dict``, ``save_checkpoint``, ``save_hf_model``.
+
+Without torch.distributed (or with one rank) the model is a plain module; with more ranks every decoder layer and then
+the root are ``fully_shard``-ed over a 1-D ``dp`` mesh (or a 2-D ``(replicate, shard)`` mesh when fsdp_size divides
+the world). Padding is never computed: rows are stripped to their real tokens and bucketed by length
+(micro_batch.py). The loss contract: loss_fn returns this micro-batch's share of the mini-batch mean (divide by
+``micro.meta_info["global_num_tokens"]`` or ``["global_num_seqs"]``), so gradients are summed over micro-batches and
+ranks as they are, never averaged again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridflow import device as hf_device
+from hybridflow.engines import micro_batch as mb
+from hybridflow.engines.checkpoint_io import load_engine_state, save_engine_state
+from hybridflow.engines.hf_model import HeadOnPositions, hf_name, load_model, load_tokenizer
+from hybridflow.engines.optim import OptimConfig, build_lr_scheduler, build_optimizer
+from hybridflow.protocol import DataProto
+
+__all__ = ["EngineConfig", "FSDPEngine", "LossFn", "OptimConfig"]
+
+ROLES = ("actor", "ref", "critic")
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# loss_fn(micro, outputs) -> (loss, metrics). outputs: {"log_probs": [b, R], "entropy": [b, R]} or {"values": [b, R]}.
+LossFn = Callable[[DataProto, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]]
+
+
+@dataclass
+class EngineConfig:
+    """One engine (actor, ref or critic); `validate()` says what to change."""
+
+    model_path: str
+    role: str = "actor"  # actor | ref (no optimizer, no grads) | critic (value head)
+    param_dtype: str = "fp32"  # fp32 | bf16 (bf16 compute; fp32 master weights, grads and optimizer state)
+    micro_batch_size_per_gpu: int = 4
+    use_dynamic_bsz: bool = False  # True: micro-batches by token budget instead of a fixed row count
+    max_tokens_per_micro_batch: int = 4096  # padded tokens (rows * longest row) per micro-batch, dynamic mode
+    gradient_checkpointing: bool = False
+    param_offload: bool = False  # GPU only: sharded parameters live in host memory (FSDP2 CPUOffloadPolicy)
+    optimizer_offload: bool = False  # GPU only: optimizer state moves to host memory in offload_to_cpu()
+    fsdp_size: int = -1  # ranks that shard one copy; -1: all ranks (pure FSDP); smaller: HSDP replicas
+    seed: int = 0  # same seed on every rank -> same initial value head
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    use_remove_padding: bool = True  # strip rows to real tokens and bucket by length (False: plain padded forward)
+    entropy_chunk_size: int = 2048  # tokens whose [chunk, vocab] logits are held at once
+    num_threads: int | None = None  # torch intra-op threads for this rank (None: leave as is)
+
+    def validate(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"engine role is {self.role!r}; choose one of {list(ROLES)}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"param_dtype is {self.param_dtype!r}; choose one of {list(PARAM_DTYPES)}")
+        if self.micro_batch_size_per_gpu <= 0:
+            raise ValueError(f"micro_batch_size_per_gpu must be positive, got {self.micro_batch_size_per_gpu}")
+        if self.max_tokens_per_micro_batch <= 0:
+            raise ValueError(f"max_tokens_per_micro_batch must be positive, got {self.max_tokens_per_micro_batch}")
+        if not os.path.isdir(self.model_path):
+            raise FileNotFoundError(f"model_path {self.model_path!r} is not a directory (save_pretrained output)")
+        if self.role != "ref":
+            self.optim.validate()
+
+
+class FSDPEngine:
+    """Holds the (sharded) model, optimizer and LR schedule of one rank. See the module docstring."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        hf_device.set_num_threads(config.num_threads)
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.device = hf_device.current_device()
+        self.compute_dtype = PARAM_DTYPES[config.param_dtype]
+        self.is_critic = config.role == "critic"
+        self.trainable = config.role != "ref"
+
+        self.tokenizer = load_tokenizer(config.model_path)
+        torch.manual_seed(config.seed)  # a fresh value head must be identical on every rank
+        hf_model = load_model(config.model_path, config.role)
+        self.hf_config = hf_model.config
+        if config.gradient_checkpointing and self.trainable:
+            # Non-reentrant recompute composes with FSDP2's hooks; transformers 5 renamed the switch.
+            if hasattr(hf_model, "activation_checkpointing_enable"):
+                hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if not self.trainable:
+            hf_model.requires_grad_(False)
+        self.model: nn.Module = HeadOnPositions(hf_model, is_critic=self.is_critic)
+        self.sharded = self.distributed and self.world_size > 1
+        if self.sharded:
+            self._shard()
+        else:
+            self.model.to(self.device)
+
+        self.optimizer = build_optimizer(self.model.parameters(), config.optim) if self.trainable else None
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim) if self.trainable else None
+        self.global_step = 0
+
+    # ------------------------------------------------------------------ setup
+    def _shard(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        fsdp_size = self.config.fsdp_size if self.config.fsdp_size > 0 else self.world_size
+        if self.world_size % fsdp_size:
+            raise ValueError(f"fsdp_size {fsdp_size} must divide the world size {self.world_size}")
+        kind = hf_device.device_name()
+        if fsdp_size == self.world_size:
+            self.mesh = init_device_mesh(kind, (self.world_size,), mesh_dim_names=("dp",))
+        else:
+            self.mesh = init_device_mesh(
+                kind, (self.world_size // fsdp_size, fsdp_size), mesh_dim_names=("replicate", "shard")
+            )
+        kwargs: dict[str, Any] = {"mesh": self.mesh}
+        if self.compute_dtype != torch.float32:
+            # Gather parameters in bf16 for compute; reduce gradients in fp32 into the fp32 master shards.
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        if self.config.param_offload and kind != "cpu":
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        backbone = getattr(self.model.hf, self.model.hf.base_model_prefix)
+        layers = getattr(backbone, "layers", None)
+        if layers is None:
+            raise ValueError(
+                f"{type(backbone).__name__} has no .layers list of decoder layers to shard; "
+                "the engine supports Llama/Qwen2-style models"
+            )
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(self.model, **kwargs)
+
+    def _reshard(self) -> None:
+        """Put every FSDP module back to its sharded parameters.
+
+        FSDP2 leaves the root unsharded after a forward without backward (to save an all-gather before the backward);
+        weight I/O and the optimizer expect the sharded parameters, so no-grad passes end here.
+        """
+        if not self.sharded:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    def _autocast(self):
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
+
+    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        """All-reduce a small cpu tensor over all ranks (through the device: nccl only reduces device tensors)."""
+        if not (self.distributed and self.world_size > 1):
+            return t
+        on_device = t.to(self.device)
+        dist.all_reduce(on_device, op=op or dist.ReduceOp.SUM)
+        return on_device.cpu()
+
+    # ------------------------------------------------------------------ micro-batches
+    def _plan(self, data: DataProto) -> list[list[int]]:
+        """Row groups of this rank's shard; every rank gets the same number of groups."""
+        attention_mask = data.batch["attention_mask"]
+        starts, ends = mb.real_token_spans(attention_mask)
+        if self.config.use_remove_padding:
+            lengths = (ends - starts).tolist()
+        else:
+            lengths = [attention_mask.shape[1]] * len(data)
+        if self.config.use_dynamic_bsz:
+            groups = mb.token_budget_micro_batches(lengths, self.config.max_tokens_per_micro_batch)
+        else:
+            groups = mb.fixed_size_micro_batches(lengths, self.config.micro_batch_size_per_gpu, sort=True)
+        # Each micro-batch forward is a collective under FSDP: all ranks must run the same number of them.
+        count = int(self._all_reduce(torch.tensor([len(groups)]), dist.ReduceOp.MAX).item())
+        if count != len(groups):
+            groups = mb.split_to_count(groups, lengths, count)
+        return groups
+
+    def _forward(self, rows: DataProto, *, temperature: float, calculate_entropy: bool) -> dict[str, torch.Tensor]:
+        """One micro-batch forward -> outputs laid out ``[b, R]`` (zeros past each response)."""
+        batch = rows.batch
+        responses = batch["responses"]
+        b, resp_len = responses.shape
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            position_ids = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
+        bucket = mb.build_bucket(
+            batch["input_ids"].to(self.device),
+            batch["attention_mask"].to(self.device),
+            position_ids.to(self.device),
+            resp_len,
+            remove_padding=self.config.use_remove_padding,
+            pad_token_id=self.tokenizer.pad_token_id or 0,
+        )
+        with self._autocast():
+            flat = self.model(
+                bucket.input_ids,
+                bucket.position_ids,
+                bucket.attention_mask,
+                bucket.select_rows,
+                bucket.select_cols,
+                bucket.target_ids,
+                temperature=temperature,
+                calculate_entropy=calculate_entropy,
+                chunk_size=self.config.entropy_chunk_size,
+            )
+        out = {}
+        for key, values in flat.items():
+            grid = values.new_zeros(b, resp_len)
+            out[key] = grid.index_put((bucket.out_rows, bucket.out_cols), values)
+        return out
+
+    def _run_no_grad(self, data: DataProto, **kwargs: Any) -> dict[str, torch.Tensor]:
+        self.model.eval()
+        results: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for group in self._plan(data):
+                outs = self._forward(data[group], **kwargs)
+                for key, value in outs.items():
+                    if key not in results:
+                        results[key] = value.new_zeros(len(data), value.shape[1])
+                    results[key][torch.as_tensor(group, device=value.device)] = value
+        self._reshard()
+        return {k: v.cpu() for k, v in results.items()}
+
+    # ------------------------------------------------------------------ forward-only operations
+    def compute_log_prob(
+        self, data: DataProto, *, temperature: float, calculate_entropy: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """``{"log_probs": [B, R], "entropy": [B, R] (if asked)}`` float32 on cpu; rows in `data`'s order.
+
+        ``log_probs[:, t]`` = log softmax(logits / temperature)[responses[:, t]] given everything before it; 0 past
+        the end of each response. No grad, eval mode.
+        """
+        if self.is_critic:
+            raise ValueError("compute_log_prob was called on a critic engine; use compute_values")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature} (greedy rollouts score at temperature 1)")
+        return self._run_no_grad(data, temperature=temperature, calculate_entropy=calculate_entropy)
+
+    def compute_values(self, data: DataProto) -> torch.Tensor:
+        """Critic ``values [B, R]`` float32 on cpu: ``values[:, t]`` = V(hidden state at position P - 1 + t)."""
+        if not self.is_critic:
+            raise ValueError(f"compute_values needs a critic engine, this one is role={self.config.role!r}")
+        return self._run_no_grad(data, temperature=1.0, calculate_entropy=False)["values"]
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, data: DataProto, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on this rank's shard of one mini-batch.
+
+        Sets ``micro.meta_info["global_num_tokens"]`` (response_mask summed over the mini-batch on all ranks),
+        ``["global_num_seqs"]`` and ``["dp_size"]`` before each ``loss_fn(micro, outputs)`` call. Returns
+        ``grad_norm`` (before clipping), ``lr`` (used by this step), ``skipped_nonfinite`` (1.0 when a non-finite loss or
+        gradient norm skipped the update) and this rank's mean over micro-batches of loss_fn's numeric metrics.
+        """
+        if not self.trainable:
+            raise ValueError("train_step was called on a ref engine (no optimizer); build it with role='actor'")
+        self.optimizer.zero_grad(set_to_none=True)
+        result, local_nonfinite = self._accumulate(data, loss_fn)
+        grad_norm = self._clip_grad_norm()
+        nonfinite = self._all_reduce(torch.tensor([local_nonfinite]), dist.ReduceOp.MAX).item()
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        skipped = nonfinite > 0 or not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        result.update({"grad_norm": grad_norm, "lr": lr, "skipped_nonfinite": 1.0 if skipped else 0.0})
+        return result
+
+    def forward_backward(self, data: DataProto, loss_fn: LossFn) -> dict[str, float]:
+        """Accumulate gradients of one mini-batch shard into ``.grad`` without stepping (train_step minus the update).
+
+        Same micro-batching and loss contract as `train_step`; returns the mean of loss_fn's numeric metrics.
+        """
+        if not self.trainable:
+            raise ValueError("forward_backward was called on a ref engine (no optimizer); build it with role='actor'")
+        return self._accumulate(data, loss_fn)[0]
+
+    def _accumulate(self, data: DataProto, loss_fn: LossFn) -> tuple[dict[str, float], float]:
+        temperature = float(data.meta_info.get("temperature", 1.0))
+        calculate_entropy = bool(data.meta_info.get("calculate_entropy", False))
+        response_mask = data.batch.get("response_mask")
+        if response_mask is None:
+            response_mask = data.batch["attention_mask"][:, -data.batch["responses"].shape[1] :]
+        totals = torch.tensor([float(response_mask.sum()), float(len(data))], dtype=torch.float64)
+        totals = self._all_reduce(totals)
+        global_meta = {
+            "global_num_tokens": float(totals[0]),
+            "global_num_seqs": float(totals[1]),
+            "dp_size": self.world_size,
+        }
+
+        self.model.train()
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        local_nonfinite = 0.0
+        for group in self._plan(data):
+            micro = data[group].to(self.device)  # loss_fn mixes its columns with the outputs: same device
+            micro.meta_info.update(global_meta)
+            outputs = self._forward(micro, temperature=temperature, calculate_entropy=calculate_entropy)
+            loss, metrics = loss_fn(micro, outputs)
+            if not torch.isfinite(loss.detach()).all():
+                local_nonfinite = 1.0
+            # FSDP averages gradients over ranks; loss_fn already divided by the global count, so undo the average.
+            (loss * self.world_size).backward()
+            for key, value in (metrics or {}).items():
+                number = _as_number(value)
+                if number is not None:
+                    sums[key] = sums.get(key, 0.0) + number
+                    counts[key] = counts.get(key, 0) + 1
+
+        return {key: sums[key] / counts[key] for key in sums}, local_nonfinite
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        max_norm = self.config.optim.grad_clip if self.config.optim.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, error_if_nonfinite=False, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the LR schedule by one training step; returns the new learning rate."""
+        if self.lr_scheduler is None:
+            raise ValueError("lr_scheduler_step was called on a ref engine (no optimizer)")
+        self.lr_scheduler.step()
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------ weights out / in
+    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full fp32 tensor on the engine device)``, one parameter at a time; call on every rank.
+
+        Names are the transformers state_dict names; a tied output embedding appears once (under the input
+        embedding's name). Each yielded tensor is a fresh gather: drop it before asking for the next one.
+        """
+        for name, param in self.model.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            yield hf_name(name), full.detach()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter as a full cpu tensor (HF names, tied weights once); call on every rank."""
+        return {name: t.cpu().clone() for name, t in self.named_full_parameters()}
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy full tensors (HF names; every rank passes the same dict) into this rank's shards. Does not mutate it."""
+        self._reshard()
+        named = list(self.model.named_parameters())
+        missing = [hf_name(n) for n, _ in named if hf_name(n) not in state_dict]
+        if missing:
+            raise KeyError(f"load_full_state_dict: missing {missing[:5]} (of {len(missing)}); keys use HF names")
+        with torch.no_grad():
+            for name, param in named:
+                full = state_dict[hf_name(name)]
+                if tuple(full.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"{hf_name(name)}: got shape {tuple(full.shape)}, the model has {tuple(param.shape)}"
+                    )
+                if hasattr(param, "to_local"):
+                    from torch.distributed.tensor import distribute_tensor
+
+                    shard = distribute_tensor(
+                        full.to(param.device_mesh.device_type), param.device_mesh, param.placements
+                    )
+                    param.to_local().copy_(shard.to_local())
+                else:
+                    param.copy_(full.to(param.device))
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: str) -> None:
+        """Per-rank model/optimizer/LR-schedule/RNG state (checkpoint_io.py); every rank calls it."""
+        self._reshard()
+        save_engine_state(
+            directory,
+            self.model,
+            self.optimizer,
+            self.lr_scheduler,
+            self.rank,
+            self.world_size,
+            extra={"global_step": self.global_step},
+        )
+        self._barrier()
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore a `save_checkpoint` of an engine with the same config and world size; bitwise exact."""
+        self._reshard()
+        extra = load_engine_state(directory, self.model, self.optimizer, self.lr_scheduler, self.rank, self.world_size)
+        self.global_step = int(extra.get("global_step", 0))
+        self._barrier()
+
+    def save_hf_model(self, directory: str) -> None:
+        """transformers format (safetensors + config + tokenizer) on rank 0; every rank calls it (it gathers)."""
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+        state = self.full_state_dict()
+        if self.rank == 0:
+            auto = AutoModelForTokenClassification if self.is_critic else AutoModelForCausalLM
+            model = auto.from_config(self.hf_config, dtype=torch.float32)
+            result = model.load_state_dict(state, strict=False)
+            model.tie_weights()  # a tied output embedding is stored once, under the input embedding's name
+            missing = [name for name, _ in model.named_parameters() if name not in state]
+            if result.unexpected_keys or missing:
+                raise KeyError(f"save_hf_model: unexpected {result.unexpected_keys[:5]}, missing {missing[:5]}")
+            os.makedirs(directory, exist_ok=True)
+            model.save_pretrained(directory, safe_serialization=True)
+            self.tokenizer.save_pretrained(directory)
+            if getattr(self.model.hf, "generation_config", None) is not None and not self.is_critic:
+                self.model.hf.generation_config.save_pretrained(directory)
+        del state
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self.distributed and self.world_size > 1:
+            dist.barrier()
+
+    # ------------------------------------------------------------------ memory
+    def offload_to_cpu(self) -> None:
+        """Move parameters (and optimizer state with optimizer_offload) to host memory; no-op on CPU."""
+        if self.device.type == "cpu":
+            return
+        if not self.config.param_offload:
+            self.model.to("cpu")
+        if self.config.optimizer_offload and self.optimizer is not None:
+            _move_optimizer_state(self.optimizer, torch.device("cpu"))
+        hf_device.empty_cache()
+
+    def reload_to_device(self) -> None:
+        """Undo `offload_to_cpu`; no-op on CPU."""
+        if self.device.type == "cpu":
+            return
+        if not self.config.param_offload:
+            self.model.to(self.device)
+        if self.config.optimizer_offload and self.optimizer is not None:
+            _move_optimizer_state(self.optimizer, self.device)
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+
+
+def _as_number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    if torch.is_tensor(value) and value.numel() == 1:
+        return float(value.detach())
+    return None

@@ -1,0 +1,127 @@
+"""Models and tokenizers from a local path, and the head-on-selected-positions module the training engine shards.
+
+Actor and reference load ``AutoModelForCausalLM``. The critic loads ``AutoModelForTokenClassification`` with one
+label from the same path: the backbone weights come from the causal-LM checkpoint and the scalar value head
+(``score``) is freshly initialised (or loaded, when the path is a saved critic). Both are wrapped in `HeadOnPositions`,
+whose forward runs the backbone on ``[b, L]`` tokens and applies the head only at the N positions that predict response
+tokens, so neither the LM head nor the log-softmax is spent on prompt or padding positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = [
+    "HF_PREFIX",
+    "HeadOnPositions",
+    "entropy_from_logits",
+    "hf_name",
+    "load_model",
+    "load_tokenizer",
+    "log_probs_from_logits",
+]
+
+# HeadOnPositions keeps the transformers model under this attribute; parameter names carry it as a prefix.
+HF_PREFIX = "hf."
+
+
+def hf_name(name: str) -> str:
+    """Parameter name inside `HeadOnPositions` (FSDP2 keeps names) -> the transformers state_dict name."""
+    return name[len(HF_PREFIX) :] if name.startswith(HF_PREFIX) else name
+
+
+def load_tokenizer(path: str):
+    """AutoTokenizer from a local directory; a tokenizer without a pad token pads with eos."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str, role: str, attn_implementation: str = "sdpa") -> nn.Module:
+    """The transformers model for `role` ("actor" | "ref" -> causal LM, "critic" -> one-label token classifier), fp32.
+
+    Weights stay fp32 (the master copy); mixed precision is applied at compute time by the engine.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    kwargs = {"dtype": torch.float32, "attn_implementation": attn_implementation}
+    try:
+        if role == "critic":
+            model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as err:
+        raise OSError(
+            f"could not load a {role} model from {path!r}: {err}. Pass a local save_pretrained directory"
+        ) from err
+    return model
+
+
+def log_probs_from_logits(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """``logits [N, V]`` (already divided by the temperature), ``target_ids [N]`` -> ``log p(target) [N]`` float32."""
+    logits = logits.float()
+    return logits.gather(-1, target_ids[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [N, V]`` -> entropy of softmax(logits) ``[N]`` float32, in nats."""
+    logits = logits.float()
+    log_p = torch.log_softmax(logits, dim=-1)
+    return -(log_p.exp() * log_p).sum(dim=-1)
+
+
+class HeadOnPositions(nn.Module):
+    """A transformers model whose head runs only at selected positions.
+
+    ``forward(input_ids [b, L], position_ids [b, L], attention_mask [b, L] | None, select_rows [N], select_cols [N],
+    target_ids [N], temperature, calculate_entropy, chunk_size)`` returns
+      * causal LM: ``{"log_probs": [N], "entropy": [N] (if asked)}`` float32, of softmax(logits / temperature);
+      * critic: ``{"values": [N]}`` float32.
+    It is one module so that FSDP2's root hooks gather the embedding, final norm and head around the whole forward.
+    """
+
+    def __init__(self, hf_model: nn.Module, is_critic: bool) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.is_critic = is_critic
+
+    def _parts(self) -> tuple[nn.Module, nn.Module]:
+        backbone = getattr(self.hf, self.hf.base_model_prefix)
+        head = self.hf.score if self.is_critic else self.hf.get_output_embeddings()
+        return backbone, head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        select_rows: torch.Tensor,
+        select_cols: torch.Tensor,
+        target_ids: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        calculate_entropy: bool = False,
+        chunk_size: int = 2048,
+    ) -> dict[str, torch.Tensor]:
+        backbone, head = self._parts()
+        hidden = backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        selected = hidden[select_rows, select_cols]  # [N, H]
+        if self.is_critic:
+            return {"values": head(selected).squeeze(-1).float()}
+        log_probs, entropies = [], []
+        # Chunks bound the [chunk, V] logits held at once (V is ~150k for real vocabularies).
+        for lo in range(0, selected.shape[0], max(1, chunk_size)):
+            logits = head(selected[lo : lo + chunk_size]).float() / temperature
+            log_probs.append(log_probs_from_logits(logits, target_ids[lo : lo + chunk_size]))
+            if calculate_entropy:
+                entropies.append(entropy_from_logits(logits))
+        empty = hidden[:0, 0, 0].float()  # stays on the autograd graph, so an all-empty micro-batch can backward
+        out = {"log_probs": torch.cat(log_probs) if log_probs else empty}
+        if calculate_entropy:
+            out["entropy"] = torch.cat(entropies) if entropies else empty
+        return out

@@ -1,0 +1,355 @@
+"""vLLM as a rollout engine, living in the caller's process (hybrid mode: the actor trains and generates in one process).
+
+The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so ``update_weights`` hands vLLM the trainer's
+tensors directly, with no copy through a socket or a checkpoint on disk.
+
+Log-prob semantics: the engine is built with ``logprobs_mode="processed_logprobs"``, so vLLM reports the log-prob of
+each sampled token after temperature, i.e. ``log_softmax(logits / T)`` over the full vocabulary, the same quantity the
+training engine computes (vLLM's default, ``raw_logprobs``, is taken *before* temperature). Greedy decoding reports
+``log_softmax(logits)`` (T = 1), as base.py specifies. One known departure from base.py: with top-k or top-p switched
+on, vLLM renormalises over the tokens that survive the filter, so the reported value is the log-prob under the filtered
+sampling distribution (>= the full-vocabulary value); generate warns once when that happens. RL rollouts normally leave
+both off, and then the values are exact.
+
+vLLM in-process has two process-wide side effects that would change the training side silently; this module undoes
+them: on CPU it replaces ``torch.set_num_threads`` with a no-op (restored after construction), and it re-seeds the
+global RNGs (python, numpy, torch) at construction and draws from torch's global generator while sampling (their states
+are saved and restored around every call into vLLM). Sampling randomness comes from per-request seeds instead: row r
+of the output (sample j of prompt i, r = i*n+j) gets the r-th draw of numpy's default_rng(SamplingParams.seed), or, when
+that is None, of an engine-owned generator seeded with the constructor's seed (fresh samples every call).
+
+Install: ``bash scripts/setup_vllm_env.sh`` (a separate .venv-vllm; vLLM pins clash with the main venv) or
+``pip install 'hybridflow[vllm]'``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.util
+import logging
+import os
+import random
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow import device
+from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
+from hybridflow.engines.rollout.layout import assemble_output, read_prompts, special_token_ids
+from hybridflow.protocol import DataProto
+
+_INSTALL_HINT = (
+    "rollout.name=vllm needs vLLM, which is not installed in this Python environment ({python}). "
+    "Install it in a separate virtualenv with `bash scripts/setup_vllm_env.sh` (creates .venv-vllm; CPU build), "
+    "or `pip install 'hybridflow[vllm]'` on a GPU machine, then run with that environment's python; "
+    "or choose rollout.name=hf / native."
+)
+
+
+def _vllm_installed() -> bool:
+    spec = importlib.util.find_spec("vllm")
+    # A bare directory named vllm on sys.path (tests/vllm, when pytest puts tests/ there) is found as a namespace
+    # package with no origin; the real package has an __init__.py.
+    return spec is not None and spec.origin is not None
+
+
+if not _vllm_installed():
+    import sys
+
+    raise ImportError(_INSTALL_HINT.format(python=sys.executable), name="vllm")
+
+__all__ = ["VLLMRollout"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+}
+_SEED_RANGE = 2**31  # vLLM feeds request seeds to torch.Generator.manual_seed; stay well inside int64
+# vLLM's parallel groups are process-global and shared by every engine in the process: tear them down with the last.
+_live_engines = 0
+
+
+def _vllm_dtype(dtype: str | torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"VLLMRollout: unknown dtype {dtype!r}; choose one of bf16, fp16, fp32")
+    return _DTYPES[name]
+
+
+@contextlib.contextmanager
+def _preserved_rng() -> Iterator[None]:
+    """Restore the python, numpy and torch (CPU and current CUDA device) global RNG states on exit."""
+    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state() if device.is_cuda_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state)
+
+
+def _set_cpu_env(num_threads: int | None) -> None:
+    """CPU-only knobs vLLM reads at engine construction; a value the user already exported wins."""
+    # vLLM's default ('auto') keeps one core free for a separate engine process; in-process there is none, and on a
+    # 2-core machine that costs ~25% throughput. Bind OMP threads to the cores this process may run on (the first
+    # num_threads of them when given).
+    if hasattr(os, "sched_getaffinity"):
+        cores = sorted(os.sched_getaffinity(0))[: num_threads or None]
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+
+
+def _with_tied_lm_head(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the weights, then ``lm_head.weight`` = the input embedding if the caller sent only the latter.
+
+    ``named_parameters()`` of a model with tied embeddings lists the shared tensor once, as the embedding. vLLM's CPU
+    reload then leaves the output projection broken (not stale: wrong), so the tied copy is sent explicitly.
+    """
+    embedding, sent_lm_head = None, False
+    for name, tensor in named_tensors:
+        if name == "lm_head.weight":
+            sent_lm_head = True
+        elif name.endswith("embed_tokens.weight"):
+            embedding = tensor
+        yield name, tensor
+    if embedding is not None and not sent_lm_head:
+        yield "lm_head.weight", embedding
+
+
+class VLLMRollout(RolloutEngine):
+    """Rollout engine backed by an in-process ``vllm.LLM``.
+
+    Args:
+        model_path: a Hugging Face checkpoint directory (config, safetensors, tokenizer).
+        dtype: "bf16" | "fp16" | "fp32" (or the torch dtype).
+        seed: seeds vLLM and the engine-owned generator that draws per-request seeds when SamplingParams.seed is None.
+        max_model_len: longest prompt + response in tokens; None: the model's max_position_embeddings.
+        gpu_memory_utilization: on GPUs, the fraction of GPU memory vLLM may take (weights + KV cache).
+        kv_cache_space_gib: on CPU, the KV cache size in GiB (vLLM otherwise reserves a large share of host memory).
+            An exported VLLM_CPU_KVCACHE_SPACE overrides it (vLLM's own rule).
+        enforce_eager: skip CUDA graphs / torch.compile: faster start-up, and weights can be swapped freely.
+        num_threads: on CPU, bind vLLM's OMP threads to this many cores (default: all this process may use);
+            an exported VLLM_CPU_OMP_THREADS_BIND wins.
+        **kw: passed to ``vllm.LLM`` unchanged (e.g. enable_sleep_mode=True on GPUs, tensor_parallel_size).
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        dtype: str | torch.dtype = "bf16",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_space_gib: float = 1,
+        enforce_eager: bool = True,
+        num_threads: int | None = None,
+        **kw: Any,
+    ) -> None:
+        self.model_path = str(model_path)
+        self.on_gpu = device.is_cuda_available()
+        self._asleep = False
+        self._sleep_mode = bool(kw.get("enable_sleep_mode", False)) and self.on_gpu
+        self._seed_rng = np.random.default_rng(seed)
+        self.last_update_seconds: float | None = None
+        self._warned_filtered_log_probs = False
+
+        # In-process engine: the only mode in which update_weights can hand over tensors without serialising them.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        engine_kw: dict[str, Any] = dict(
+            model=self.model_path,
+            dtype=_vllm_dtype(dtype),
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",  # log_softmax(logits / T): see the module docstring
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
+        if not self.on_gpu:
+            _set_cpu_env(num_threads)
+            # On CPU gpu_memory_utilization is a share of *host* memory; an explicit KV size replaces that reservation.
+            engine_kw["kv_cache_memory_bytes"] = int(kv_cache_space_gib * 2**30)
+            # Chunked prefill + per-request seeds crash on CPU: vLLM rewinds a seeded generator after a partial
+            # prefill with set_offset, which CPU generators lack ("CPU Generator does not use offset"). Without
+            # chunking, prompts are scheduled whole; the token budget must then hold the longest sequence.
+            from transformers import AutoConfig
+
+            longest = max_model_len or getattr(
+                AutoConfig.from_pretrained(self.model_path), "max_position_embeddings", 0
+            )
+            engine_kw["enable_chunked_prefill"] = False
+            engine_kw["max_num_batched_tokens"] = max(int(longest or 0), 8192)
+        engine_kw.update(kw)
+
+        set_num_threads = torch.set_num_threads
+        threads_before = torch.get_num_threads()
+        try:
+            with _preserved_rng():
+                try:
+                    from vllm import LLM
+                except ImportError as e:  # installed but broken: usually CUDA torchvision/torchaudio next to CPU torch
+                    raise ImportError(
+                        f"vLLM is installed but failed to import ({e}). On CPU machines uninstall the CUDA builds it "
+                        "pulls in: `pip uninstall -y torchvision torchaudio torchcodec` (scripts/setup_vllm_env.sh "
+                        "does this)."
+                    ) from e
+                start = time.perf_counter()
+                self.llm = LLM(**engine_kw)
+                global _live_engines
+                _live_engines += 1
+                self.startup_seconds = time.perf_counter() - start
+        finally:
+            # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process.
+            torch.set_num_threads = set_num_threads
+        if torch.get_num_threads() != threads_before:
+            logger.info("vLLM set torch's intra-op threads %d -> %d", threads_before, torch.get_num_threads())
+
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        from transformers import GenerationConfig
+
+        try:
+            generation_config = GenerationConfig.from_pretrained(self.model_path)
+        except OSError:
+            generation_config = None
+        self.tokenizer = self.llm.get_tokenizer()
+        self.pad_token_id, self.eos_token_ids = special_token_ids(self.tokenizer, generation_config, hf_config)
+        logger.info("vLLM engine for %s ready in %.1f s", self.model_path, self.startup_seconds)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        """``input_ids/attention_mask [B, P]`` (left-padded) -> B * n rows in the layout of base.py."""
+        params.validate()
+        if (params.top_k > 0 or params.top_p < 1) and not params.greedy and not self._warned_filtered_log_probs:
+            logger.warning(
+                "vllm rollout with top_k=%s/top_p=%s: rollout_log_probs are vLLM's, renormalised over the kept tokens "
+                "(>= the full-vocabulary log-probs base.py specifies); switch top-k/top-p off to compare them with "
+                "the training engine token by token",
+                params.top_k,
+                params.top_p,
+            )
+            self._warned_filtered_log_probs = True
+        self._wake_up()
+        read = read_prompts(prompts)
+        input_ids, mask = read.input_ids.cpu(), read.attention_mask.cpu()
+        n = params.n
+        # One n=1 request per output row (sample j of prompt i is row i*n+j), each with its own seed: a row's samples
+        # do not depend on the other rows, and vLLM returns outputs in request order.
+        requests = [{"prompt_token_ids": ids[m.bool()].tolist()} for ids, m in zip(input_ids, mask) for _ in range(n)]
+        seed_source = np.random.default_rng(params.seed) if params.seed is not None else self._seed_rng
+        seeds = seed_source.integers(0, _SEED_RANGE, size=len(requests)).tolist()
+        vllm_params = [self._vllm_sampling_params(params, seed) for seed in seeds]
+
+        start = time.perf_counter()
+        with _preserved_rng():
+            outputs = self.llm.generate(requests, vllm_params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+
+        completions = [out.outputs[0] for out in outputs]
+        lengths = torch.tensor([len(c.token_ids) for c in completions])
+        width = max(int(lengths.max()), 1)
+        responses = torch.full((len(completions), width), self.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros(len(completions), width, dtype=torch.float32)
+        for row, c in enumerate(completions):
+            tokens = list(c.token_ids)
+            responses[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            # logprobs=0: each position holds just the sampled token's entry.
+            log_probs[row, : len(tokens)] = torch.tensor([c.logprobs[t][tok].logprob for t, tok in enumerate(tokens)])
+        out = assemble_output(prompts, read, responses, lengths, log_probs, n, self.pad_token_id)
+        new_tokens = int(lengths.sum())
+        out.meta_info["rollout_stats"] = {
+            "engine": self.name,
+            "generate_seconds": seconds,
+            "new_tokens": new_tokens,
+            "new_tokens_per_s": new_tokens / max(seconds, 1e-9),
+        }
+        return out
+
+    def _vllm_sampling_params(self, params: SamplingParams, seed: int):
+        from vllm import SamplingParams as VllmSamplingParams
+
+        stop = list(dict.fromkeys([*self.eos_token_ids, *params.stop_token_ids]))  # eos ids from all the sources
+        return VllmSamplingParams(
+            n=1,
+            temperature=0.0 if params.greedy else params.temperature,
+            top_k=0 if params.greedy or params.top_k <= 0 else params.top_k,  # vLLM: 0 turns top-k off
+            top_p=1.0 if params.greedy else params.top_p,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=stop,
+            logprobs=0,  # only the sampled token's log-prob
+            seed=seed,
+            detokenize=False,  # token ids are all the rollout needs; skip the detokenizer's per-token work
+        )
+
+    # ------------------------------------------------------------------ weights and memory
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights in place (HF parameter names, any dtype/device) and drop the prefix cache.
+
+        A subset of the weights may be sent (the rest stay as they are). The prefix cache must go: its KV blocks were
+        computed with the old weights, and a later prompt sharing a prefix would reuse them. Time taken is kept in
+        ``last_update_seconds``.
+        """
+        start = time.perf_counter()
+        self._wake_up()
+        weights = _with_tied_lm_head(named_tensors) if self.tie_word_embeddings else iter(named_tensors)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("VLLMRollout.update_weights: vLLM refused to reset its prefix cache (requests running?)")
+        self.last_update_seconds = time.perf_counter() - start
+        logger.info("vLLM weights updated in %.3f s", self.last_update_seconds)
+
+    def release_memory(self) -> None:
+        """GPU with enable_sleep_mode=True: offload weights and free the KV cache until the next call.
+
+        Otherwise (and always on CPU, where vLLM's sleep does nothing) the KV pool stays allocated; only the prefix
+        cache is dropped.
+        """
+        if self._sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+        elif not self._sleep_mode:
+            self.llm.reset_prefix_cache()
+
+    def _wake_up(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def shutdown(self) -> None:
+        """Stop the engine and free its memory; the object is unusable afterwards."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        global _live_engines
+        _live_engines -= 1
+        client = llm.llm_engine.engine_core  # in-process client around the EngineCore
+        if _live_engines > 0:
+            # EngineCore.shutdown (also run by the client's finalizer when it is garbage-collected) destroys vLLM's
+            # process-global parallel groups, which the other live engines still use: free only this engine's parts.
+            finalizer = getattr(client, "_finalizer", None)
+            if finalizer is not None:
+                finalizer.detach()
+            core = client.engine_core
+            core.model_executor.shutdown()
+            core.scheduler.shutdown()
+        else:
+            client.shutdown()
+        del llm, client
+        gc.collect()
+        device.empty_cache()
