@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -25,6 +27,14 @@ from hybridflow.engines.hf_model import hf_name
 __all__ = ["load_engine_state", "local_tensor", "save_engine_state"]
 
 META_FILE = "meta.json"
+_EARLIER = (
+    "resume from an earlier checkpoint (trainer.resume_mode=auto skips damaged ones) "
+    "or start afresh (trainer.resume_mode=disable)"
+)
+_OTHER_MODEL = (
+    "resume with the actor_rollout_ref.model.path (or critic.model.path) it was trained from, "
+    "or start afresh with trainer.resume_mode=disable"
+)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -100,20 +110,40 @@ def load_engine_state(
             "resume with the same number of ranks, or export with save_hf_model and start from that"
         )
     named = list(model.named_parameters())
-    weights = load_file(_model_file(directory, rank))
+    recorded = meta.get("parameters", {})
+    for n, p in named:
+        shape = recorded.get(hf_name(n))
+        if shape is not None and list(shape) != list(p.shape):
+            raise ValueError(
+                f"checkpoint {directory!r} was written for another model: parameter {hf_name(n)} is "
+                f"{tuple(shape)} there and {tuple(p.shape)} here; {_OTHER_MODEL}"
+            )
+    model_file = _model_file(directory, rank)
+    try:
+        weights = load_file(model_file)
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"checkpoint file {model_file} is unreadable ({e}): it is truncated or corrupt; {_EARLIER}") from e
     missing = [hf_name(n) for n, _ in named if hf_name(n) not in weights]
     if missing:
-        raise KeyError(f"checkpoint {directory!r} (rank {rank}) lacks parameters {missing[:5]}; was it another model?")
+        raise KeyError(f"checkpoint {directory!r} (rank {rank}) lacks parameters {missing[:5]}; {_OTHER_MODEL}")
     with torch.no_grad():
         for n, p in named:
             dst = local_tensor(p)
             src = weights[hf_name(n)]
             if dst.shape != src.shape:
                 raise ValueError(
-                    f"parameter {hf_name(n)}: checkpoint shard {tuple(src.shape)} != engine {tuple(dst.shape)}"
+                    f"checkpoint {directory!r}, parameter {hf_name(n)}: rank {rank}'s shard is {tuple(src.shape)}, "
+                    f"the engine's {tuple(dst.shape)}; {_OTHER_MODEL}"
                 )
             dst.copy_(src)
-    state = torch.load(_optim_file(directory, rank), weights_only=True, map_location="cpu")
+    optim_file = _optim_file(directory, rank)
+    try:
+        state = torch.load(optim_file, weights_only=True, map_location="cpu")
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise ValueError(
+            f"checkpoint file {optim_file} is unreadable or holds more than tensors and plain values ({e}); "
+            f"it is truncated, corrupt or not ours, and was not unpickled; {_EARLIER}"
+        ) from e
     if optimizer is not None:
         if "optimizer_state" not in state:
             raise ValueError(f"checkpoint {directory!r} has no optimizer state (it was saved by a role without one)")

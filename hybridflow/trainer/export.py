@@ -6,6 +6,7 @@ import json
 import os
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from hybridflow.trainer.checkpoint import CheckpointError, CheckpointManager
@@ -23,7 +24,10 @@ def load_full_actor_state(actor_dir: str) -> dict[str, torch.Tensor]:
         path = os.path.join(actor_dir, f"model_rank{rank}.safetensors")
         if not os.path.exists(path):
             raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
-        shards.append(load_file(path))
+        try:
+            shards.append(load_file(path))
+        except (OSError, SafetensorError) as e:
+            raise CheckpointError(f"{path} is unreadable ({e}): the checkpoint is truncated or corrupt") from e
     full = {}
     for name, shape in meta["parameters"].items():
         parts = [s[name] for s in shards if name in s and s[name].numel() > 0]
@@ -43,6 +47,9 @@ def export_checkpoint(checkpoint: str, out_dir: str) -> str:
         if latest is None:
             raise CheckpointError(f"{checkpoint} is neither a checkpoint (global_step_N) nor a run folder with one")
         path = latest
+    problem = CheckpointManager.verify(path)
+    if problem is not None:
+        raise CheckpointError(f"cannot export {path}: {problem}")
     actor_dir = os.path.join(path, "actor")
     hf_dir = os.path.join(actor_dir, "huggingface")
     config = AutoConfig.from_pretrained(hf_dir)
