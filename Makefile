@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hybridflow-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-main test-vllm vllm-env lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,9 +19,18 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/hybridflow train
 
-test: setup
+# The main suite, then the vLLM rollout tests in their own virtualenv (vLLM pins other versions).
+test: test-main test-vllm
+
+test-main: setup
 	$(BIN)/ruff check hybridflow tests benchmarks examples
-	$(BIN)/python -m pytest -q -x --durations=15 tests
+	$(BIN)/python -m pytest -q --durations=20 tests --ignore=tests/vllm_rollout
+
+vllm-env:
+	bash scripts/setup_vllm_env.sh
+
+test-vllm: vllm-env
+	.venv-vllm/bin/python -m pytest -q tests/vllm_rollout
 
 lint: setup
 	$(BIN)/ruff check hybridflow tests benchmarks examples

@@ -106,7 +106,9 @@ class RLTrainer:
                 metrics.update(_mean_over_ranks(g.critic.update_critic(batch)))
         if self.global_step >= cfg.trainer.critic_warmup:
             with Timer("update_actor", timing):
-                metrics.update(_mean_over_ranks(g.actor_rollout.update_actor(batch)))
+                actor_metrics = _mean_over_ranks(g.actor_rollout.update_actor(batch))
+                # On-policy updates measure the train-inference mismatch in their first forward (no extra pass).
+                metrics.update({k.replace("actor/rollout_mismatch_", "rollout/mismatch_"): v for k, v in actor_metrics.items()})
             self.check_finite(metrics)
             with Timer("sync_weights", timing):
                 g.actor_rollout.sync_rollout_weights()
@@ -251,7 +253,7 @@ class RLTrainer:
         if "rollout_log_probs" not in batch.batch:
             return {}
         mm = logprob_mismatch(batch.batch["rollout_log_probs"], batch.batch["old_log_probs"], batch.batch["response_mask"])
-        return {f"rollout/{k.split('/')[-1]}_mismatch": v for k, v in mm.items()}
+        return {f"rollout/mismatch_{k.split('/')[-1]}": v for k, v in mm.items()}
 
     def check_finite(self, metrics: dict[str, float]) -> None:
         skipped = metrics.get("actor/skipped_nonfinite", 0.0)

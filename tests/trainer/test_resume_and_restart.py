@@ -53,7 +53,7 @@ def _overrides(files, model, run_dir, *extra):
 
 
 def test_worker_killed_mid_step_restarts_and_matches(ray_session, arithmetic_files, tiny_model_path, tmp_path):
-    ray_args = ("trainer.backend=ray", "trainer.n_gpus_per_node=2", "trainer.call_timeout_s=120")
+    ray_args = ("trainer.backend=ray", "trainer.n_gpus_per_node=2", "trainer.call_timeout_s=900")
     straight = str(tmp_path / "straight")
     run_training(load_config(_overrides(arithmetic_files, tiny_model_path, straight, *ray_args)), progress=False)
     killed = str(tmp_path / "killed")

@@ -32,7 +32,7 @@ def test_ppo_runs_under_placement(placement, ray_session, arithmetic_files, tiny
     for row in rows:
         for key in ("actor/pg_loss", "critic/vf_loss", "actor/reward_kl_penalty", "timing/values", "timing/ref"):
             assert math.isfinite(row[key]), key
-        assert row["rollout/mean_abs_mismatch"] <= 1e-5
+        assert row["rollout/mismatch_mean_abs"] <= 1e-5
 
 
 def test_colocated_roles_share_processes(ray_session, arithmetic_files, tiny_model_path, tmp_path):

@@ -52,7 +52,7 @@ _INSTALL_HINT = (
 
 def _vllm_installed() -> bool:
     spec = importlib.util.find_spec("vllm")
-    # A bare directory named vllm on sys.path (tests/vllm, when pytest puts tests/ there) is found as a namespace
+    # A bare directory named vllm on sys.path (tests/vllm_rollout, when pytest puts tests/ there) is found as a namespace
     # package with no origin; the real package has an __init__.py.
     return spec is not None and spec.origin is not None
 

