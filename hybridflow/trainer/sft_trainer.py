@@ -91,8 +91,12 @@ def load_sft_config(overrides: list[str]) -> SFTConfig:
     return cfg
 
 
-def run_sft(cfg: SFTConfig) -> dict[str, Any]:
-    """Train, then write the final model (HF format) to trainer.default_local_dir/huggingface; returns a summary."""
+def run_sft(cfg: SFTConfig, *, eval_every: int = 0, stop_when=None) -> dict[str, Any]:
+    """Train, then write the final model (HF format) to trainer.default_local_dir/huggingface; returns a summary.
+
+    With `eval_every` and `stop_when(model_dir, step) -> bool`, the model is written every `eval_every` steps and
+    training stops early the first time `stop_when` says so (e.g. a target held-out accuracy is reached).
+    """
     from transformers import AutoTokenizer
 
     from hybridflow.data.sft_dataset import SFTDataset
@@ -145,13 +149,18 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
             if step % t.log_freq == 0 or step == total:
                 tracker.log(metrics, step=step)
             bar.update(step, metrics)
+            if eval_every and stop_when is not None and step % eval_every == 0 and step < total:
+                probe = os.path.join(t.default_local_dir, f"step_{step}")
+                wg.save_hf_model(probe)
+                if stop_when(probe, step):
+                    break
         out = os.path.join(t.default_local_dir, "huggingface")
         wg.save_hf_model(out)
     finally:
         bar.close()
         tracker.finish()
         wg.shutdown()
-    return {"model_dir": out, "steps": total, "final_nll": metrics.get("train/nll", math.nan)}
+    return {"model_dir": out, "steps": step, "final_nll": metrics.get("train/nll", math.nan)}
 
 
 def sft_main(overrides: list[str]) -> dict[str, Any]:

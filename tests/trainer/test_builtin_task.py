@@ -14,9 +14,9 @@ from hybridflow.trainer.make_base_model import greedy_accuracy, main
 
 def test_regenerating_the_base_model_writes_a_loadable_model(tmp_path):
     out = str(tmp_path / "base")
-    assert main(["--out", out, "--sft-steps", "6", "--batch-size", "16"]) == 0
+    assert main(["--out", out, "--sft-steps", "6", "--batch-size", "16", "--eval-every", "3", "--target-accuracy", "1.0"]) == 0
     info = json.load(open(os.path.join(out, "hybridflow_base.json")))
-    assert info["sft_steps"] == 6 and 0.0 <= info["val_greedy_accuracy"] <= 1.0
+    assert info["sft_steps"] == 6 and len(info["probes"]) == 1 and 0.0 <= info["val_greedy_accuracy"] <= 1.0
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     AutoModelForCausalLM.from_pretrained(out)
