@@ -12,8 +12,11 @@ import os
 from hybridflow.data.tasks.arithmetic import generate_arithmetic_task
 
 # The task's knobs: the base model was trained on data from exactly these settings.
-TASK_VERSION = "arith-v1"
-TASK_KWARGS: dict = dict(min_operands=2, max_operands=2, min_digits=1, max_digits=2, operators="+-", worked_solution=False)
+TASK_VERSION = "arith-v2"
+# Two-operand addition/subtraction of 1-2 digit numbers; 40% of the SFT targets state the answer as "answer: N",
+# which the verifier does not accept (it wants "#### N"), so the base knows more than it states verifiably.
+TASK_KWARGS: dict = dict(min_operands=2, max_operands=2, min_digits=1, max_digits=2, operators="+-",
+                         worked_solution=False, alt_answer_fraction=0.4)
 NUM_TRAIN = 20000
 NUM_VAL = 256
 SEED = 0

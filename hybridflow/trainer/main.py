@@ -219,7 +219,7 @@ def train_main(overrides: list[str], preset: str | None = None) -> TrainResult:
 
 def _print_summary(result: TrainResult) -> None:
     def acc(metrics: dict[str, Any]) -> dict[str, float]:
-        return {k: v for k, v in metrics.items() if k.startswith("val/") and k.endswith("mean@1")}
+        return {k: v for k, v in metrics.items() if k.startswith("val/") and "/mean@" in k}
 
     before, after = acc(result.initial_val), acc(result.last_metrics)
     print(f"\nrun directory: {result.run_dir} (metrics.jsonl, samples.jsonl, checkpoints)")

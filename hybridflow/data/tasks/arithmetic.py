@@ -42,6 +42,9 @@ class ArithmeticConfig:
     allow_negative: bool = False  # if False, every intermediate result is >= 0 (problems are resampled otherwise)
     worked_solution: bool = True  # SFT target shows one line per operation before "#### answer"
     prompt_format: str = "{question}"  # e.g. "Compute {question}" to add an instruction
+    # Fraction of SFT targets that end "answer: N" instead of "#### N". The verifier accepts only "#### N", so a
+    # model fine-tuned on such a mix knows answers it does not always state verifiably (as base models often do).
+    alt_answer_fraction: float = 0.0
 
     def validate(self) -> None:
         if not 2 <= self.min_operands <= self.max_operands:
@@ -50,6 +53,8 @@ class ArithmeticConfig:
             raise ValueError(f"need 1 <= min_digits <= max_digits <= 18, got {self.min_digits}, {self.max_digits}")
         if not self.operators or set(self.operators) - set("+-*"):
             raise ValueError(f"operators must be a non-empty string of '+', '-', '*', got {self.operators!r}")
+        if not 0.0 <= self.alt_answer_fraction < 1.0:
+            raise ValueError(f"alt_answer_fraction must be in [0, 1), got {self.alt_answer_fraction}")
         if "{question}" not in self.prompt_format:
             raise ValueError(f"prompt_format must contain '{{question}}', got {self.prompt_format!r}")
 
@@ -79,7 +84,9 @@ def make_problem(rng: random.Random, cfg: ArithmeticConfig) -> tuple[str, str, i
             break
     question = str(nums[0]) + "".join(f"{op}{b}" for op, b in zip(ops, nums[1:]))
     steps = "\n".join(lines) + "\n" if cfg.worked_solution else ""
-    return question, f"{steps}#### {acc}", acc
+    # Only draw when asked, so the problems of the default settings do not depend on this option.
+    final = f"answer: {acc}" if cfg.alt_answer_fraction > 0 and rng.random() < cfg.alt_answer_fraction else f"#### {acc}"
+    return question, f"{steps}{final}", acc
 
 
 def _row(question: str, response: str, answer: int, index: int, split: str, cfg: ArithmeticConfig) -> dict[str, Any]:
