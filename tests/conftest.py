@@ -17,6 +17,7 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
+        os.environ.setdefault("RAY_worker_niceness", "0")  # as hybridflow.trainer.main does: workers do the compute
         # Logical CPUs are accounting only: 8 lets several small groups coexist on a 2-core machine.
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True, namespace="hybridflow-tests")
     yield ray

@@ -80,6 +80,12 @@ class WorkerHost:
         finally:
             _CONSTRUCTION_CONTEXT.reset(token)
 
+    def close(self) -> None:
+        """Release what the roles hold in this process (used by the local backend, whose process is the driver)."""
+        for worker in self._roles.values():
+            worker.destroy_distributed()
+        self._roles.clear()
+
     def dp_mesh(self, role: str, mesh_name: str):
         return self._roles[role].get_dp_mesh(mesh_name)
 

@@ -158,6 +158,13 @@ class Worker:
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        self._owns_process_group = True
+
+    def destroy_distributed(self) -> None:
+        """Leave the process group this worker created (the local backend's shutdown: the driver lives on)."""
+        if getattr(self, "_owns_process_group", False) and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
 
     def set_num_threads(self, num_threads: int) -> int:
         """Set torch's intra-op thread count in this process; returns the count now in force."""

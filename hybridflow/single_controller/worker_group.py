@@ -200,6 +200,9 @@ class _Ranks:
                     ray.kill(h, no_restart=True)
             if self.pool is not None:
                 self.pool.release(self)
+        else:
+            for h in self.hosts:
+                h.close()
 
 
 class WorkerGroup:

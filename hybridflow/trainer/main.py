@@ -58,6 +58,9 @@ def _init_ray(cfg: HybridFlowConfig, roles_per_rank: int) -> None:
         ray.init(address=cfg.trainer.ray_address, include_dashboard=False)
         return
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    # Ray starts workers at niceness 15; ours do the compute, so at that priority any other process on the machine
+    # (even the reward scorers) would take their cores. The raylet reads this when it starts.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     # Logical CPUs: one per rank and role, so colocated and split placements both fit on a small machine.
     ray.init(
         num_cpus=max(os.cpu_count() or 1, world * roles_per_rank),

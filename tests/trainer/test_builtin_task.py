@@ -8,8 +8,8 @@ import os
 
 from hybridflow.data.builtin import builtin_base_model_path, ensure_builtin_task_files
 from hybridflow.trainer.config import load_config
-from hybridflow.trainer.main import run_training
-from hybridflow.trainer.make_base_model import greedy_accuracy, main
+from hybridflow.trainer.main import BUILTIN_PRESET, run_training
+from hybridflow.trainer.make_base_model import greedy_accuracy, heldout_accuracy, main
 
 
 def test_regenerating_the_base_model_writes_a_loadable_model(tmp_path):
@@ -25,16 +25,21 @@ def test_regenerating_the_base_model_writes_a_loadable_model(tmp_path):
 
 def test_shipped_base_is_competent_but_far_from_perfect():
     _, val = ensure_builtin_task_files()
-    acc = greedy_accuracy(builtin_base_model_path(), val)
-    assert 0.1 <= acc <= 0.5, acc
+    path = builtin_base_model_path()
+    # Greedy decoding shows what the base knows; sampling (the main job's held-out metric) shows how often it states
+    # a verifiable answer, which is what RL improves.
+    assert greedy_accuracy(path, val) >= 0.3
+    sampled = heldout_accuracy(path, val, greedy=False, n=4)
+    assert 0.15 <= sampled <= 0.45, sampled
 
 
 def test_grpo_raises_held_out_accuracy(ray_session, tmp_path):
     cfg = load_config([
-        "trainer.total_training_steps=25", f"trainer.default_local_dir={tmp_path}", "trainer.resume_mode=disable",
-        "trainer.test_freq=25", "trainer.logger=[jsonl]", "trainer.progress_bar=false", "data.val_max_samples=128",
-    ], preset=os.path.join(os.path.dirname(__file__), "..", "..", "hybridflow", "config", "arithmetic_grpo.yaml"))
+        "trainer.total_training_steps=30", f"trainer.default_local_dir={tmp_path}", "trainer.resume_mode=disable",
+        "trainer.test_freq=30", "trainer.save_freq=0", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
+        "data.val_max_samples=128",
+    ], preset=BUILTIN_PRESET)
     result = run_training(cfg, progress=False)
-    key = "val/hybridflow/arithmetic/mean@1"
+    key = "val/hybridflow/arithmetic/mean@4"
     before, after = result.initial_val[key], result.last_metrics[key]
-    assert after >= before + 0.08, (before, after)
+    assert after >= before + 0.10, (before, after)
