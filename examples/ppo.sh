@@ -9,11 +9,9 @@ exec .venv/bin/hybridflow train \
     algorithm.gamma=1.0 \
     algorithm.lam=0.95 \
     algorithm.use_kl_in_reward=true \
-    actor_rollout_ref.rollout.n=1 \
+    actor_rollout_ref.rollout.n=4 \
     data.train_batch_size=64 \
-    actor_rollout_ref.actor.ppo_mini_batch_size=16 \
-    actor_rollout_ref.actor.ppo_epochs=2 \
+    actor_rollout_ref.actor.ppo_mini_batch_size=32 \
     critic.optim.lr=1e-3 \
-    trainer.critic_warmup=2 \
     trainer.experiment_name=ppo \
     "$@"
