@@ -6,12 +6,12 @@ STAMP := $(VENV)/.hybridflow-installed
 
 .PHONY: setup demo test test-main test-vllm vllm-env lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU wheel first: a plain `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,tracking,plot]'
+	$(BIN)/pip install -q -e '.[test,tracking,plot,math]'
 	touch $(STAMP)
 
 setup: $(STAMP)
