@@ -180,7 +180,7 @@ class RewardModelConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     micro_batch_size_per_gpu: int = 16
     weight: float = 1.0  # rm score weight when combined with rule scores
-    reward_manager: str = "naive"
+    reward_manager: str = "naive"  # veRL's key; one reward manager (hybridflow.rewards.RewardManager) here
     overlong_buffer: OverlongBuffer = field(default_factory=OverlongBuffer)
     # rule-scoring workers
     num_workers: int = 2
@@ -206,7 +206,7 @@ class KLCtrlConfig:
 @dataclass
 class FilterGroupsConfig:
     enable: bool = False  # DAPO dynamic sampling
-    metric: str = "score"  # score | acc | seq_reward
+    metric: str = "score"  # veRL's key; groups are filtered on each response's sequence score (score/acc alike)
     max_num_gen_batches: int = 4  # 0 = unlimited
 
 
@@ -393,6 +393,10 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         errors.append("actor_rollout_ref.rollout.temperature must be > 0 when do_sample=true")
     if alg.filter_groups.enable and n < 2:
         errors.append("algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2 (groups of samples)")
+    if alg.filter_groups.metric not in ("score", "acc", "seq_reward", "seq_final_reward"):
+        errors.append(f"algorithm.filter_groups.metric={alg.filter_groups.metric!r}: choose score or acc")
+    if cfg.reward_model.reward_manager not in ("naive", "batch"):
+        errors.append(f"reward_model.reward_manager={cfg.reward_model.reward_manager!r}: hybridflow has one, 'naive'")
     if actor.recompute_old_log_prob not in ("auto", "always"):
         errors.append("actor_rollout_ref.actor.recompute_old_log_prob: choose auto or always")
     if t.fault_injection:

@@ -114,7 +114,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     rm = cfg.reward_model
     reward_fn = RewardManager(
         tokenizer, custom, num_workers=rm.num_workers, timeout_s=rm.timeout_s, failure_score=rm.failure_score,
-        max_failure_fraction=rm.max_failure_fraction, reward_fn_key=d.reward_fn_key,
+        max_failure_fraction=rm.max_failure_fraction, reward_fn_key=d.reward_fn_key, rm_score_weight=rm.weight,
     )
     need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
     roles = 1 + int(bool(cfg.critic.enable)) + int(rm.enable)
