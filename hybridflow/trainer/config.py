@@ -289,9 +289,12 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def load_config(overrides: list[str] | None = None, preset: str | None = None, validate: bool = True) -> HybridFlowConfig:
-    """Defaults <- optional YAML preset file <- dotted command-line overrides; then validated."""
-    base = OmegaConf.structured(HybridFlowConfig)
+def merge_overrides(schema: type, overrides: list[str] | None, preset: str | None = None, what: str = "config"):
+    """A typed config object: `schema`'s defaults <- optional YAML preset <- dotted `key=value` overrides.
+
+    Unknown keys fail with the closest valid ones; values are type-checked against the dataclasses.
+    """
+    base = OmegaConf.structured(schema)
     known = set(_all_keys(base))
     layers = []
     if preset:
@@ -304,17 +307,21 @@ def load_config(overrides: list[str] | None = None, preset: str | None = None, v
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.5)
             hint = f" Did you mean {' or '.join(close)}?" if close else ""
-            raise ConfigError(f"unknown config key {key!r}.{hint} (run `hybridflow train --print-config` for all keys)")
+            raise ConfigError(f"unknown {what} key {key!r}.{hint} (run `hybridflow train --print-config` for all keys)")
         layer = OmegaConf.create()
         OmegaConf.update(layer, key, value, force_add=True)
         layers.append(layer)
     try:
-        merged = OmegaConf.merge(base, *layers)
-        cfg = OmegaConf.to_object(merged)
+        return OmegaConf.to_object(OmegaConf.merge(base, *layers))
     except (ConfigKeyError, ConfigAttributeError) as e:
-        raise ConfigError(f"unknown config key: {e}") from None
+        raise ConfigError(f"unknown {what} key: {e}") from None
     except ValidationError as e:
-        raise ConfigError(f"invalid config value: {e}") from None
+        raise ConfigError(f"invalid {what} value: {e}") from None
+
+
+def load_config(overrides: list[str] | None = None, preset: str | None = None, validate: bool = True) -> HybridFlowConfig:
+    """Defaults <- optional YAML preset file <- dotted command-line overrides; then validated."""
+    cfg = merge_overrides(HybridFlowConfig, overrides, preset)
     if validate:
         validate_config(cfg)
     return cfg

@@ -294,7 +294,8 @@ class RLTrainer:
             is_last = self.global_step == total_steps
             if self.validator is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or is_last):
                 metrics.update(self.validator.run(self.global_step))
-            if self.sample_writer is not None and getattr(self, "last_texts", None) is not None:
+            writer = self.sample_writer
+            if writer is not None and self.global_step % writer.every_n_steps == 0:  # decode only when writing
                 self.write_samples()
             self.tracker.log(metrics, step=self.global_step)
             if self.progress is not None:

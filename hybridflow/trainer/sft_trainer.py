@@ -68,24 +68,9 @@ class SFTConfig:
 
 
 def load_sft_config(overrides: list[str]) -> SFTConfig:
-    import difflib
+    from hybridflow.trainer.config import merge_overrides
 
-    from omegaconf import OmegaConf
-
-    from hybridflow.trainer.config import _all_keys, _parse_override
-
-    base = OmegaConf.structured(SFTConfig)
-    known = set(_all_keys(base))
-    layers = []
-    for item in overrides:
-        key, value = _parse_override(item)
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.5)
-            raise ConfigError(f"unknown SFT config key {key!r}." + (f" Did you mean {' or '.join(close)}?" if close else ""))
-        layer = OmegaConf.create()
-        OmegaConf.update(layer, key, value, force_add=True)
-        layers.append(layer)
-    cfg = OmegaConf.to_object(OmegaConf.merge(base, *layers))
+    cfg = merge_overrides(SFTConfig, overrides, what="SFT config")
     if not cfg.data.train_files or not cfg.model.path:
         raise ConfigError("hybridflow sft needs data.train_files=... and model.path=...")
     return cfg
