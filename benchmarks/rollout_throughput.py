@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/rollout_throughput.py                 # batch 1/16/64/256, fp32 and bf16, hf + native
     .venv/bin/python benchmarks/rollout_throughput.py --quick         # batch 16/64 only, one repeat
     .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,vllm
+    .venv/bin/python benchmarks/rollout_throughput.py --dtypes fp32,int8   # int8: native engine, CPU
 
 Sampling at temperature 1 with the model's eos active: tokens/s counts the tokens actually generated (response_mask),
 and each configuration reports the best of --repeats runs after one warm-up call.
@@ -66,19 +67,30 @@ def measure(engine, prompts: DataProto, params: SamplingParams, repeats: int) ->
 def matmul_floor(size: str, dtype: str, batch: int, steps: int = 20) -> float:
     """New tokens/s if a decode step cost only its weight matmuls (q/k/v/o, MLP, lm_head) at this batch size.
 
-    No engine can beat this on the same device and dtype; it shows how much of a step is the model itself.
+    No engine can beat this on the same device and dtype; it shows how much of a step is the model itself. For int8
+    the layer matmuls are the packed int8 ones the native engine uses (the output head stays fp32, as there).
     """
     spec = SIZES[size]
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     h, inter = spec.hidden_size, spec.intermediate_size or 4 * spec.hidden_size
     kv = h // spec.num_heads * spec.num_kv_heads
     shapes = [(h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter)] * spec.num_layers + [(spec.vocab_size, h)]
-    weights = [torch.randn(o, i, dtype=torch_dtype, device=device.current_device()) for o, i in shapes]
+    weights = [torch.randn(o, i, dtype=torch_dtype, device=device.current_device()) * 0.02 for o, i in shapes]
     xs = {i: torch.randn(batch, i, dtype=torch_dtype, device=device.current_device()) for _, i in shapes}
+    if dtype == "int8":
+        from hybridflow.engines.rollout.int8_linear import int8_linear, pack_int8
 
-    def step():
-        for w in weights:
-            torch.nn.functional.linear(xs[w.shape[1]], w)
+        layers = [(w.shape[1], pack_int8(w, None)) for w in weights[:-1]]
+
+        def step():
+            for width, packed in layers:
+                int8_linear(xs[width], packed)
+            torch.nn.functional.linear(xs[h], weights[-1])
+    else:
+
+        def step():
+            for w in weights:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
 
     step()
     device.synchronize()
@@ -92,7 +104,7 @@ def matmul_floor(size: str, dtype: str, batch: int, steps: int = 20) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default="hf,native", help="comma-separated rollout engines (hf,native,vllm)")
-    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, int8 (native engine only)")
     parser.add_argument("--batch-sizes", default="1,16,64,256")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", default="16,32", help="min,max prompt length in tokens")

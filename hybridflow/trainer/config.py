@@ -124,7 +124,7 @@ class RolloutConfig:
     top_p: float = 1.0
     n: int = 1
     do_sample: bool = True
-    dtype: str = "fp32"  # fp32 | bf16
+    dtype: str = "fp32"  # fp32 | bf16 | int8 (native engine on CPU: int8 weights in the layer matmuls); vllm: fp16 too
     log_prob_micro_batch_size_per_gpu: int = 16
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
@@ -362,6 +362,11 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         errors.append(f"trainer.placement={t.placement!r}: choose 'colocate' or 'split'")
     if rollout.name not in ("native", "hf", "vllm"):
         errors.append(f"actor_rollout_ref.rollout.name={rollout.name!r}: choose native, hf or vllm")
+    if rollout.dtype == "int8" and rollout.name != "native":
+        errors.append(
+            f"actor_rollout_ref.rollout.dtype=int8 is the native engine's (CPU); with rollout.name={rollout.name} "
+            "choose fp32 or bf16, or set actor_rollout_ref.rollout.name=native"
+        )
     if n < 1:
         errors.append(f"actor_rollout_ref.rollout.n={n} must be >= 1")
     if d.truncation not in ("error", "left", "right"):

@@ -30,7 +30,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"unknown rollout dtype {dtype!r}; choose 'fp32' or 'bf16'")
+        hint = " ('int8' is the native engine's, on CPU)" if dtype == "int8" else ""
+        raise ValueError(f"rollout dtype {dtype!r} is not supported by this engine; choose 'fp32' or 'bf16'{hint}")
     return _DTYPES[dtype]
 
 

@@ -6,7 +6,11 @@ grouped-query attention, SwiGLU MLP) so fp32 greedy decoding picks the same toke
     into slices of them (``load``), so a weight update never rebuilds anything;
   * the KV cache is pre-allocated ``[rows, kv_heads, max_len, head_dim]`` per layer and written in place;
   * a decode step is 2-D ``[rows, hidden]`` end to end, and grouped-query attention runs without repeating K/V by
-    treating the query heads of one KV head as that head's query "positions".
+    treating the query heads of one KV head as that head's query "positions";
+  * decode attention is two batched matmuls and a softmax: for one query per row, torch's CPU flash-attention kernel
+    was 2-3x slower than that (measured at 64 rows);
+  * optionally (``int8=True``, CPU) the layer matmuls use int8 weights, re-packed lazily after a weight update
+    (int8_linear.py); embeddings, norms, attention, the KV cache and the output head stay in ``dtype``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from hybridflow.engines.rollout.int8_linear import check_int8_supported, int8_linear, pack_int8
 
 __all__ = ["DecoderShape", "KVCache", "NativeDecoder"]
 
@@ -93,15 +99,19 @@ def rotary_tables(config, head_dim: int, max_positions: int, device: torch.devic
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    """transformers' RMSNorm: normalise in fp32, cast back, then scale. torch's fused rms_norm gave bitwise-equal
+    fp32 results and ran 1.3x faster than the four-op form (measured at [64, 512])."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, x*cos + rotate_half(x)*sin, with rotate_half(x) = roll(x)*sign folded into signed_sin.
+
+    Bitwise equal to transformers' form: (-a)*b == a*(-b) in IEEE arithmetic.
+    """
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class KVCache:
@@ -122,8 +132,12 @@ class KVCache:
 class NativeDecoder:
     """Weights of one Qwen2/Llama checkpoint in fused, generation-friendly tensors, plus prefill and decode steps."""
 
-    def __init__(self, config, dtype: torch.dtype, device: torch.device, max_positions: int):
+    def __init__(self, config, dtype: torch.dtype, device: torch.device, max_positions: int, int8: bool = False):
         self.shape = s = DecoderShape.from_config(config)
+        if int8:
+            check_int8_supported(device)
+        self.int8 = int8
+        self._packed: list[dict] | None = None  # int8 weights per layer; None = (re)build before the next forward
         self.dtype, self.device = dtype, device
         self.q_size = s.num_heads * s.head_dim
         self.kv_size = s.num_kv_heads * s.head_dim
@@ -151,7 +165,9 @@ class NativeDecoder:
                 }
             )
         cos, sin = rotary_tables(config, s.head_dim, max_positions, device)
-        self.cos, self.sin = cos.to(dtype), sin.to(dtype)  # HF casts cos/sin to the activation dtype
+        half = s.head_dim // 2
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.cos, self.sin = cos.to(dtype), signed_sin.to(dtype)  # HF casts cos/sin to the activation dtype
         self.max_positions = max_positions
 
     # ------------------------------------------------------------------ weights
@@ -230,13 +246,28 @@ class NativeDecoder:
                 "(is the update from a different model size?)"
             )
         slot.copy_(tensor.detach())
+        self._packed = None
         return True
 
+    def _pack_all(self) -> list[dict]:
+        return [
+            {name: pack_int8(layer[f"w_{name}"], layer[f"b_{name}"]) for name in ("qkv", "o", "gate_up", "down")}
+            for layer in self.layers
+        ]
+
+    def _linear(self, li: int, name: str, x: torch.Tensor) -> torch.Tensor:
+        """One of layer li's projections ('qkv', 'o', 'gate_up', 'down') applied to x [..., in]."""
+        if self.int8:
+            if self._packed is None:
+                self._packed = self._pack_all()
+            return int8_linear(x, self._packed[li][name])
+        layer = self.layers[li]
+        return F.linear(x, layer[f"w_{name}"], layer[f"b_{name}"])
+
     # ------------------------------------------------------------------ forward
-    def _mlp(self, layer: dict, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, layer["w_gate_up"], layer["b_gate_up"])
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer["w_down"], layer["b_down"])
+    def _mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self._linear(li, "gate_up", x).chunk(2, dim=-1)
+        return self._linear(li, "down", F.silu(gate).mul_(up))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(_rms_norm(h, self.norm, self.shape.rms_norm_eps), self.lm_head).float()
@@ -260,7 +291,7 @@ class NativeDecoder:
         x = F.embedding(input_ids, self.embed)
         for li, layer in enumerate(self.layers):
             h = _rms_norm(x, layer["input_layernorm"], s.rms_norm_eps)
-            qkv = F.linear(h, layer["w_qkv"], layer["b_qkv"])
+            qkv = self._linear(li, "qkv", h)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = _rotate(q.view(B, P, s.num_heads, s.head_dim).transpose(1, 2), cos, sin)
             k = _rotate(k.view(B, P, s.num_kv_heads, s.head_dim).transpose(1, 2), cos, sin)
@@ -271,8 +302,8 @@ class NativeDecoder:
                 q, k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), attn_mask=mask, scale=s.head_dim**-0.5
             )
             attn = attn.transpose(1, 2).reshape(B, P, self.q_size)
-            x = x + F.linear(attn, layer["w_o"], layer["b_o"])
-            x = x + self._mlp(layer, _rms_norm(x, layer["post_attention_layernorm"], s.rms_norm_eps))
+            x = x + self._linear(li, "o", attn)
+            x = x + self._mlp(li, _rms_norm(x, layer["post_attention_layernorm"], s.rms_norm_eps))
         return self._logits(x[:, -1])
 
     def decode(
@@ -286,26 +317,28 @@ class NativeDecoder:
         rows = tokens.shape[0]
         G = s.num_heads // s.num_kv_heads
         length = column + 1
-        mask = key_valid[:rows, None, None, :length]  # [rows, 1, 1, length]
+        heads = s.num_heads + s.num_kv_heads  # q and k heads, rotated together
+        # Attention runs as [rows * kv_heads] batched matmuls: the G query heads that share a KV head act as G query
+        # positions of that head, so K/V are never repeated. Additive mask: 0 for a real key, -inf for left padding
+        # (a row's own key is always real); built once per step, shared by the layers.
+        bias = torch.zeros(rows, s.num_kv_heads, G, length, dtype=self.dtype, device=tokens.device)
+        bias.masked_fill_(~key_valid[:rows, None, None, :length], float("-inf"))
+        bias = bias.view(rows * s.num_kv_heads, G, length)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [rows, 1, D]
         x = F.embedding(tokens, self.embed)
         for li, layer in enumerate(self.layers):
             h = _rms_norm(x, layer["input_layernorm"], s.rms_norm_eps)
-            qkv = F.linear(h, layer["w_qkv"], layer["b_qkv"])
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = _rotate(q.view(rows, s.num_heads, s.head_dim), cos, sin)
-            k = _rotate(k.view(rows, s.num_kv_heads, s.head_dim), cos, sin)
+            qkv = self._linear(li, "qkv", h)
+            qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(rows, heads, s.head_dim), cos, sin)
             keys, values = cache.keys[li], cache.values[li]
-            keys[:rows, :, column] = k
-            values[:rows, :, column] = v.view(rows, s.num_kv_heads, s.head_dim)
-            # the G query heads that share a KV head act as G query positions of that head: no K/V repeat needed
-            attn = F.scaled_dot_product_attention(
-                q.view(rows, s.num_kv_heads, G, s.head_dim),
-                keys[:rows, :, :length],
-                values[:rows, :, :length],
-                attn_mask=mask,
-                scale=s.head_dim**-0.5,
-            )
-            x = x + F.linear(attn.reshape(rows, self.q_size), layer["w_o"], layer["b_o"])
-            x = x + self._mlp(layer, _rms_norm(x, layer["post_attention_layernorm"], s.rms_norm_eps))
+            keys[:rows, :, column] = qk[:, s.num_heads :]
+            values[:rows, :, column] = qkv[:, self.q_size + self.kv_size :].view(rows, s.num_kv_heads, s.head_dim)
+            q = qk[:, : s.num_heads].reshape(rows * s.num_kv_heads, G, s.head_dim)
+            k = keys[:rows, :, :length].reshape(rows * s.num_kv_heads, length, s.head_dim)  # a view, no copy
+            v = values[:rows, :, :length].reshape(rows * s.num_kv_heads, length, s.head_dim)
+            scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=s.head_dim**-0.5)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+            attn = torch.bmm(probs, v)  # [rows * kv_heads, G, head_dim]
+            x = x + self._linear(li, "o", attn.view(rows, self.q_size))
+            x = x + self._mlp(li, _rms_norm(x, layer["post_attention_layernorm"], s.rms_norm_eps))
         return self._logits(x)

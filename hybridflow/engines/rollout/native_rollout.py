@@ -70,7 +70,9 @@ class NativeRollout(RolloutEngine):
         hf_device.set_num_threads(num_threads)
         self.model_path = model_path
         self.device = hf_device.current_device()
-        self.dtype = resolve_dtype(dtype)
+        # 'int8': int8 weights in the layer matmuls, everything else in fp32 (see int8_linear.py)
+        self.int8 = dtype == "int8"
+        self.dtype = torch.float32 if self.int8 else resolve_dtype(dtype)
         warn_if_slow_bf16(self.dtype, self.device)
         self.config = AutoConfig.from_pretrained(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -82,7 +84,7 @@ class NativeRollout(RolloutEngine):
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
         self.compact_fraction = float(compact_fraction)
         self._seed_source = torch.Generator().manual_seed(int(seed))
-        self.model = NativeDecoder(self.config, self.dtype, self.device, self.max_model_len)
+        self.model = NativeDecoder(self.config, self.dtype, self.device, self.max_model_len, int8=self.int8)
         loaded = {name for name, tensor in iter_checkpoint_tensors(model_path) if self.model.load(name, tensor)}
         missing = sorted(self.model.expected_names() - loaded)
         if missing:
