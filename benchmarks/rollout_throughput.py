@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/rollout_throughput.py --quick         # batch 16/64 only, one repeat
     .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,vllm
     .venv/bin/python benchmarks/rollout_throughput.py --dtypes fp32,int8   # int8: native engine, CPU
+    .venv/bin/python benchmarks/rollout_throughput.py --n 8 --prompt-len 240,256 --batch-sizes 64   # GRPO-like
 
 Sampling at temperature 1 with the model's eos active: tokens/s counts the tokens actually generated (response_mask),
 and each configuration reports the best of --repeats runs after one warm-up call.
@@ -108,6 +109,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,16,64,256")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", default="16,32", help="min,max prompt length in tokens")
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt: each batch is batch/n prompts x n samples")
     parser.add_argument("--size", default="mid", choices=sorted(SIZES))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
@@ -131,10 +133,12 @@ def main() -> None:
                 except (ImportError, ValueError) as err:
                     errors[f"{backend}/{dtype}"] = str(err)
                     continue
-                params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
+                params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.n)
                 engine.generate(make_prompts(engine.tokenizer, 4, min_len, max_len, seed=99), params)  # warm-up
                 for batch in batch_sizes:
-                    prompts = make_prompts(engine.tokenizer, batch, min_len, max_len, seed=batch)
+                    if batch % args.n:
+                        raise SystemExit(f"--batch-sizes: {batch} rows is not a multiple of --n {args.n}")
+                    prompts = make_prompts(engine.tokenizer, batch // args.n, min_len, max_len, seed=batch)
                     row = {"backend": backend, "dtype": dtype, "batch": batch}
                     row.update(measure(engine, prompts, params, args.repeats))
                     results.append(row)
@@ -181,6 +185,7 @@ def main() -> None:
             "batch_sizes": batch_sizes,
             "new_tokens": args.new_tokens,
             "prompt_len": [min_len, max_len],
+            "samples_per_prompt": args.n,
             "repeats": args.repeats,
             "quick": args.quick,
             "sampling": "temperature 1.0, eos active; new tokens counted from response_mask",

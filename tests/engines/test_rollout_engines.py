@@ -163,6 +163,24 @@ def test_rollout_log_probs_match_a_forward_pass(engines, qwen_path, name):
     assert stats["mismatch/max_abs"] <= 1e-4, stats
 
 
+@pytest.mark.parametrize("n", [1, 4])
+def test_shared_prompt_kv_when_samples_finish_at_different_steps(engines, qwen_path, n):
+    """Each prompt's K/V is stored once for its n samples. When some of a prompt's samples stop (vowels are stop
+    tokens here) the running rows are compacted and regrouped; every later token must still see exactly its own
+    prompt and its own earlier tokens, so its log-prob equals a plain forward pass."""
+    tokenizer = engines["native"].tokenizer
+    stop = [int(t) for t in tokenizer.convert_tokens_to_ids(list("aeiou"))]
+    params = SamplingParams(temperature=1.0, n=n, max_new_tokens=16, seed=3, stop_token_ids=stop)
+    out = engines["native"].generate(make_prompts(tokenizer), params)
+    lengths = out.batch["response_mask"].sum(-1).view(len(PROMPTS), n)
+    assert int(lengths.max()) > 4 and int(lengths.min()) < int(lengths.max()), "rows must stop at different steps"
+    if n > 1:
+        assert (lengths.min(1).values < lengths.max(1).values).any(), "some prompt's samples must stop apart"
+    train = forward_log_probs(qwen_path, out, 1.0)
+    stats = logprob_mismatch(out.batch["rollout_log_probs"], train, out.batch["response_mask"])
+    assert stats["mismatch/max_abs"] <= 1e-4 and stats["mismatch/mean_abs"] <= 1e-5, stats
+
+
 def test_bf16_native_mismatch_is_reported_and_small(qwen_path):
     engine = create_rollout_engine("native", qwen_path, dtype="bf16", num_threads=1)
     out = engine.generate(make_prompts(engine.tokenizer), SamplingParams(n=2, max_new_tokens=16, seed=2))

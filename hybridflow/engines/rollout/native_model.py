@@ -4,10 +4,10 @@ Same arithmetic as transformers' modeling_qwen2 / modeling_llama (RMSNorm in fp3
 grouped-query attention, SwiGLU MLP) so fp32 greedy decoding picks the same tokens. Differences are for speed:
   * q/k/v projections are one fused matrix ``w_qkv`` and gate/up one ``w_gate_up``; incoming HF tensors are copied
     into slices of them (``load``), so a weight update never rebuilds anything;
-  * the KV cache is pre-allocated ``[rows, kv_heads, max_len, head_dim]`` per layer and written in place;
-  * a decode step is 2-D ``[rows, hidden]`` end to end, and grouped-query attention runs without repeating K/V by
-    treating the query heads of one KV head as that head's query "positions";
-  * decode attention is two batched matmuls and a softmax: for one query per row, torch's CPU flash-attention kernel
+  * the KV cache is pre-allocated and written in place, each prompt's part stored once for its n samples
+    (kv_cache.py, which also holds the decode attention);
+  * a decode step is 2-D ``[rows, hidden]`` end to end;
+  * decode attention is batched matmuls and one softmax: for one query per row, torch's CPU flash-attention kernel
     was 2-3x slower than that (measured at 64 rows);
   * optionally (``int8=True``, CPU) the layer matmuls use int8 weights, re-packed lazily after a weight update
     (int8_linear.py); embeddings, norms, attention, the KV cache and the output head stay in ``dtype``.
@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.engines.rollout.int8_linear import check_int8_supported, int8_linear, pack_int8
+from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows, attention_bias, decode_attention
 
-__all__ = ["DecoderShape", "KVCache", "NativeDecoder"]
+__all__ = ["DecoderShape", "NativeDecoder"]
 
 SUPPORTED_ARCHITECTURES = ("qwen2", "llama")
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -112,21 +113,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     Bitwise equal to transformers' form: (-a)*b == a*(-b) in IEEE arithmetic.
     """
     return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin)
-
-
-class KVCache:
-    """Pre-allocated keys and values: per layer ``[rows, kv_heads, max_len, head_dim]``, written in place."""
-
-    def __init__(self, shape: DecoderShape, rows: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        size = (rows, shape.num_kv_heads, max_len, shape.head_dim)
-        self.keys = [torch.empty(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        self.values = [torch.empty(size, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-
-    def compact(self, keep: torch.Tensor, length: int) -> None:
-        """Move rows `keep` [m] to the front (first `length` positions only): finished rows leave the batch."""
-        m = keep.numel()
-        for cache in (*self.keys, *self.values):
-            cache[:m, :, :length] = cache[keep, :, :length]
 
 
 class NativeDecoder:
@@ -273,9 +259,9 @@ class NativeDecoder:
         return F.linear(_rms_norm(h, self.norm, self.shape.rms_norm_eps), self.lm_head).float()
 
     def prefill(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache: KVCache, n: int
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
-        """Run the unique prompts [B, P] once; write their K/V into cache rows i*n .. i*n+n-1 (positions 0..P-1).
+        """Run the unique prompts [B, P] once and write their K/V into the cache's prompt part (shared by samples).
 
         Returns fp32 logits of the last prompt position [B, V].
         """
@@ -296,8 +282,7 @@ class NativeDecoder:
             q = _rotate(q.view(B, P, s.num_heads, s.head_dim).transpose(1, 2), cos, sin)
             k = _rotate(k.view(B, P, s.num_kv_heads, s.head_dim).transpose(1, 2), cos, sin)
             v = v.view(B, P, s.num_kv_heads, s.head_dim).transpose(1, 2)
-            cache.keys[li][: B * n, :, :P] = k.repeat_interleave(n, dim=0)
-            cache.values[li][: B * n, :, :P] = v.repeat_interleave(n, dim=0)
+            cache.write_prompts(li, k, v)
             attn = F.scaled_dot_product_attention(
                 q, k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), attn_mask=mask, scale=s.head_dim**-0.5
             )
@@ -307,38 +292,27 @@ class NativeDecoder:
         return self._logits(x[:, -1])
 
     def decode(
-        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, key_valid: torch.Tensor, column: int
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: RunningRows,
+        prompt_bias: torch.Tensor, column: int
     ) -> torch.Tensor:
-        """One step for the first `rows` cache rows. tokens, positions [rows]; key_valid [rows, >column] bool.
-
-        Writes the new K/V at cache position `column` and returns fp32 logits [rows, V].
+        """One step for the running rows. tokens, positions [rows]; prompt_bias [rows, P] (0, or -inf at the prompt's
+        left padding). Writes the K/V of generated token `column` and returns fp32 logits [rows, V].
         """
         s = self.shape
-        rows = tokens.shape[0]
+        n_rows = tokens.shape[0]
         G = s.num_heads // s.num_kv_heads
-        length = column + 1
         heads = s.num_heads + s.num_kv_heads  # q and k heads, rotated together
-        # Attention runs as [rows * kv_heads] batched matmuls: the G query heads that share a KV head act as G query
-        # positions of that head, so K/V are never repeated. Additive mask: 0 for a real key, -inf for left padding
-        # (a row's own key is always real); built once per step, shared by the layers.
-        bias = torch.zeros(rows, s.num_kv_heads, G, length, dtype=self.dtype, device=tokens.device)
-        bias.masked_fill_(~key_valid[:rows, None, None, :length], float("-inf"))
-        bias = bias.view(rows * s.num_kv_heads, G, length)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [rows, 1, D]
+        bias = attention_bias(cache, prompt_bias, column + 1)
         x = F.embedding(tokens, self.embed)
         for li, layer in enumerate(self.layers):
             h = _rms_norm(x, layer["input_layernorm"], s.rms_norm_eps)
             qkv = self._linear(li, "qkv", h)
-            qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(rows, heads, s.head_dim), cos, sin)
-            keys, values = cache.keys[li], cache.values[li]
-            keys[:rows, :, column] = qk[:, s.num_heads :]
-            values[:rows, :, column] = qkv[:, self.q_size + self.kv_size :].view(rows, s.num_kv_heads, s.head_dim)
-            q = qk[:, : s.num_heads].reshape(rows * s.num_kv_heads, G, s.head_dim)
-            k = keys[:rows, :, :length].reshape(rows * s.num_kv_heads, length, s.head_dim)  # a view, no copy
-            v = values[:rows, :, :length].reshape(rows * s.num_kv_heads, length, s.head_dim)
-            scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=s.head_dim**-0.5)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
-            attn = torch.bmm(probs, v)  # [rows * kv_heads, G, head_dim]
-            x = x + self._linear(li, "o", attn.view(rows, self.q_size))
+            qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(n_rows, heads, s.head_dim), cos, sin)
+            v = qkv[:, self.q_size + self.kv_size :].view(n_rows, s.num_kv_heads, s.head_dim)
+            cache.write_token(li, column, qk[:, s.num_heads :], v)
+            q = qk[:, : s.num_heads].view(n_rows, s.num_kv_heads, G, s.head_dim)
+            attn = decode_attention(q, cache, li, rows, bias, column + 1, s.head_dim**-0.5)
+            x = x + self._linear(li, "o", attn.reshape(n_rows, self.q_size))
             x = x + self._mlp(li, _rms_norm(x, layer["post_attention_layernorm"], s.rms_norm_eps))
         return self._logits(x)

@@ -1,8 +1,8 @@
 """The native rollout engine: our own batched decoder loop around NativeDecoder (Qwen2 / Llama checkpoints).
 
 One ``generate`` call:
-  1. prefill the B unique prompts once; their K/V are written into the n cache rows of their samples;
-  2. decode all B*n rows together, one token per step, into a KV cache allocated once for P + max_new_tokens;
+  1. prefill the B unique prompts once; their K/V are stored once, shared by their n samples (kv_cache.py);
+  2. decode all B*n rows together, one token per step, into a KV cache allocated once for max_new_tokens;
   3. rows that hit eos / a stop token are dropped from the running batch: once enough have finished, the live rows
      are moved to the front of the cache (``compact_fraction`` trades copy cost against computing dead rows).
 Sampling and per-row random streams are in sampling.py; the output layout is built by layout.py.
@@ -19,6 +19,7 @@ import torch
 
 from hybridflow import device as hf_device
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
+from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows
 from hybridflow.engines.rollout.layout import (
     assemble_output,
     read_prompts,
@@ -26,7 +27,7 @@ from hybridflow.engines.rollout.layout import (
     special_token_ids,
     warn_if_slow_bf16,
 )
-from hybridflow.engines.rollout.native_model import KVCache, NativeDecoder
+from hybridflow.engines.rollout.native_model import NativeDecoder
 from hybridflow.engines.rollout.sampling import row_keys, sample_tokens
 from hybridflow.protocol import DataProto
 
@@ -127,10 +128,14 @@ class NativeRollout(RolloutEngine):
         if not params.greedy:
             keys = row_keys(self._call_seed(params), row_index // n, row_index % n)
 
-        cache = KVCache(self.model.shape, rows, P + max_new, self.dtype, self.device)
-        key_valid = torch.ones(rows, P + max_new, dtype=torch.bool, device=self.device)
-        key_valid[:, :P] = mask.bool().repeat_interleave(n, dim=0)
-        logits = self.model.prefill(ids, pos, mask, cache, n).repeat_interleave(n, dim=0)
+        shape = self.model.shape
+        cache = KVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, prompts=B, prompt_len=P, n=n,
+                        max_new=max_new, dtype=self.dtype, device=self.device)
+        # additive mask of each prompt slot's keys: 0, or -inf at left padding
+        prompt_bias = torch.zeros(B, P, dtype=self.dtype, device=self.device)
+        prompt_bias.masked_fill_(~mask.bool(), float("-inf"))
+        running = RunningRows(prompt_index=row_index // n, sample_index=row_index % n, n=n)
+        logits = self.model.prefill(ids, pos, mask, cache).repeat_interleave(n, dim=0)
         positions = pos[:, -1].repeat_interleave(n) + 1
 
         tokens_out = torch.full((rows, max_new), self.pad_token_id, dtype=torch.long, device=self.device)
@@ -158,10 +163,13 @@ class NativeRollout(RolloutEngine):
                 break
             if n_done and n_done >= self.compact_fraction * done.numel():
                 keep = (~done).nonzero().squeeze(-1)
-                cache.compact(keep, P + step)
-                key_valid[: keep.numel()] = key_valid[keep]
+                cache.compact(keep, step)
+                # a prompt's samples may finish at different steps: shared prompt K/V is found by index from now on
+                running = RunningRows(running.prompt_index[keep], running.sample_index[keep], n, grouped=False)
                 row_index, positions, tokens, done = row_index[keep], positions[keep], tokens[keep], done[keep]
                 keys = keys[keep] if keys is not None else None
-            logits = self.model.decode(tokens, positions, cache, key_valid, column=P + step)
+            logits = self.model.decode(
+                tokens, positions, cache, running, prompt_bias[running.prompt_index], column=step
+            )
             positions = positions + 1
         return assemble_output(prompts, read, tokens_out, lengths, log_probs_out, n, self.pad_token_id)

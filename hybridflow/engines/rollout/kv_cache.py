@@ -1,0 +1,143 @@
+"""The native rollout's KV cache, with each prompt's keys and values stored once for all of its n samples.
+
+Layout, per layer, allocated once per ``generate`` call and written in place:
+  * n > 1 (``shared``): a prompt part ``[prompts, kv_heads, P, head_dim]`` filled by the prefill, one copy per unique
+    prompt, and a generated part ``[rows, kv_heads, max_new, head_dim]``, one slot per running sample;
+  * n == 1: one part ``[rows, kv_heads, P + max_new, head_dim]``: there is nothing to share, and one segment costs two
+    fewer matmuls per layer.
+Rows are compacted (moved to the front) as samples finish.
+
+Decode attention (``decode_attention``) scores a row's query against its prompt's keys and its own generated keys and
+takes one softmax over both. For the shared prompt part the running rows are regrouped by prompt, so each prompt's
+keys are read once per step for all of its samples instead of once per sample: with GRPO's n = 8 and long prompts
+this is most of the attention's memory traffic (and n times less cache memory).
+
+The G query heads that share a KV head act as G query positions of that head, so K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["KVCache", "RunningRows", "attention_bias", "decode_attention"]
+
+
+class KVCache:
+    """Keys and values of one generate() call; see the module docstring for the two layouts."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, *, prompts: int, prompt_len: int, n: int,
+                 max_new: int, dtype: torch.dtype, device: torch.device):
+        def alloc(batch: int, length: int) -> list[torch.Tensor]:
+            return [torch.empty(batch, kv_heads, length, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        self.shared = n > 1
+        self.prompt_len = prompt_len
+        self.kv_heads = kv_heads
+        if self.shared:
+            self.prompt_keys, self.prompt_values = alloc(prompts, prompt_len), alloc(prompts, prompt_len)
+            self.keys, self.values = alloc(prompts * n, max_new), alloc(prompts * n, max_new)
+        else:
+            self.keys, self.values = alloc(prompts, prompt_len + max_new), alloc(prompts, prompt_len + max_new)
+        # where generated token t of a row is stored along the length axis of self.keys / self.values
+        self.offset = 0 if self.shared else prompt_len
+
+    def write_prompts(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The prefill's K/V [prompts, kv_heads, P, head_dim] of one layer."""
+        if self.shared:
+            self.prompt_keys[layer][: keys.shape[0]] = keys
+            self.prompt_values[layer][: keys.shape[0]] = values
+        else:
+            self.keys[layer][: keys.shape[0], :, : self.prompt_len] = keys
+            self.values[layer][: keys.shape[0], :, : self.prompt_len] = values
+
+    def write_token(self, layer: int, column: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """K/V [rows, kv_heads, head_dim] of generated token `column` of the running rows."""
+        rows = keys.shape[0]
+        self.keys[layer][:rows, :, self.offset + column] = keys
+        self.values[layer][:rows, :, self.offset + column] = values
+
+    def compact(self, keep: torch.Tensor, generated: int) -> None:
+        """Move rows `keep` [m] to the front (their prompt, if not shared, and first `generated` tokens)."""
+        m, length = keep.numel(), self.offset + generated
+        for cache in (*self.keys, *self.values):
+            cache[:m, :, :length] = cache[keep, :, :length]
+
+
+@dataclass
+class RunningRows:
+    """Which prompt slot and sample each running row is.
+
+    ``grouped``: the rows are exactly prompt-major ``[rows // n, n]`` (true until the first compaction), so regrouping
+    them by prompt is a reshape instead of a scatter.
+    """
+
+    prompt_index: torch.Tensor  # [rows] prompt slot of each row
+    sample_index: torch.Tensor  # [rows] sample number of each row within its prompt
+    n: int
+    grouped: bool = True
+
+
+def _by_prompt(x: torch.Tensor, rows: RunningRows, prompts: int) -> torch.Tensor:
+    """[rows, kv, G, F] -> [prompts, kv, n*G, F]: each prompt's samples side by side (zeros for absent samples)."""
+    r, kv, G, F = x.shape
+    if rows.grouped:
+        grouped = x.reshape(r // rows.n, rows.n, kv, G, F)
+    else:
+        grouped = x.new_zeros(prompts, rows.n, kv, G, F)
+        grouped[rows.prompt_index, rows.sample_index] = x
+    return grouped.transpose(1, 2).reshape(grouped.shape[0], kv, rows.n * G, F)
+
+
+def _by_row(x: torch.Tensor, rows: RunningRows, G: int) -> torch.Tensor:
+    """Inverse of _by_prompt: [prompts, kv, n*G, F] -> [rows, kv, G, F]."""
+    p, kv, _, F = x.shape
+    grouped = x.view(p, kv, rows.n, G, F)
+    if rows.grouped:
+        return grouped.transpose(1, 2).reshape(p * rows.n, kv, G, F)
+    return grouped[rows.prompt_index, :, rows.sample_index]  # advanced indices around a slice: [rows, kv, G, F]
+
+
+def decode_attention(q: torch.Tensor, cache: KVCache, layer: int, rows: RunningRows, bias: torch.Tensor,
+                     length: int, scale: float) -> torch.Tensor:
+    """One decode step of attention over the row's prompt and its first `length` generated tokens.
+
+    q [rows, kv, G, D]; bias: the additive mask from ``attention_bias``. Returns [rows, kv, G, D].
+    """
+    r, kv, G, D = q.shape
+    if not cache.shared:
+        end = cache.offset + length
+        scores = torch.baddbmm(
+            bias,
+            q.reshape(r * kv, G, D),
+            cache.keys[layer][:r, :, :end].reshape(r * kv, end, D).transpose(1, 2),  # a view, no copy
+            alpha=scale,
+        )
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs, cache.values[layer][:r, :, :end].reshape(r * kv, end, D)).view(r, kv, G, D)
+    P = cache.prompt_len
+    prompts = r // rows.n if rows.grouped else cache.prompt_keys[layer].shape[0]
+    prompt_keys = cache.prompt_keys[layer][:prompts]
+    prompt_values = cache.prompt_values[layer][:prompts]
+    q = q * scale
+    prompt_scores = _by_row(torch.matmul(_by_prompt(q, rows, prompts), prompt_keys.transpose(-1, -2)), rows, G)
+    own_scores = torch.matmul(q, cache.keys[layer][:r, :, :length].transpose(-1, -2))  # every generated key is real
+    scores = torch.cat((prompt_scores + bias, own_scores), dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    prompt_probs, own_probs = probs.split((P, length), dim=-1)
+    out = torch.matmul(own_probs, cache.values[layer][:r, :, :length])
+    return out + _by_row(torch.matmul(_by_prompt(prompt_probs, rows, prompts), prompt_values), rows, G)
+
+
+def attention_bias(cache: KVCache, prompt_bias: torch.Tensor, length: int) -> torch.Tensor:
+    """decode_attention's additive mask from the rows' prompt masks [rows, P] (0, or -inf at left padding).
+
+    Shared layout: [rows, 1, 1, P] over the prompt keys. Otherwise [rows * kv_heads, 1, P + length] over prompt and
+    generated keys (generated keys are always real). Built once per decode step and shared by the layers.
+    """
+    if cache.shared:
+        return prompt_bias[:, None, None, :]
+    rows = prompt_bias.shape[0]
+    bias = torch.nn.functional.pad(prompt_bias, (0, length))
+    return bias[:, None, :].expand(rows, cache.kv_heads, bias.shape[1]).reshape(rows * cache.kv_heads, 1, -1)
