@@ -2,7 +2,7 @@
 
 One ``generate`` call:
   1. prefill the B unique prompts once; their K/V are stored once, shared by their n samples (kv_cache.py);
-  2. decode all B*n rows together, one token per step, into a KV cache allocated once for max_new_tokens;
+  2. decode all B*n rows together, one token per step, into a KV cache allocated once per call;
   3. rows that hit eos / a stop token are dropped from the running batch: once enough have finished, the live rows
      are moved to the front of the cache (``compact_fraction`` trades copy cost against computing dead rows).
 Sampling and per-row random streams are in sampling.py; the output layout is built by layout.py.
@@ -135,6 +135,7 @@ class NativeRollout(RolloutEngine):
         prompt_bias = torch.zeros(B, P, dtype=self.dtype, device=self.device)
         prompt_bias.masked_fill_(~mask.bool(), float("-inf"))
         running = RunningRows(prompt_index=row_index // n, sample_index=row_index % n, n=n)
+        row_bias = prompt_bias[running.prompt_index]  # [rows, P], follows the rows through compaction
         logits = self.model.prefill(ids, pos, mask, cache).repeat_interleave(n, dim=0)
         positions = pos[:, -1].repeat_interleave(n) + 1
 
@@ -167,9 +168,8 @@ class NativeRollout(RolloutEngine):
                 # a prompt's samples may finish at different steps: shared prompt K/V is found by index from now on
                 running = RunningRows(running.prompt_index[keep], running.sample_index[keep], n, grouped=False)
                 row_index, positions, tokens, done = row_index[keep], positions[keep], tokens[keep], done[keep]
+                row_bias = row_bias[keep]
                 keys = keys[keep] if keys is not None else None
-            logits = self.model.decode(
-                tokens, positions, cache, running, prompt_bias[running.prompt_index], column=step
-            )
+            logits = self.model.decode(tokens, positions, cache, running, row_bias, column=step)
             positions = positions + 1
         return assemble_output(prompts, read, tokens_out, lengths, log_probs_out, n, self.pad_token_id)

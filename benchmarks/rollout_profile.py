@@ -1,0 +1,131 @@
+"""Where a native decode step goes, as one JSON document: the numbers behind docs/benchmarks.md's rollout analysis.
+
+    .venv/bin/python benchmarks/rollout_profile.py                      # int8 and fp32, 64 prompts x 1 sample
+    .venv/bin/python benchmarks/rollout_profile.py --dtypes fp32 --batch 16
+
+For each dtype, on the mid model with the prompts of rollout_throughput.py:
+  * new tokens/s of hf (fp32) and native, best of --repeats generate calls;
+  * the share of torch.profiler self-CPU time per group of ops in one generate call: layer matmuls, decode attention
+    matmuls, everything else;
+  * seconds per decode step spent inside the layer matmuls (timed around NativeDecoder._linear), next to the same
+    matmuls run alone (rollout_throughput.py's matmul floor);
+  * a diagnostic: native tokens/s with the decode attention matmuls replaced by zeros of the right shape (wrong
+    outputs, same shapes), i.e. the throughput if attention were free. It bounds what a faster attention could give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.rollout_throughput import git_commit, make_prompts, matmul_floor
+from hybridflow import device
+from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
+from hybridflow.engines.tiny import write_tiny_model
+
+GROUPS = {
+    "layer_matmuls": ("aten::mm", "aten::addmm", "quantized::linear_dynamic"),
+    "attention_matmuls": ("aten::bmm", "aten::baddbmm"),
+}
+
+
+def tokens_per_s(engine, prompts, params, repeats: int) -> float:
+    engine.generate(prompts, params)  # warm-up
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = engine.generate(prompts, params)
+        best = max(best, int(out.batch["response_mask"].sum()) / (time.perf_counter() - start))
+    return round(best, 1)
+
+
+def profile_shares(engine, prompts, params) -> dict:
+    from torch.profiler import profile
+
+    with profile() as prof:
+        engine.generate(prompts, params)
+    totals = defaultdict(float)
+    for event in prof.key_averages():
+        group = next((g for g, names in GROUPS.items() if event.key in names), "other")
+        totals[group] += event.self_cpu_time_total
+    whole = sum(totals.values())
+    return {group: round(t / whole, 3) for group, t in sorted(totals.items())}
+
+
+def matmul_seconds_per_step(engine, prompts, params) -> float:
+    decoder = engine.model
+    original, spent = decoder._linear, [0.0]
+
+    def timed(li, name, x):
+        start = time.perf_counter()
+        out = original(li, name, x)
+        spent[0] += time.perf_counter() - start
+        return out
+
+    decoder._linear = timed
+    try:
+        engine.generate(prompts, params)
+    finally:
+        del decoder._linear  # back to the class's method
+    return round(spent[0] / params.max_new_tokens, 4)
+
+
+def without_attention(engine, prompts, params, repeats: int) -> float:
+    real_bmm, real_baddbmm = torch.bmm, torch.baddbmm
+    torch.bmm = lambda a, b: a.new_zeros(a.shape[0], a.shape[1], b.shape[2])
+    torch.baddbmm = lambda bias, a, b, alpha=1.0: a.new_zeros(a.shape[0], a.shape[1], b.shape[2])
+    try:
+        return tokens_per_s(engine, prompts, params, repeats)
+    finally:
+        torch.bmm, torch.baddbmm = real_bmm, real_baddbmm
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default="int8,fp32")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    device.set_num_threads(args.threads)
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_tiny_model(os.path.join(tmp, "mid"), "mid", seed=0)
+        hf = create_rollout_engine("hf", path, dtype="fp32", num_threads=args.threads)
+        prompts = make_prompts(hf.tokenizer, args.batch, 16, 32, seed=args.batch)
+        results["hf_fp32_tokens_per_s"] = tokens_per_s(hf, prompts, params, args.repeats)
+        del hf
+        for dtype in args.dtypes.split(","):
+            engine = create_rollout_engine("native", path, dtype=dtype, num_threads=args.threads)
+            row = {"tokens_per_s": tokens_per_s(engine, prompts, params, args.repeats)}
+            row["profile_self_cpu_share"] = profile_shares(engine, prompts, params)
+            row["layer_matmul_seconds_per_step"] = matmul_seconds_per_step(engine, prompts, params)
+            # the same matmuls (plus the output head) alone, on their own: rollout_throughput.py's floor
+            row["matmul_floor_seconds_per_step"] = round(args.batch / matmul_floor("mid", dtype, args.batch), 4)
+            row["tokens_per_s_if_attention_were_free"] = without_attention(engine, prompts, params, args.repeats)
+            results[f"native_{dtype}"] = row
+            print(json.dumps({dtype: row}), file=sys.stderr)
+    doc = {
+        "benchmark": "rollout_profile",
+        "git_commit": git_commit(),
+        "config": {"size": "mid", "batch": args.batch, "new_tokens": args.new_tokens, "threads": args.threads,
+                   "prompt_len": [16, 32], "samples_per_prompt": 1},
+        "load_average": os.getloadavg(),
+        "results": results,
+    }
+    print(json.dumps(doc, indent=2))
+
+
+if __name__ == "__main__":
+    main()
