@@ -29,8 +29,12 @@ def current_device() -> torch.device:
 
 
 def dist_backend() -> str:
-    """The torch.distributed backend that fits `device_name()`."""
-    return "nccl" if is_cuda_available() else "gloo"
+    """The torch.distributed backend that fits `device_name()`.
+
+    On GPUs: nccl for device tensors plus gloo for host tensors, so that collectives on CPU-resident shards
+    (FSDP2's CPUOffloadPolicy: gradient-norm reduction, full-tensor gathers) have a backend too.
+    """
+    return "cpu:gloo,cuda:nccl" if is_cuda_available() else "gloo"
 
 
 def ray_accelerator_resource() -> str:

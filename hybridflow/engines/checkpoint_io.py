@@ -151,9 +151,7 @@ def load_engine_state(
         optimizer.state.clear()
         for name, s in state["optimizer_state"].items():
             p = by_name[name]
-            optimizer.state[p] = {
-                k: _like_param(v, p) if k != "step" and torch.is_tensor(v) else v for k, v in s.items()
-            }
+            optimizer.state[p] = {k: _like_param(v, p, k) if torch.is_tensor(v) else v for k, v in s.items()}
         for group, saved in zip(optimizer.param_groups, state["param_groups"]):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
     if lr_scheduler is not None and "lr_scheduler" in state:
@@ -171,8 +169,13 @@ def _accelerator_module():
     return None if name == "cpu" else getattr(torch, name)
 
 
-def _like_param(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """A saved local shard -> a state tensor laid out like `param` (a DTensor with the same sharding, or plain)."""
+def _like_param(local: torch.Tensor, param: torch.Tensor, key: str) -> torch.Tensor:
+    """A saved local shard -> a state tensor laid out like `param` (a DTensor with the same sharding, or plain).
+
+    "step" is a scalar: it goes to the parameters' device (fused AdamW reads it there), unsharded.
+    """
+    if key == "step":
+        return local.to(local_tensor(param).device)
     if hasattr(param, "to_local"):
         from torch.distributed.tensor import DTensor
 

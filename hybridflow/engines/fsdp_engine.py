@@ -13,6 +13,12 @@ the world). Padding is never computed: rows are stripped to their real tokens an
 (micro_batch.py). The loss contract: loss_fn returns this micro-batch's share of the mini-batch mean (divide by
 ``micro.meta_info["global_num_tokens"]`` or ``["global_num_seqs"]``), so gradients are summed over micro-batches and
 ranks as they are, never averaged again.
+
+Offload (accelerators only; on CPU both switches change nothing). ``param_offload``: parameters (and gradients) stay
+in host memory between engine calls. Sharded, that is FSDP2's ``CPUOffloadPolicy`` (shards are copied in per layer,
+the optimizer steps on the host); on one rank the whole model is moved to the device for each call and back after it.
+``optimizer_offload``: the AdamW state is moved to the parameters' device for ``optimizer.step()`` and back to host
+memory right after, so between updates (rollout, log-prob passes) it holds no device memory.
 """
 
 from __future__ import annotations
@@ -55,8 +61,8 @@ class EngineConfig:
     use_dynamic_bsz: bool = False  # True: micro-batches by token budget instead of a fixed row count
     max_tokens_per_micro_batch: int = 4096  # padded tokens (rows * longest row) per micro-batch, dynamic mode
     gradient_checkpointing: bool = False
-    param_offload: bool = False  # GPU only: sharded parameters live in host memory (FSDP2 CPUOffloadPolicy)
-    optimizer_offload: bool = False  # GPU only: optimizer state moves to host memory in offload_to_cpu()
+    param_offload: bool = False  # GPU only: parameters live in host memory between calls (see "Offload" below)
+    optimizer_offload: bool = False  # GPU only: AdamW state lives in host memory except during optimizer.step()
     fsdp_size: int = -1  # ranks that shard one copy; -1: all ranks (pure FSDP); smaller: HSDP replicas
     seed: int = 0  # same seed on every rank -> same initial value head
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -108,9 +114,13 @@ class FSDPEngine:
             hf_model.requires_grad_(False)
         self.model: nn.Module = HeadOnPositions(hf_model, is_critic=self.is_critic)
         self.sharded = self.distributed and self.world_size > 1
+        offload = self.device.type != "cpu"
+        # param_offload on one rank: no FSDP offload policy to do it, so the engine moves the model per call
+        self._move_params = offload and config.param_offload and not self.sharded
+        self._offload_optimizer = offload and config.optimizer_offload
         if self.sharded:
             self._shard()
-        else:
+        elif not self._move_params:
             self.model.to(self.device)
 
         self.optimizer = build_optimizer(self.model.parameters(), config.optim) if self.trainable else None
@@ -229,10 +239,23 @@ class FSDPEngine:
             out[key] = grid.index_put((bucket.out_rows, bucket.out_cols), values)
         return out
 
+    @contextlib.contextmanager
+    def _params_on_device(self):
+        """param_offload on one rank: bring the model to the device for one call, send it back to host after."""
+        if not self._move_params:
+            yield
+            return
+        self.model.to(self.device)
+        try:
+            yield
+        finally:
+            self.model.to("cpu")
+            hf_device.empty_cache()
+
     def _run_no_grad(self, data: DataProto, **kwargs: Any) -> dict[str, torch.Tensor]:
         self.model.eval()
         results: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
+        with torch.no_grad(), self._params_on_device():
             for group in self._plan(data):
                 outs = self._forward(data[group], **kwargs)
                 for key, value in outs.items():
@@ -275,14 +298,15 @@ class FSDPEngine:
         if not self.trainable:
             raise ValueError("train_step was called on a ref engine (no optimizer); build it with role='actor'")
         self.optimizer.zero_grad(set_to_none=True)
-        result, local_nonfinite = self._accumulate(data, loss_fn)
-        grad_norm = self._clip_grad_norm()
-        nonfinite = self._all_reduce(torch.tensor([local_nonfinite]), dist.ReduceOp.MAX).item()
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        skipped = nonfinite > 0 or not math.isfinite(grad_norm)
-        if not skipped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self._params_on_device():
+            result, local_nonfinite = self._accumulate(data, loss_fn)
+            grad_norm = self._clip_grad_norm()
+            nonfinite = self._all_reduce(torch.tensor([local_nonfinite]), dist.ReduceOp.MAX).item()
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            skipped = nonfinite > 0 or not math.isfinite(grad_norm)
+            if not skipped:
+                self._optimizer_step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         result.update({"grad_norm": grad_norm, "lr": lr, "skipped_nonfinite": 1.0 if skipped else 0.0})
         return result
@@ -294,7 +318,19 @@ class FSDPEngine:
         """
         if not self.trainable:
             raise ValueError("forward_backward was called on a ref engine (no optimizer); build it with role='actor'")
-        return self._accumulate(data, loss_fn)[0]
+        with self._params_on_device():
+            return self._accumulate(data, loss_fn)[0]
+
+    def _optimizer_step(self) -> None:
+        """optimizer.step(), with the AdamW state brought to the parameters' device first under optimizer_offload."""
+        if not self._offload_optimizer:
+            self.optimizer.step()
+            return
+        param_device = next(p for p in self.model.parameters() if p.requires_grad).device
+        _move_optimizer_state(self.optimizer, param_device)
+        self.optimizer.step()
+        _move_optimizer_state(self.optimizer, torch.device("cpu"))
+        hf_device.empty_cache()
 
     def _accumulate(self, data: DataProto, loss_fn: LossFn) -> tuple[dict[str, float], float]:
         temperature = float(data.meta_info.get("temperature", 1.0))
@@ -356,8 +392,12 @@ class FSDPEngine:
         embedding's name). Each yielded tensor is a fresh gather: drop it before asking for the next one.
         """
         for name, param in self.model.named_parameters():
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param
-            yield hf_name(name), full.detach()
+            if hasattr(param, "full_tensor"):
+                # CPUOffloadPolicy keeps shards in host memory: gather on the device (nccl), not through gloo
+                full = param.detach().to(self.device).full_tensor()
+            else:
+                full = param.detach()
+            yield hf_name(name), full
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter as a full cpu tensor (HF names, tied weights once); call on every rank."""
@@ -434,32 +474,13 @@ class FSDPEngine:
         if self.distributed and self.world_size > 1:
             dist.barrier()
 
-    # ------------------------------------------------------------------ memory
-    def offload_to_cpu(self) -> None:
-        """Move parameters (and optimizer state with optimizer_offload) to host memory; no-op on CPU."""
-        if self.device.type == "cpu":
-            return
-        if not self.config.param_offload:
-            self.model.to("cpu")
-        if self.config.optimizer_offload and self.optimizer is not None:
-            _move_optimizer_state(self.optimizer, torch.device("cpu"))
-        hf_device.empty_cache()
-
-    def reload_to_device(self) -> None:
-        """Undo `offload_to_cpu`; no-op on CPU."""
-        if self.device.type == "cpu":
-            return
-        if not self.config.param_offload:
-            self.model.to(self.device)
-        if self.config.optimizer_offload and self.optimizer is not None:
-            _move_optimizer_state(self.optimizer, self.device)
-
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Every state tensor to `device`, "step" included: fused AdamW wants it beside the parameters."""
     for state in optimizer.state.values():
         for key, value in state.items():
-            if torch.is_tensor(value) and key != "step":
-                state[key] = value.to(device, non_blocking=True)
+            if torch.is_tensor(value):
+                state[key] = value.to(device)
 
 
 def _as_number(value: Any) -> float | None:

@@ -112,7 +112,8 @@ def test_greedy_native_equals_hf(tmp_path, arch, tie):
     assert len(set(lengths.tolist())) > 1, "rows should stop at different steps for this test to mean anything"
     for key in ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask"):
         assert torch.equal(hf.batch[key], native.batch[key]), key
-    torch.testing.assert_close(native.batch["rollout_log_probs"], hf.batch["rollout_log_probs"], atol=1e-5, rtol=0)
+    # 1e-5 absolute on CPU; GPU kernels round differently, so 1e-5 relative on top (seen 1.8e-5 at |log p| = 1.8)
+    torch.testing.assert_close(native.batch["rollout_log_probs"], hf.batch["rollout_log_probs"], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["hf", "native"])
