@@ -6,6 +6,10 @@ One ``generate`` call:
   3. rows that hit eos / a stop token are dropped from the running batch: once enough have finished, the live rows
      are moved to the front of the cache (``compact_fraction`` trades copy cost against computing dead rows).
 Sampling and per-row random streams are in sampling.py; the output layout is built by layout.py.
+
+``decode`` picks how step 2 runs: ``eager`` (the loop above, dynamic shapes; the default on CPU) or ``cuda_graph``
+(fixed-shape steps replayed as CUDA graphs, the default on GPUs: static_decode.py); ``static`` runs the fixed-shape
+step without graphs (for testing that path on CPU).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from hybridflow.engines.rollout.layout import (
 )
 from hybridflow.engines.rollout.native_model import NativeDecoder
 from hybridflow.engines.rollout.sampling import row_keys, sample_tokens
+from hybridflow.engines.rollout.static_decode import DECODE_MODES, GraphDecoder
 from hybridflow.protocol import DataProto
 
 __all__ = ["NativeRollout", "resolve_dtype"]
@@ -65,6 +70,8 @@ class NativeRollout(RolloutEngine):
         max_model_len: int | None = None,
         num_threads: int | None = None,
         compact_fraction: float = 0.25,
+        prepack: bool = True,
+        decode: str = "auto",
     ):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -85,8 +92,20 @@ class NativeRollout(RolloutEngine):
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
         self.compact_fraction = float(compact_fraction)
         self._seed_source = torch.Generator().manual_seed(int(seed))
-        self.model = NativeDecoder(self.config, self.dtype, self.device, self.max_model_len, int8=self.int8)
+        # prepack: on CPU in fp32, matmul weights in oneDNN's packed layout (onednn_linear.py); False: plain F.linear
+        self.model = NativeDecoder(
+            self.config, self.dtype, self.device, self.max_model_len, int8=self.int8, prepack=prepack
+        )
         loaded = {name for name, tensor in iter_checkpoint_tensors(model_path) if self.model.load(name, tensor)}
+        if decode not in DECODE_MODES:
+            raise ValueError(f"native rollout: decode={decode!r}; choose one of {list(DECODE_MODES)}")
+        if decode == "auto":
+            decode = "cuda_graph" if self.device.type == "cuda" else "eager"
+        if decode == "cuda_graph" and self.device.type != "cuda":
+            raise ValueError(f"native rollout: decode='cuda_graph' needs a CUDA device, this worker computes on "
+                             f"{self.device.type}; use decode='eager' (or 'static' to test the fixed-shape step)")
+        self.decode = decode
+        self._graphs = GraphDecoder(self.model, capture=decode == "cuda_graph") if decode != "eager" else None
         missing = sorted(self.model.expected_names() - loaded)
         if missing:
             raise ValueError(f"checkpoint {model_path} lacks {len(missing)} tensors the decoder needs: {missing[:6]}")
@@ -98,7 +117,8 @@ class NativeRollout(RolloutEngine):
             self.model.load(name, tensor)
 
     def release_memory(self) -> None:
-        # The KV cache lives only inside generate(); give the allocator's cached blocks back to the device.
+        # Eager decoding: the KV cache lives only inside generate(); give the allocator's cached blocks back.
+        # Fixed-shape decoding keeps its step buffers: its CUDA graphs point at them (static_decode.py).
         hf_device.empty_cache()
 
     # ------------------------------------------------------------------ generation
@@ -128,6 +148,8 @@ class NativeRollout(RolloutEngine):
         if not params.greedy:
             keys = row_keys(self._call_seed(params), row_index // n, row_index % n)
 
+        if self._graphs is not None:
+            return self._generate_static(prompts, read, ids, mask, pos, params, n, max_new, stop_ids, keys)
         shape = self.model.shape
         cache = KVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, prompts=B, prompt_len=P, n=n,
                         max_new=max_new, dtype=self.dtype, device=self.device)
@@ -171,5 +193,41 @@ class NativeRollout(RolloutEngine):
                 row_bias = row_bias[keep]
                 keys = keys[keep] if keys is not None else None
             logits = self.model.decode(tokens, positions, cache, running, row_bias, column=step)
+            positions = positions + 1
+        return assemble_output(prompts, read, tokens_out, lengths, log_probs_out, n, self.pad_token_id)
+
+    def _generate_static(self, prompts, read, ids, mask, pos, params, n, max_new, stop_ids, keys) -> DataProto:
+        """The decode loop of ``generate`` on fixed-shape step buffers (static_decode.py); same outputs."""
+        B, P = ids.shape
+        rows = B * n
+        buffers = self._graphs.buffers(rows, P + max_new)
+        writer = self._graphs.prompt_writer(buffers, mask, n)
+        logits = self.model.prefill(ids, pos, mask, writer).repeat_interleave(n, dim=0)
+        positions = pos[:, -1].repeat_interleave(n) + 1
+        row_index = torch.arange(rows, device=self.device)
+
+        tokens_out = torch.full((rows, max_new), self.pad_token_id, dtype=torch.long, device=self.device)
+        log_probs_out = torch.zeros(rows, max_new, dtype=torch.float32, device=self.device)
+        lengths = torch.full((rows,), max_new, dtype=torch.long, device=self.device)
+        done = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        for step in range(max_new):
+            tokens, log_probs = sample_tokens(
+                logits, greedy=params.greedy, temperature=params.temperature, top_k=params.top_k,
+                top_p=params.top_p, keys=keys, step=step,
+            )
+            tokens_out[row_index, step] = tokens
+            log_probs_out[row_index, step] = log_probs
+            stopped = torch.isin(tokens, stop_ids) & ~done
+            lengths[row_index[stopped]] = step + 1
+            done |= stopped
+            n_done = int(done.sum())
+            if step == max_new - 1 or n_done == done.numel():
+                break
+            if done.numel() - n_done <= buffers.rows // 2:  # the live rows fit a smaller bucket: move there
+                keep = (~done).nonzero().squeeze(-1)
+                buffers = self._graphs.shrink(buffers, keep, P + step)
+                row_index, positions, tokens, done = row_index[keep], positions[keep], tokens[keep], done[keep]
+                keys = keys[keep] if keys is not None else None
+            logits = self._graphs.step(buffers, tokens, positions, column=P + step)
             positions = positions + 1
         return assemble_output(prompts, read, tokens_out, lengths, log_probs_out, n, self.pad_token_id)

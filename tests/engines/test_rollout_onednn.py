@@ -1,0 +1,58 @@
+"""The native rollout's oneDNN-packed fp32 weights (CPU): the same function as F.linear, used by default on CPU, and
+the decode with and without packing gives the same tokens and log-probs."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_rollout_engines import make_prompts, write_model
+
+from hybridflow import device
+from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
+from hybridflow.engines.rollout.onednn_linear import onednn_available, onednn_linear, pack_onednn
+
+pytestmark = [
+    pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN linear ops; the decoder uses F.linear"),
+    pytest.mark.skipif(device.is_cuda_available(), reason="a CPU-only path: on GPUs the rollout computes on the GPU"),
+]
+
+
+def test_packed_linear_is_f_linear_up_to_rounding_and_row_independent():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
+    packed = pack_onednn(w)
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 80, generator=g)
+        want = F.linear(x.double(), w.double(), b.double()).float()
+        torch.testing.assert_close(onednn_linear(x, packed, b), want, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(onednn_linear(x, packed, None), want - b, atol=1e-4, rtol=1e-5)
+    x = torch.randn(33, 80, generator=g)
+    full = onednn_linear(x, packed, b)
+    # a row's result does not depend on the other rows of the batch (batch-invariant decoding)
+    assert torch.equal(full[5:6], onednn_linear(x[5:6], packed, b))
+    assert torch.equal(onednn_linear(x.view(3, 11, 80), packed, b).view(33, 96), full)
+
+
+def test_cpu_fp32_decoder_packs_by_default_and_matches_the_unpacked_one(tmp_path):
+    path = write_model(tmp_path / "llama", "llama", seed=3, tie=False)  # untied head: the packed lm_head is used
+    packed = create_rollout_engine("native", path, num_threads=1)
+    plain = create_rollout_engine("native", path, num_threads=1, prepack=False)
+    assert packed.model.matmul == "onednn" and plain.model.matmul == "dense"
+    prompts = make_prompts(packed.tokenizer)
+    for params in (SamplingParams(greedy=True, max_new_tokens=16),
+                   SamplingParams(temperature=1.0, n=3, max_new_tokens=16, seed=4)):
+        a, b = packed.generate(prompts, params), plain.generate(prompts, params)
+        assert torch.equal(a.batch["responses"], b.batch["responses"])
+        torch.testing.assert_close(a.batch["rollout_log_probs"], b.batch["rollout_log_probs"], atol=1e-5, rtol=0)
+
+
+def test_bf16_and_int8_do_not_use_the_fp32_packing(tmp_path):
+    path = write_model(tmp_path / "qwen2", "qwen2", seed=0)
+    assert create_rollout_engine("native", path, dtype="int8").model.matmul == "int8"
+    with warnings.catch_warnings():  # "bf16 is emulated" on CPUs without bf16 units
+        warnings.simplefilter("ignore")
+        bf16 = create_rollout_engine("native", path, dtype="bf16")
+    assert bf16.model.matmul == "dense"
