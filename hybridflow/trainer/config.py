@@ -129,6 +129,11 @@ class RolloutConfig:
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
     stop_token_ids: list = field(default_factory=list)
+    # veRL's engine switches; None leaves the engine's default. native: enforce_eager=True -> no CUDA graphs,
+    # free_cache_engine=True -> its CUDA-graph KV buffers are freed after each generation; vllm: passed through.
+    enforce_eager: bool | None = None
+    free_cache_engine: bool | None = None
+    gpu_memory_utilization: float | None = None  # vllm on GPUs
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     engine_kwargs: dict = field(default_factory=dict)
 
@@ -296,6 +301,10 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
     """
     base = OmegaConf.structured(schema)
     known = set(_all_keys(base))
+    # free-form dict fields (engine_kwargs, ...): any sub-key may be set, as in veRL's `+...engine_kwargs.x=y`
+    free_form = tuple(
+        k + "." for k in known if OmegaConf.is_dict(v := OmegaConf.select(base, k)) and OmegaConf.get_type(v) is dict
+    )
     layers = []
     if preset:
         if not os.path.exists(preset):
@@ -304,7 +313,7 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
             layers.append(OmegaConf.create(yaml.safe_load(f) or {}))
     for item in overrides or []:
         key, value = _parse_override(item)
-        if key not in known:
+        if key not in known and not key.startswith(free_form):
             close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.5)
             hint = f" Did you mean {' or '.join(close)}?" if close else ""
             raise ConfigError(f"unknown {what} key {key!r}.{hint} (run `hybridflow train --print-config` for all keys)")
@@ -366,6 +375,10 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         errors.append(
             f"actor_rollout_ref.rollout.dtype=int8 is the native engine's (CPU); with rollout.name={rollout.name} "
             "choose fp32 or bf16, or set actor_rollout_ref.rollout.name=native"
+        )
+    if rollout.gpu_memory_utilization is not None and not 0 < rollout.gpu_memory_utilization <= 1:
+        errors.append(
+            f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]"
         )
     if n < 1:
         errors.append(f"actor_rollout_ref.rollout.n={n} must be >= 1")

@@ -23,7 +23,7 @@ from hybridflow.engines.mismatch import logprob_mismatch
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Execute, Worker, register
-from hybridflow.workers.engine_config import engine_config, optim_config
+from hybridflow.workers.engine_config import engine_config, optim_config, rollout_engine_kwargs
 from hybridflow.workers.fault import maybe_inject_fault
 from hybridflow.workers.rank_state import load_rank_state, save_rank_state
 
@@ -96,7 +96,7 @@ class ActorRolloutRefWorker(Worker):
                 dtype=r.dtype,
                 seed=cfg.trainer.seed,
                 max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                **dict(r.engine_kwargs),
+                **rollout_engine_kwargs(r),
             )
         return {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads()}
 

@@ -53,3 +53,24 @@ def engine_config(
     if optim is not None:
         kwargs["optim"] = optim
     return EngineConfig(**kwargs)
+
+
+def rollout_engine_kwargs(rollout: Any) -> dict[str, Any]:
+    """The rollout section's veRL engine switches as the chosen engine's kwargs, under explicit ``engine_kwargs``.
+
+    native: enforce_eager -> decode ("eager", or "auto": CUDA graphs on GPUs), free_cache_engine -> free_cache_engine;
+    vllm: enforce_eager, gpu_memory_utilization as they are; hf has no such switches.
+    """
+    kwargs: dict[str, Any] = {}
+    if rollout.name == "native":
+        if rollout.enforce_eager is not None:
+            kwargs["decode"] = "eager" if rollout.enforce_eager else "auto"
+        if rollout.free_cache_engine is not None:
+            kwargs["free_cache_engine"] = bool(rollout.free_cache_engine)
+    elif rollout.name == "vllm":
+        if rollout.enforce_eager is not None:
+            kwargs["enforce_eager"] = bool(rollout.enforce_eager)
+        if rollout.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = float(rollout.gpu_memory_utilization)
+    kwargs.update(dict(rollout.engine_kwargs))
+    return kwargs

@@ -89,3 +89,16 @@ def test_decode_mode_errors(qwen_path):
         assert create_rollout_engine("native", qwen_path).decode == "eager"  # the CPU default
     else:
         assert create_rollout_engine("native", qwen_path).decode == "cuda_graph"  # the GPU default
+
+
+def test_free_cache_engine_drops_the_step_buffers_after_each_call(qwen_path):
+    keep = create_rollout_engine("native", qwen_path, num_threads=1, decode="static")
+    free = create_rollout_engine("native", qwen_path, num_threads=1, decode="static", free_cache_engine=True)
+    prompts = make_prompts(keep.tokenizer)
+    params = SamplingParams(greedy=True, max_new_tokens=8)
+    outs = []
+    for engine in (keep, free):
+        outs.append(engine.generate(prompts, params))
+        engine.release_memory()  # what the worker calls after generate_sequences
+    assert keep._graphs._buffers and not free._graphs._buffers
+    assert torch.equal(free.generate(prompts, params).batch["responses"], outs[0].batch["responses"])

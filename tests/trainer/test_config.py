@@ -27,6 +27,26 @@ def test_verl_key_names_are_accepted():
     assert cfg.trainer.total_training_steps == 7
 
 
+def test_verl_rollout_engine_switches_reach_the_engine():
+    from hybridflow.workers.engine_config import rollout_engine_kwargs
+
+    base = ["actor_rollout_ref.rollout.enforce_eager=False", "actor_rollout_ref.rollout.free_cache_engine=True",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.6"]
+    native = load_config(base).actor_rollout_ref.rollout
+    assert rollout_engine_kwargs(native) == {"decode": "auto", "free_cache_engine": True}
+    vllm = load_config([*base, "actor_rollout_ref.rollout.name=vllm"]).actor_rollout_ref.rollout
+    assert rollout_engine_kwargs(vllm) == {"enforce_eager": False, "gpu_memory_utilization": 0.6}
+    assert rollout_engine_kwargs(load_config([*base, "actor_rollout_ref.rollout.name=hf"]).actor_rollout_ref.rollout) == {}
+    eager = load_config(["actor_rollout_ref.rollout.enforce_eager=True"]).actor_rollout_ref.rollout
+    assert rollout_engine_kwargs(eager) == {"decode": "eager"}
+    assert rollout_engine_kwargs(load_config([]).actor_rollout_ref.rollout) == {}  # unset: the engine's defaults
+    explicit = load_config(["actor_rollout_ref.rollout.enforce_eager=True",
+                            "+actor_rollout_ref.rollout.engine_kwargs.decode=static"]).actor_rollout_ref.rollout
+    assert rollout_engine_kwargs(explicit) == {"decode": "static"}  # engine_kwargs win
+    with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+        load_config(["actor_rollout_ref.rollout.gpu_memory_utilization=1.5"])
+
+
 def test_misspelled_key_names_the_closest_valid_one():
     with pytest.raises(ConfigError) as e:
         load_config(["actor_rollout_ref.rollout.temprature=0.7"])

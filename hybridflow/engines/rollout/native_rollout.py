@@ -72,6 +72,7 @@ class NativeRollout(RolloutEngine):
         compact_fraction: float = 0.25,
         prepack: bool = True,
         decode: str = "auto",
+        free_cache_engine: bool = False,
     ):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -105,6 +106,7 @@ class NativeRollout(RolloutEngine):
             raise ValueError(f"native rollout: decode='cuda_graph' needs a CUDA device, this worker computes on "
                              f"{self.device.type}; use decode='eager' (or 'static' to test the fixed-shape step)")
         self.decode = decode
+        self.free_cache_engine = bool(free_cache_engine)  # fixed-shape decode: drop its buffers after each call
         self._graphs = GraphDecoder(self.model, capture=decode == "cuda_graph") if decode != "eager" else None
         missing = sorted(self.model.expected_names() - loaded)
         if missing:
@@ -118,7 +120,10 @@ class NativeRollout(RolloutEngine):
 
     def release_memory(self) -> None:
         # Eager decoding: the KV cache lives only inside generate(); give the allocator's cached blocks back.
-        # Fixed-shape decoding keeps its step buffers: its CUDA graphs point at them (static_decode.py).
+        # Fixed-shape decoding keeps its step buffers, which its CUDA graphs point at (static_decode.py), unless
+        # free_cache_engine: then they go too, and the next call allocates and captures again.
+        if self._graphs is not None and self.free_cache_engine:
+            self._graphs.release()
         hf_device.empty_cache()
 
     # ------------------------------------------------------------------ generation
@@ -161,40 +166,21 @@ class NativeRollout(RolloutEngine):
         logits = self.model.prefill(ids, pos, mask, cache).repeat_interleave(n, dim=0)
         positions = pos[:, -1].repeat_interleave(n) + 1
 
-        tokens_out = torch.full((rows, max_new), self.pad_token_id, dtype=torch.long, device=self.device)
-        log_probs_out = torch.zeros(rows, max_new, dtype=torch.float32, device=self.device)
-        lengths = torch.full((rows,), max_new, dtype=torch.long, device=self.device)
-        done = torch.zeros(rows, dtype=torch.bool, device=self.device)  # per running slot
+        out = _Responses(rows, max_new, self.pad_token_id, stop_ids)
         for step in range(max_new):
-            tokens, log_probs = sample_tokens(
-                logits,
-                greedy=params.greedy,
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                keys=keys,
-                step=step,
-            )
-            # Finished-but-not-yet-dropped slots write past their length; assemble_output masks that away.
-            tokens_out[row_index, step] = tokens
-            log_probs_out[row_index, step] = log_probs
-            stopped = torch.isin(tokens, stop_ids) & ~done
-            lengths[row_index[stopped]] = step + 1
-            done |= stopped
-            n_done = int(done.sum())
-            if step == max_new - 1 or n_done == done.numel():
+            tokens = out.record(step, *self._sample(logits, params, keys, step))
+            if out.finished(step):
                 break
-            if n_done and n_done >= self.compact_fraction * done.numel():
-                keep = (~done).nonzero().squeeze(-1)
+            if out.n_done and out.n_done >= self.compact_fraction * out.running:
+                keep = out.keep_running()
                 cache.compact(keep, step)
                 # a prompt's samples may finish at different steps: shared prompt K/V is found by index from now on
                 running = RunningRows(running.prompt_index[keep], running.sample_index[keep], n, grouped=False)
-                row_index, positions, tokens, done = row_index[keep], positions[keep], tokens[keep], done[keep]
-                row_bias = row_bias[keep]
+                positions, tokens, row_bias = positions[keep], tokens[keep], row_bias[keep]
                 keys = keys[keep] if keys is not None else None
             logits = self.model.decode(tokens, positions, cache, running, row_bias, column=step)
             positions = positions + 1
-        return assemble_output(prompts, read, tokens_out, lengths, log_probs_out, n, self.pad_token_id)
+        return assemble_output(prompts, read, out.tokens, out.lengths, out.log_probs, n, self.pad_token_id)
 
     def _generate_static(self, prompts, read, ids, mask, pos, params, n, max_new, stop_ids, keys) -> DataProto:
         """The decode loop of ``generate`` on fixed-shape step buffers (static_decode.py); same outputs."""
@@ -204,30 +190,59 @@ class NativeRollout(RolloutEngine):
         writer = self._graphs.prompt_writer(buffers, mask, n)
         logits = self.model.prefill(ids, pos, mask, writer).repeat_interleave(n, dim=0)
         positions = pos[:, -1].repeat_interleave(n) + 1
-        row_index = torch.arange(rows, device=self.device)
-
-        tokens_out = torch.full((rows, max_new), self.pad_token_id, dtype=torch.long, device=self.device)
-        log_probs_out = torch.zeros(rows, max_new, dtype=torch.float32, device=self.device)
-        lengths = torch.full((rows,), max_new, dtype=torch.long, device=self.device)
-        done = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        out = _Responses(rows, max_new, self.pad_token_id, stop_ids)
         for step in range(max_new):
-            tokens, log_probs = sample_tokens(
-                logits, greedy=params.greedy, temperature=params.temperature, top_k=params.top_k,
-                top_p=params.top_p, keys=keys, step=step,
-            )
-            tokens_out[row_index, step] = tokens
-            log_probs_out[row_index, step] = log_probs
-            stopped = torch.isin(tokens, stop_ids) & ~done
-            lengths[row_index[stopped]] = step + 1
-            done |= stopped
-            n_done = int(done.sum())
-            if step == max_new - 1 or n_done == done.numel():
+            tokens = out.record(step, *self._sample(logits, params, keys, step))
+            if out.finished(step):
                 break
-            if done.numel() - n_done <= buffers.rows // 2:  # the live rows fit a smaller bucket: move there
-                keep = (~done).nonzero().squeeze(-1)
+            if out.running - out.n_done <= buffers.rows // 2:  # the live rows fit a smaller bucket: move there
+                keep = out.keep_running()
                 buffers = self._graphs.shrink(buffers, keep, P + step)
-                row_index, positions, tokens, done = row_index[keep], positions[keep], tokens[keep], done[keep]
+                positions, tokens = positions[keep], tokens[keep]
                 keys = keys[keep] if keys is not None else None
             logits = self._graphs.step(buffers, tokens, positions, column=P + step)
             positions = positions + 1
-        return assemble_output(prompts, read, tokens_out, lengths, log_probs_out, n, self.pad_token_id)
+        return assemble_output(prompts, read, out.tokens, out.lengths, out.log_probs, n, self.pad_token_id)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor | None, step: int):
+        return sample_tokens(logits, greedy=params.greedy, temperature=params.temperature, top_k=params.top_k,
+                             top_p=params.top_p, keys=keys, step=step)
+
+
+class _Responses:
+    """What a decode loop has produced: per output row the tokens, log-probs and length so far; per running slot
+    its output row and whether it has stopped. Slots that stopped but still run write past their length;
+    assemble_output masks that away."""
+
+    def __init__(self, rows: int, max_new: int, pad_token_id: int, stop_ids: torch.Tensor):
+        device = stop_ids.device
+        self.tokens = torch.full((rows, max_new), pad_token_id, dtype=torch.long, device=device)
+        self.log_probs = torch.zeros(rows, max_new, dtype=torch.float32, device=device)
+        self.lengths = torch.full((rows,), max_new, dtype=torch.long, device=device)
+        self.row_index = torch.arange(rows, device=device)  # output row of each running slot
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.stop_ids, self.max_new, self.n_done = stop_ids, max_new, 0
+
+    @property
+    def running(self) -> int:
+        return self.done.numel()
+
+    def record(self, step: int, tokens: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+        """Store step `step`'s sampled tokens [running] and their log-probs; returns the tokens."""
+        self.tokens[self.row_index, step] = tokens
+        self.log_probs[self.row_index, step] = log_probs
+        stopped = torch.isin(tokens, self.stop_ids) & ~self.done
+        self.lengths[self.row_index[stopped]] = step + 1
+        self.done |= stopped
+        self.n_done = int(self.done.sum())
+        return tokens
+
+    def finished(self, step: int) -> bool:
+        return step == self.max_new - 1 or self.n_done == self.running
+
+    def keep_running(self) -> torch.Tensor:
+        """Drop the stopped slots; returns the indices of the kept ones (to apply to the loop's own per-slot state)."""
+        keep = (~self.done).nonzero().squeeze(-1)
+        self.row_index, self.done, self.n_done = self.row_index[keep], self.done[keep], 0
+        return keep

@@ -17,7 +17,8 @@ Each prompt is prefilled once and its K/V copied into its n samples' rows. When 
 still running, the live rows move to the next smaller bucket (its graph is captured on first use).
 
 Buffers and graphs persist between ``generate`` calls (a training loop repeats the same shapes): the KV cache is not
-freed after generation on this path. ``decode="eager"`` frees it and uses no graphs. ``decode="static"`` runs the same
+freed after generation on this path unless the engine has ``free_cache_engine=True`` (then the next call allocates
+and captures again). ``decode="eager"`` frees it and uses no graphs. ``decode="static"`` runs the same
 fixed-shape step without capturing it (any device): that is how the CPU tests check this path's arithmetic.
 """
 
