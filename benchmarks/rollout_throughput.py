@@ -5,6 +5,8 @@
     .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,vllm
     .venv/bin/python benchmarks/rollout_throughput.py --dtypes fp32,int8   # int8: native engine, CPU
     .venv/bin/python benchmarks/rollout_throughput.py --n 8 --prompt-len 240,256 --batch-sizes 64   # GRPO-like
+    python benchmarks/rollout_throughput.py --backends hf,native,native:eager   # GPU: CUDA graphs vs eager decode
+    .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,native:prepack=false   # CPU: oneDNN packing
 
 Sampling at temperature 1 with the model's eos active: tokens/s counts the tokens actually generated (response_mask),
 and each configuration reports the best of --repeats runs after one warm-up call.
@@ -27,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybridflow import device
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
+from hybridflow.engines.rollout.onednn_linear import onednn_available, onednn_linear, pack_onednn
 from hybridflow.engines.tiny import SIZES, write_tiny_model
 from hybridflow.protocol import DataProto
 
@@ -65,11 +68,24 @@ def measure(engine, prompts: DataProto, params: SamplingParams, repeats: int) ->
     return best
 
 
+def engine_options(options: list[str]) -> dict:
+    """'native:eager' -> decode='eager'; 'native:prepack=false' -> prepack=False (any key=value engine kwarg)."""
+    kwargs: dict = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep:
+            kwargs["decode"] = key
+            continue
+        kwargs[key] = {"true": True, "false": False}.get(value.lower(), value)
+    return kwargs
+
+
 def matmul_floor(size: str, dtype: str, batch: int, steps: int = 20) -> float:
     """New tokens/s if a decode step cost only its weight matmuls (q/k/v/o, MLP, lm_head) at this batch size.
 
-    No engine can beat this on the same device and dtype; it shows how much of a step is the model itself. For int8
-    the layer matmuls are the packed int8 ones the native engine uses (the output head stays fp32, as there).
+    No engine can beat this on the same device and dtype; it shows how much of a step is the model itself. The
+    kernels are the native engine's: for int8 its packed int8 layer matmuls (the output head stays fp32, as there),
+    for fp32 on CPU its oneDNN-packed weights.
     """
     spec = SIZES[size]
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
@@ -87,6 +103,13 @@ def matmul_floor(size: str, dtype: str, batch: int, steps: int = 20) -> float:
             for width, packed in layers:
                 int8_linear(xs[width], packed)
             torch.nn.functional.linear(xs[h], weights[-1])
+    elif dtype == "fp32" and device.device_name() == "cpu" and onednn_available():
+        # the native engine's fp32 CPU matmuls use oneDNN-packed weights (onednn_linear.py): its floor is theirs
+        packed = [(w.shape[1], pack_onednn(w)) for w in weights]
+
+        def step():
+            for width, p in packed:
+                onednn_linear(xs[width], p, None)
     else:
 
         def step():
@@ -104,7 +127,8 @@ def matmul_floor(size: str, dtype: str, batch: int, steps: int = 20) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", default="hf,native", help="comma-separated rollout engines (hf,native,vllm)")
+    parser.add_argument("--backends", default="hf,native",
+                        help="comma-separated rollout engines (hf,native,vllm); native:MODE sets its decode mode")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, int8 (native engine only)")
     parser.add_argument("--batch-sizes", default="1,16,64,256")
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -128,8 +152,10 @@ def main() -> None:
         path = write_tiny_model(os.path.join(tmp, args.size), args.size, seed=0)
         for backend in backends:
             for dtype in dtypes:
+                name, *options = backend.split(":")
+                kwargs = engine_options(options)
                 try:
-                    engine = create_rollout_engine(backend, path, dtype=dtype, num_threads=args.threads)
+                    engine = create_rollout_engine(name, path, dtype=dtype, num_threads=args.threads, **kwargs)
                 except (ImportError, ValueError) as err:
                     errors[f"{backend}/{dtype}"] = str(err)
                     continue

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from hybridflow import device
 from hybridflow.engines import micro_batch as mb
 from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.engines.tiny import SIZES, write_tiny_model
@@ -30,13 +31,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def matmul_peak(dtype: torch.dtype, size: int, repeats: int) -> float:
     """Best observed FLOP/s of a [size, size] @ [size, size] matmul."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    torch.matmul(a, b)  # warm-up (thread pool, packing buffers)
+    a = torch.randn(size, size, device=device.current_device()).to(dtype)
+    b = torch.randn(size, size, device=device.current_device()).to(dtype)
+    torch.matmul(a, b)  # warm-up (thread pool, packing buffers, GPU clocks)
     best = float("inf")
     for _ in range(repeats):
+        device.synchronize()
         start = time.perf_counter()
         torch.matmul(a, b)
+        device.synchronize()
         best = min(best, time.perf_counter() - start)
     return 2.0 * size**3 / best
 
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = args.rows or (4 if args.quick else 32)
     prompt_len, response_len = (16, 64) if args.quick else (64, 256)
     steps = 1 if args.quick else 3
-    mm_size = 512 if args.quick else 2048
+    mm_size = 512 if args.quick else (8192 if device.is_cuda_available() else 2048)  # a GPU needs a big one for peak
     data = rollout_batch(rows, prompt_len, response_len)
 
     results: dict = {"padding": padding_report(data, args.max_tokens, micro_batch_size=4)}
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
             "processor": platform.processor(),
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
-            "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
+            "device": device.device_name() if not device.is_cuda_available() else torch.cuda.get_device_name(),
         },
         "versions": {
             "python": sys.version.split()[0],
