@@ -12,7 +12,9 @@ from test_rollout_engines import make_prompts, write_model
 
 from hybridflow import device
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
-from hybridflow.engines.rollout.onednn_linear import onednn_available, onednn_linear, pack_onednn
+from hybridflow.engines.rollout.native_model import NativeDecoder
+from hybridflow.engines.rollout.onednn_linear import MIN_PACKED_WIDTH, onednn_available, onednn_linear, pack_onednn
+from hybridflow.engines.tiny import SIZES, make_config
 
 pytestmark = [
     pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN linear ops; the decoder uses F.linear"),
@@ -36,9 +38,18 @@ def test_packed_linear_is_f_linear_up_to_rounding_and_row_independent():
     assert torch.equal(onednn_linear(x.view(3, 11, 80), packed, b).view(33, 96), full)
 
 
-def test_cpu_fp32_decoder_packs_by_default_and_matches_the_unpacked_one(tmp_path):
+def test_cpu_fp32_decoder_packs_from_hidden_size_256_by_default():
+    def decoder(size: str, **kwargs) -> NativeDecoder:
+        return NativeDecoder(make_config(SIZES[size]), torch.float32, torch.device("cpu"), 64, **kwargs)
+
+    assert SIZES["mid"].hidden_size >= MIN_PACKED_WIDTH > SIZES["unit"].hidden_size
+    assert decoder("mid").matmul == "onednn" and decoder("unit").matmul == "dense"
+    assert decoder("unit", prepack=True).matmul == "onednn" and decoder("mid", prepack=False).matmul == "dense"
+
+
+def test_packed_decoder_matches_the_unpacked_one(tmp_path):
     path = write_model(tmp_path / "llama", "llama", seed=3, tie=False)  # untied head: the packed lm_head is used
-    packed = create_rollout_engine("native", path, num_threads=1)
+    packed = create_rollout_engine("native", path, num_threads=1, prepack=True)
     plain = create_rollout_engine("native", path, num_threads=1, prepack=False)
     assert packed.model.matmul == "onednn" and plain.model.matmul == "dense"
     prompts = make_prompts(packed.tokenizer)

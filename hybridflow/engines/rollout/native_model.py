@@ -10,7 +10,8 @@ grouped-query attention, SwiGLU MLP) so fp32 greedy decoding picks the same toke
   * decode attention is batched matmuls and one softmax: for one query per row, torch's CPU flash-attention kernel
     was 2-3x slower than that (measured at 64 rows);
   * on CPU the matmul weights are packed once into a kernel's own layout and re-packed lazily after a weight update:
-    fp32 -> oneDNN's blocked layout (onednn_linear.py; same arithmetic, ~1.6x faster layer matmuls at 64 rows), or,
+    fp32 -> oneDNN's blocked layout (onednn_linear.py; same arithmetic, ~1.6x faster layer matmuls at 64 rows of the
+    mid model; by default only from hidden size 256 up, below which it was slower), or,
     with ``int8=True``, int8 weights for the layer matmuls (int8_linear.py; embeddings, norms, attention, the KV
     cache and the output head stay in ``dtype``). The packed copies cost a second copy of the weights' memory.
 """
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from hybridflow.engines.rollout.int8_linear import check_int8_supported, int8_linear, pack_int8
 from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows, attention_bias, decode_attention
-from hybridflow.engines.rollout.onednn_linear import onednn_available, onednn_linear, pack_onednn
+from hybridflow.engines.rollout.onednn_linear import MIN_PACKED_WIDTH, onednn_available, onednn_linear, pack_onednn
 
 __all__ = ["DecoderShape", "NativeDecoder"]
 
@@ -122,15 +123,17 @@ class NativeDecoder:
     """Weights of one Qwen2/Llama checkpoint in fused, generation-friendly tensors, plus prefill and decode steps."""
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device, max_positions: int, int8: bool = False,
-                 prepack: bool = True):
+                 prepack: bool | None = None):
         self.shape = s = DecoderShape.from_config(config)
+        if prepack is None:  # auto: where it was measured to pay (onednn_linear.MIN_PACKED_WIDTH)
+            prepack = s.hidden_size >= MIN_PACKED_WIDTH
         if int8:
             check_int8_supported(device)
             self.matmul = "int8"
         elif prepack and device.type == "cpu" and dtype == torch.float32 and onednn_available():
             self.matmul = "onednn"
         else:
-            self.matmul = "dense"  # F.linear on the fused tensors (GPUs, bf16, or prepack=False)
+            self.matmul = "dense"  # F.linear on the fused tensors (GPUs, bf16, small models, or prepack=False)
         self.int8 = int8
         self._packed: dict | None = None  # packed weights; None = (re)build before the next forward
         self.dtype, self.device = dtype, device

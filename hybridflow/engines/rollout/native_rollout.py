@@ -70,7 +70,7 @@ class NativeRollout(RolloutEngine):
         max_model_len: int | None = None,
         num_threads: int | None = None,
         compact_fraction: float = 0.25,
-        prepack: bool = True,
+        prepack: bool | None = None,
         decode: str = "auto",
         free_cache_engine: bool = False,
     ):
@@ -93,7 +93,8 @@ class NativeRollout(RolloutEngine):
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
         self.compact_fraction = float(compact_fraction)
         self._seed_source = torch.Generator().manual_seed(int(seed))
-        # prepack: on CPU in fp32, matmul weights in oneDNN's packed layout (onednn_linear.py); False: plain F.linear
+        # prepack: on CPU in fp32, matmul weights in oneDNN's packed layout (onednn_linear.py); False: plain F.linear;
+        # None: packed from hidden size 256 up (where it was measured to pay)
         self.model = NativeDecoder(
             self.config, self.dtype, self.device, self.max_model_len, int8=self.int8, prepack=prepack
         )
