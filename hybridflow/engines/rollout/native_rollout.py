@@ -154,54 +154,22 @@ class NativeRollout(RolloutEngine):
         if not params.greedy:
             keys = row_keys(self._call_seed(params), row_index // n, row_index % n)
 
-        if self._graphs is not None:
-            return self._generate_static(prompts, read, ids, mask, pos, params, n, max_new, stop_ids, keys)
-        shape = self.model.shape
-        cache = KVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, prompts=B, prompt_len=P, n=n,
-                        max_new=max_new, dtype=self.dtype, device=self.device)
-        # additive mask of each prompt slot's keys: 0, or -inf at left padding
-        prompt_bias = torch.zeros(B, P, dtype=self.dtype, device=self.device)
-        prompt_bias.masked_fill_(~mask.bool(), float("-inf"))
-        running = RunningRows(prompt_index=row_index // n, sample_index=row_index % n, n=n)
-        row_bias = prompt_bias[running.prompt_index]  # [rows, P], follows the rows through compaction
-        logits = self.model.prefill(ids, pos, mask, cache).repeat_interleave(n, dim=0)
-        positions = pos[:, -1].repeat_interleave(n) + 1
-
-        out = _Responses(rows, max_new, self.pad_token_id, stop_ids)
-        for step in range(max_new):
-            tokens = out.record(step, *self._sample(logits, params, keys, step))
-            if out.finished(step):
-                break
-            if out.n_done and out.n_done >= self.compact_fraction * out.running:
-                keep = out.keep_running()
-                cache.compact(keep, step)
-                # a prompt's samples may finish at different steps: shared prompt K/V is found by index from now on
-                running = RunningRows(running.prompt_index[keep], running.sample_index[keep], n, grouped=False)
-                positions, tokens, row_bias = positions[keep], tokens[keep], row_bias[keep]
-                keys = keys[keep] if keys is not None else None
-            logits = self.model.decode(tokens, positions, cache, running, row_bias, column=step)
-            positions = positions + 1
-        return assemble_output(prompts, read, out.tokens, out.lengths, out.log_probs, n, self.pad_token_id)
-
-    def _generate_static(self, prompts, read, ids, mask, pos, params, n, max_new, stop_ids, keys) -> DataProto:
-        """The decode loop of ``generate`` on fixed-shape step buffers (static_decode.py); same outputs."""
-        B, P = ids.shape
-        rows = B * n
-        buffers = self._graphs.buffers(rows, P + max_new)
-        writer = self._graphs.prompt_writer(buffers, mask, n)
-        logits = self.model.prefill(ids, pos, mask, writer).repeat_interleave(n, dim=0)
+        if self._graphs is None:
+            steps = _EagerSteps(self, ids, pos, mask, n, max_new)
+        else:
+            steps = _StaticSteps(self, ids, pos, mask, n, max_new)
+        logits = steps.prefill_logits
         positions = pos[:, -1].repeat_interleave(n) + 1
         out = _Responses(rows, max_new, self.pad_token_id, stop_ids)
         for step in range(max_new):
             tokens = out.record(step, *self._sample(logits, params, keys, step))
             if out.finished(step):
                 break
-            if out.running - out.n_done <= buffers.rows // 2:  # the live rows fit a smaller bucket: move there
-                keep = out.keep_running()
-                buffers = self._graphs.shrink(buffers, keep, P + step)
+            keep = steps.maybe_drop_stopped(out, step)
+            if keep is not None:
                 positions, tokens = positions[keep], tokens[keep]
                 keys = keys[keep] if keys is not None else None
-            logits = self._graphs.step(buffers, tokens, positions, column=P + step)
+            logits = steps.decode(tokens, positions, step)
             positions = positions + 1
         return assemble_output(prompts, read, out.tokens, out.lengths, out.log_probs, n, self.pad_token_id)
 
@@ -247,3 +215,56 @@ class _Responses:
         keep = (~self.done).nonzero().squeeze(-1)
         self.row_index, self.done, self.n_done = self.row_index[keep], self.done[keep], 0
         return keep
+
+
+class _EagerSteps:
+    """Decode steps with dynamic shapes: a KV cache sized for this call (kv_cache.py), stopped rows compacted away."""
+
+    def __init__(self, engine: NativeRollout, ids, pos, mask, n: int, max_new: int):
+        B, P = ids.shape
+        shape, self.model, self.n = engine.model.shape, engine.model, n
+        self.compact_fraction = engine.compact_fraction
+        self.cache = KVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, prompts=B, prompt_len=P, n=n,
+                             max_new=max_new, dtype=engine.dtype, device=engine.device)
+        # additive mask of each prompt slot's keys: 0, or -inf at left padding
+        prompt_bias = torch.zeros(B, P, dtype=engine.dtype, device=engine.device)
+        prompt_bias.masked_fill_(~mask.bool(), float("-inf"))
+        rows = torch.arange(B * n, device=engine.device)
+        self.running = RunningRows(prompt_index=rows // n, sample_index=rows % n, n=n)
+        self.row_bias = prompt_bias[self.running.prompt_index]  # [rows, P], follows the rows through compaction
+        self.prefill_logits = self.model.prefill(ids, pos, mask, self.cache).repeat_interleave(n, dim=0)
+
+    def maybe_drop_stopped(self, out: _Responses, step: int) -> torch.Tensor | None:
+        if not (out.n_done and out.n_done >= self.compact_fraction * out.running):
+            return None
+        keep = out.keep_running()
+        self.cache.compact(keep, step)
+        # a prompt's samples may finish at different steps: shared prompt K/V is found by index from now on
+        self.running = RunningRows(self.running.prompt_index[keep], self.running.sample_index[keep], self.n,
+                                   grouped=False)
+        self.row_bias = self.row_bias[keep]
+        return keep
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, step: int) -> torch.Tensor:
+        return self.model.decode(tokens, positions, self.cache, self.running, self.row_bias, column=step)
+
+
+class _StaticSteps:
+    """Decode steps on fixed-shape buffers kept across calls (static_decode.py): CUDA graphs on GPUs."""
+
+    def __init__(self, engine: NativeRollout, ids, pos, mask, n: int, max_new: int):
+        B, P = ids.shape
+        self.graphs, self.prompt_len = engine._graphs, P
+        self.buffers = self.graphs.buffers(B * n, P + max_new)
+        writer = self.graphs.prompt_writer(self.buffers, mask, n)
+        self.prefill_logits = engine.model.prefill(ids, pos, mask, writer).repeat_interleave(n, dim=0)
+
+    def maybe_drop_stopped(self, out: _Responses, step: int) -> torch.Tensor | None:
+        if out.running - out.n_done > self.buffers.rows // 2:
+            return None
+        keep = out.keep_running()  # the live rows fit a smaller bucket: move there
+        self.buffers = self.graphs.shrink(self.buffers, keep, self.prompt_len + step)
+        return keep
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, step: int) -> torch.Tensor:
+        return self.graphs.step(self.buffers, tokens, positions, column=self.prompt_len + step)
