@@ -134,7 +134,6 @@ class NativeDecoder:
             self.matmul = "onednn"
         else:
             self.matmul = "dense"  # F.linear on the fused tensors (GPUs, bf16, small models, or prepack=False)
-        self.int8 = int8
         self._packed: dict | None = None  # packed weights; None = (re)build before the next forward
         self.dtype, self.device = dtype, device
         self.q_size = s.num_heads * s.head_dim
@@ -314,6 +313,29 @@ class NativeDecoder:
             x = x + self._mlp(li, _rms_norm(x, layer["post_attention_layernorm"], s.rms_norm_eps))
         return self._logits(x[:, -1])
 
+    def _decode_layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """The layers of one decode step for rows [r]; returns fp32 logits [r, V].
+
+        ``attend(layer, q [r, kv, G, D], k [r, kv, D], v [r, kv, D]) -> [r, kv, G, D]`` stores the new K/V and
+        attends: the only part in which the eager and the fixed-shape step differ.
+        """
+        s = self.shape
+        r = tokens.shape[0]
+        G = s.num_heads // s.num_kv_heads
+        heads = s.num_heads + s.num_kv_heads  # q and k heads, rotated together
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [r, 1, D]
+        x = F.embedding(tokens, self.embed)
+        for li, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer["input_layernorm"], s.rms_norm_eps)
+            qkv = self._linear(li, "qkv", h)
+            qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(r, heads, s.head_dim), cos, sin)
+            v = qkv[:, self.q_size + self.kv_size :].view(r, s.num_kv_heads, s.head_dim)
+            q = qk[:, : s.num_heads].view(r, s.num_kv_heads, G, s.head_dim)
+            attn = attend(li, q, qk[:, s.num_heads :], v)
+            x = x + self._linear(li, "o", attn.reshape(r, self.q_size))
+            x = x + self._mlp(li, _rms_norm(x, layer["post_attention_layernorm"], s.rms_norm_eps))
+        return self._logits(x)
+
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: RunningRows,
         prompt_bias: torch.Tensor, column: int
@@ -321,24 +343,14 @@ class NativeDecoder:
         """One step for the running rows. tokens, positions [rows]; prompt_bias [rows, P] (0, or -inf at the prompt's
         left padding). Writes the K/V of generated token `column` and returns fp32 logits [rows, V].
         """
-        s = self.shape
-        n_rows = tokens.shape[0]
-        G = s.num_heads // s.num_kv_heads
-        heads = s.num_heads + s.num_kv_heads  # q and k heads, rotated together
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [rows, 1, D]
         bias = attention_bias(cache, prompt_bias, column + 1)
-        x = F.embedding(tokens, self.embed)
-        for li, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer["input_layernorm"], s.rms_norm_eps)
-            qkv = self._linear(li, "qkv", h)
-            qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(n_rows, heads, s.head_dim), cos, sin)
-            v = qkv[:, self.q_size + self.kv_size :].view(n_rows, s.num_kv_heads, s.head_dim)
-            cache.write_token(li, column, qk[:, s.num_heads :], v)
-            q = qk[:, : s.num_heads].view(n_rows, s.num_kv_heads, G, s.head_dim)
-            attn = decode_attention(q, cache, li, rows, bias, column + 1, s.head_dim**-0.5)
-            x = x + self._linear(li, "o", attn.reshape(n_rows, self.q_size))
-            x = x + self._mlp(li, _rms_norm(x, layer["post_attention_layernorm"], s.rms_norm_eps))
-        return self._logits(x)
+        scale = self.shape.head_dim**-0.5
+
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.write_token(li, column, k, v)
+            return decode_attention(q, cache, li, rows, bias, column + 1, scale)
+
+        return self._decode_layers(tokens, positions, attend)
 
     def decode_static(self, buf) -> None:
         """decode() on fixed-shape buffers (static_decode.StepBuffers), capturable as a CUDA graph.
@@ -347,27 +359,19 @@ class NativeDecoder:
         in ``buf.key_valid``), attends over the whole cache length under that mask and writes fp32 logits into
         ``buf.logits``. Shapes and addresses never change between calls; the values in the buffers do.
         """
-        s = self.shape
         rows, length = buf.key_valid.shape
-        kv, D = s.num_kv_heads, s.head_dim
-        G = s.num_heads // kv
-        heads = s.num_heads + kv
+        kv, D = self.shape.num_kv_heads, self.shape.head_dim
         buf.key_valid.index_fill_(1, buf.column, True)
         bias = torch.zeros(rows, length, dtype=self.dtype, device=self.device).masked_fill_(~buf.key_valid, float("-inf"))
         bias = bias[:, None, :].expand(rows, kv, length).reshape(rows * kv, 1, length)
-        cos, sin = self.cos[buf.positions][:, None], self.sin[buf.positions][:, None]  # [rows, 1, D]
-        x = F.embedding(buf.tokens, self.embed)
-        for li, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer["input_layernorm"], s.rms_norm_eps)
-            qkv = self._linear(li, "qkv", h)
-            qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(rows, heads, D), cos, sin)
-            v = qkv[:, self.q_size + self.kv_size :].view(rows, kv, D)
-            buf.keys[li].index_copy_(2, buf.column, qk[:, s.num_heads :].unsqueeze(2))
+
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            buf.keys[li].index_copy_(2, buf.column, k.unsqueeze(2))
             buf.values[li].index_copy_(2, buf.column, v.unsqueeze(2))
-            q = qk[:, : s.num_heads].reshape(rows * kv, G, D)
-            scores = torch.baddbmm(bias, q, buf.keys[li].view(rows * kv, length, D).transpose(1, 2), alpha=D**-0.5)
+            G = q.shape[2]
+            scores = torch.baddbmm(bias, q.reshape(rows * kv, G, D),
+                                   buf.keys[li].view(rows * kv, length, D).transpose(1, 2), alpha=D**-0.5)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            attn = torch.bmm(probs, buf.values[li].view(rows * kv, length, D))
-            x = x + self._linear(li, "o", attn.reshape(rows, self.q_size))
-            x = x + self._mlp(li, _rms_norm(x, layer["post_attention_layernorm"], s.rms_norm_eps))
-        buf.logits.copy_(self._logits(x))
+            return torch.bmm(probs, buf.values[li].view(rows * kv, length, D))
+
+        buf.logits.copy_(self._decode_layers(buf.tokens, buf.positions, attend))

@@ -52,7 +52,6 @@ class StepBuffers:
     column: torch.Tensor  # [1] long, the cache column this step writes
     logits: torch.Tensor  # [rows, vocab] fp32, the step's output
     graph: object | None = None
-    prompt_rows: int = 0  # rows filled by the current call
 
     @property
     def rows(self) -> int:
@@ -115,7 +114,6 @@ class GraphDecoder:
         buffers.key_valid.zero_()
         buffers.key_valid[:rows, :P] = prompt_mask.bool().repeat_interleave(n, dim=0)
         buffers.key_valid[rows:, 0] = True  # padding rows attend to something: finite garbage instead of NaN
-        buffers.prompt_rows = rows
         return _PromptWriter(buffers, n)
 
     def step(self, buffers: StepBuffers, tokens: torch.Tensor, positions: torch.Tensor, column: int) -> torch.Tensor:
@@ -158,7 +156,6 @@ class GraphDecoder:
         target.key_valid.zero_()
         target.key_valid[:m, :columns] = buffers.key_valid[keep, :columns]
         target.key_valid[m:, 0] = True
-        target.prompt_rows = m
         return target
 
     def release(self) -> None:
