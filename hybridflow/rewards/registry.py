@@ -24,6 +24,7 @@ __all__ = [
     "code_score",
     "countdown_score",
     "default_compute_score",
+    "gsm8k_lenient_score",
     "gsm8k_score",
     "math_score",
     "register_scorer",
@@ -37,8 +38,15 @@ class RewardConfigError(ValueError):
     """A reward function could not be found, loaded or used; the message says what to change."""
 
 
-def gsm8k_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    return gsm8k.compute_score(solution_str, ground_truth)
+def gsm8k_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None, method: str = "strict"
+) -> float:
+    """veRL's rule by default (``strict``); ``method="lenient"`` compares numbers by value (see scorers/gsm8k.py)."""
+    return gsm8k.compute_score(solution_str, ground_truth, method=method)
+
+
+def gsm8k_lenient_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    return gsm8k.compute_score(solution_str, ground_truth, method="lenient")
 
 
 def math_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
@@ -86,6 +94,7 @@ def available_scorers() -> list[str]:
 
 
 register_scorer(["openai/gsm8k", "gsm8k"], gsm8k_score)
+register_scorer(["hybridflow/gsm8k_lenient"], gsm8k_lenient_score)
 register_scorer(
     ["math", "lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math500",
      "EleutherAI/hendrycks_math"],

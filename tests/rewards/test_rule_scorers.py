@@ -9,30 +9,58 @@ import pytest
 from hybridflow.rewards import RewardConfigError, available_scorers, default_compute_score, register_scorer
 from hybridflow.rewards.scorers import arithmetic, countdown, gsm8k, math_answer
 
+# veRL's openai/gsm8k rule (strict, the default), veRL's flexible rule, and the opt-in lenient rule, side by side.
+# Strict/flexible columns are what veRL's verl/utils/reward_score/gsm8k.py gives for the same strings.
+PAD = "x" * 300  # pushes an earlier answer out of veRL's 300-character window
+GSM8K_TABLE = [
+    # response, truth, strict, flexible, lenient
+    ("3 + 4 = 7\n#### 7", "7", 1.0, 1.0, 1.0),
+    ("#### 7\nwait, no\n#### 8", "8", 1.0, 1.0, 1.0),  # the last #### counts
+    ("#### 8\n#### 7", "8", 0.0, 0.0, 0.0),
+    ("#### 1,000", "1000", 1.0, 0.0, 1.0),  # strict drops commas; flexible keeps them
+    ("#### 1,000", "1,000", 0.0, 1.0, 1.0),  # ...so a comma in the truth never matches strict
+    ("#### $1,000.", "1000", 0.0, 0.0, 1.0),  # "$" breaks veRL's "#### " + digits
+    ("#### 72.", "72", 0.0, 0.0, 1.0),  # the trailing period is part of veRL's answer text
+    ("#### 72.0", "72", 0.0, 0.0, 1.0),  # text comparison: 72.0 is not "72"
+    ("####72", "72", 0.0, 1.0, 1.0),  # veRL needs exactly one space after ####
+    ("####  72", "72", 0.0, 1.0, 1.0),  # two spaces: no strict match either
+    ("#### -3", "-3", 1.0, 1.0, 1.0),
+    ("#### +3", "3", 0.0, 1.0, 1.0),  # a plus sign is not in veRL's class
+    ("#### -3.50", "-3.5", 0.0, 0.0, 1.0),
+    ("#### -3.50", "-3.50", 1.0, 1.0, 1.0),
+    ("the answer is 72", "72", 0.0, 1.0, 0.0),  # no marker: only flexible finds it
+    ("the answer is 72.", "72", 0.0, 0.0, 0.0),  # flexible reads "72." (the run includes the dot)
+    ("", "72", 0.0, 0.0, 0.0),
+    ("no numbers here", "72", 0.0, 0.0, 0.0),
+    ("#### ٧٢", "72", 0.0, 0.0, 0.0),  # Arabic-Indic digits are not read as 72
+    ("#### ７２", "72", 0.0, 0.0, 0.0),  # nor fullwidth digits
+    ("#### 72abc", "72", 1.0, 1.0, 1.0),
+    ("#### 7.2e5", "720000", 0.0, 0.0, 0.0),
+    ("#### 72 apples", "72", 1.0, 1.0, 1.0),
+    ("#### 72, 5 apples", "72", 1.0, 0.0, 1.0),  # strict reads "72," and drops the comma; flexible takes the last run, 5
+    ("#### 42" + PAD, "42", 0.0, 0.0, 1.0),  # 300+ characters after the answer: outside veRL's window
+    ("#### 42" + "x" * 292, "42", 1.0, 1.0, 1.0),  # 299 characters from the end: inside
+    ("#### 42" + "x" * 600, "42", 0.0, 0.0, 0.0),  # outside the lenient window (500) too
+    ("#### 9" + "9" * 290, "9" * 291, 1.0, 1.0, 1.0),  # exact, far beyond float precision
+    ("#### " + "9" * 289 + "8", "9" * 290, 0.0, 0.0, 0.0),
+    # A numeric truth (from JSON) is compared as its text. Deliberately not veRL's result (0: it compares a str with
+    # an int and never matches); veRL's preprocessors write string truths, where the two agree.
+    ("#### 5", 5, 1.0, 1.0, 1.0),
+    ("#### 5", 5.0, 0.0, 0.0, 1.0),
+    ("#### .", "72", 0.0, 0.0, 0.0),  # a lone dot is found by strict (".") but is not 72
+    ("4 apples. #### 1,2,3", "123", 1.0, 0.0, 1.0),  # commas are dropped wherever they sit (not a list)
+]
 
-@pytest.mark.parametrize(
-    ("response", "truth", "strict", "flexible"),
-    [
-        ("3 + 4 = 7\n#### 7", "7", 1.0, 1.0),
-        ("#### 7\nwait, no\n#### 8", "8", 1.0, 1.0),  # the last #### counts
-        ("#### 8\n#### 7", "8", 0.0, 0.0),
-        ("#### $1,000.", "1000", 1.0, 1.0),  # $, thousands commas, trailing period
-        ("#### 1,000", "1,000", 1.0, 1.0),
-        ("#### -3.50", "-3.5", 1.0, 1.0),
-        ("the answer is 72", "72", 0.0, 1.0),  # no marker: only flexible finds it
-        ("", "72", 0.0, 0.0),
-        ("#### ٧٢", "72", 0.0, 0.0),  # Arabic-Indic digits are not read as 72
-        ("#### ７２", "72", 0.0, 0.0),  # nor fullwidth digits
-        ("#### " + "9" * 300, "9" * 300, 1.0, 1.0),  # exact, far beyond float precision
-        ("#### " + "9" * 299 + "8", "9" * 300, 0.0, 0.0),
-        ("#### " + "9" * 5000, "9" * 5000, 0.0, 0.0),  # absurdly long: refused quickly, no crash
-        ("#### 72abc", "72", 1.0, 1.0),
-        ("#### 7.2e5", "720000", 0.0, 0.0),
-    ],
-)
-def test_gsm8k(response, truth, strict, flexible):
+
+@pytest.mark.parametrize(("response", "truth", "strict", "flexible", "lenient"), GSM8K_TABLE)
+def test_gsm8k(response, truth, strict, flexible, lenient):
     assert gsm8k.compute_score(response, truth) == strict
     assert gsm8k.compute_score(response, truth, method="flexible") == flexible
+    assert gsm8k.compute_score(response, truth, method="lenient") == lenient
+
+
+def test_gsm8k_table_is_large_enough():
+    assert len(GSM8K_TABLE) >= 30
 
 
 def test_gsm8k_format_score_and_dispatch():
@@ -40,6 +68,8 @@ def test_gsm8k_format_score_and_dispatch():
     assert gsm8k.compute_score("no answer", "6", format_score=0.1) == 0.0
     assert default_compute_score("openai/gsm8k", "#### 6", "6") == 1.0
     assert default_compute_score("gsm8k", "#### 6", "6") == 1.0
+    assert default_compute_score("openai/gsm8k", "#### 6.0", "6") == 0.0  # veRL's rule by default
+    assert default_compute_score("hybridflow/gsm8k_lenient", "#### 6.0", "6") == 1.0  # opt-in by data_source
 
 
 @pytest.mark.parametrize(
