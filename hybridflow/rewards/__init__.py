@@ -1,6 +1,7 @@
-"""hybridflow.rewards: rule scorers chosen by data_source, custom reward functions, the reward manager, the sandbox.
+"""hybridflow.rewards: rule scorers chosen by data_source, custom reward functions, the reward managers (by veRL's
+names: naive, batch, dapo, prime), the sandbox.
 
-The manager (which needs torch) is imported lazily: reward worker processes import this package to unpickle their
+The managers (which need torch) are imported lazily: reward worker processes import this package to unpickle their
 scorer, and should not pay for torch.
 """
 
@@ -18,24 +19,37 @@ from hybridflow.rewards.registry import (
 )
 
 __all__ = [
+    "BatchRewardManager",
     "CustomRewardFunction",
+    "OverlongShaping",
+    "PrimeRewardManager",
     "RewardComputationError",
     "RewardConfigError",
     "RewardManager",
+    "RewardManagerSpec",
     "RewardResult",
     "ScorerTable",
+    "available_reward_managers",
     "available_scorers",
+    "build_reward_manager",
+    "check_reward_manager_config",
     "default_compute_score",
     "load_custom_reward_fn",
+    "register_reward_manager",
     "register_scorer",
 ]
 
-_LAZY = {"RewardManager", "RewardResult", "RewardComputationError"}
+_LAZY = {
+    "RewardManager": "manager", "RewardResult": "manager", "RewardComputationError": "manager",
+    "OverlongShaping": "manager", "BatchRewardManager": "managers", "PrimeRewardManager": "managers",
+    "RewardManagerSpec": "managers", "available_reward_managers": "managers", "build_reward_manager": "managers",
+    "check_reward_manager_config": "managers", "register_reward_manager": "managers",
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from hybridflow.rewards import manager
+        import importlib
 
-        return getattr(manager, name)
+        return getattr(importlib.import_module(f"hybridflow.rewards.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'hybridflow.rewards' has no attribute {name!r}")

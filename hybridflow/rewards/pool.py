@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["Outcome", "ScoringPool", "score_one"]
+__all__ = ["Outcome", "ScoringPool", "check_batch_values", "check_first_value", "check_value", "score_one"]
 
 _MAX_MESSAGE = 300
 
@@ -57,7 +57,8 @@ def _as_float(value: Any) -> float | None:
     return None
 
 
-def _check_value(value: Any) -> Outcome:
+def check_value(value: Any, task: dict[str, Any] | None = None) -> Outcome:
+    """One score: a finite number, or a dict with a finite "score" (other keys become extras)."""
     extras: dict[str, Any] = {}
     if isinstance(value, dict):
         if "score" not in value:
@@ -77,13 +78,36 @@ def _check_value(value: Any) -> Outcome:
     return Outcome("ok", score=score, extras=extras)
 
 
-def score_one(scorer: Callable[..., Any], task: dict[str, Any]) -> Outcome:
-    """Call `scorer(**task)` and classify the result."""
+def check_first_value(value: Any, task: dict[str, Any] | None = None) -> Outcome:
+    """veRL's prime manager: a tuple/list result counts by its first element (e.g. ``(score, details)``)."""
+    if isinstance(value, (tuple, list)) and value:
+        value = value[0]
+    return check_value(value)
+
+
+def check_batch_values(value: Any, task: dict[str, Any]) -> Outcome:
+    """A batch scorer's result: one score per row (``task["solution_strs"]``); each row checked as `check_value`.
+
+    ok -> ``extras["rows"]`` holds one Outcome per row; a result of the wrong type or length is ``invalid``."""
+    n = len(task["solution_strs"])
+    if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):  # numpy arrays, tensors
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        return Outcome("invalid", message=f"returned {type(value).__name__}, not a list of {n} scores (one per row)")
+    if len(value) != n:
+        return Outcome("invalid", message=f"returned {len(value)} scores for a batch of {n} rows; return one per row")
+    return Outcome("ok", extras={"rows": [check_value(v) for v in value]})
+
+
+def score_one(
+    scorer: Callable[..., Any], task: dict[str, Any], check: Callable[..., Outcome] = check_value
+) -> Outcome:
+    """Call `scorer(**task)` and classify the result with `check`."""
     try:
         value = scorer(**task)
     except (Exception, SystemExit) as e:
         return Outcome("raised", message=f"{type(e).__name__}: {str(e)[:_MAX_MESSAGE]}")
-    return _check_value(value)
+    return check(value, task)
 
 
 def _die_with_parent() -> None:
@@ -105,7 +129,7 @@ def _worker_main(fd: int) -> None:
     _die_with_parent()
     conn = Connection(fd)
     try:
-        scorer = pickle.loads(conn.recv_bytes())
+        scorer, check = pickle.loads(conn.recv_bytes())
     except BaseException as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
@@ -118,7 +142,7 @@ def _worker_main(fd: int) -> None:
         if chunk is None:
             return
         for index, task in chunk:
-            conn.send((index, score_one(scorer, task)))
+            conn.send((index, score_one(scorer, task, check)))
 
 
 class WorkerStartError(RuntimeError):
@@ -169,11 +193,15 @@ class _Worker:
 
 
 class ScoringPool:
-    """`num_workers` processes running `scorer(**task)`; see the module docstring for the timeout rule."""
+    """`num_workers` processes running `scorer(**task)`, results classified by `check` (a module-level function such
+    as ``check_value``); see the module docstring for the timeout rule."""
 
-    def __init__(self, scorer: Callable[..., Any], num_workers: int, timeout_s: float) -> None:
+    def __init__(
+        self, scorer: Callable[..., Any], num_workers: int, timeout_s: float,
+        check: Callable[..., Outcome] = check_value,
+    ) -> None:
         try:
-            self._blob = pickle.dumps(scorer)
+            self._blob = pickle.dumps((scorer, check))
         except Exception as e:
             raise ValueError(
                 f"the reward function {scorer!r} cannot be pickled ({e}), so worker processes cannot receive it; "

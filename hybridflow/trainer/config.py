@@ -185,19 +185,22 @@ class RewardModelConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     micro_batch_size_per_gpu: int = 16
     weight: float = 1.0  # rm score weight when combined with rule scores
-    reward_manager: str = "naive"  # veRL's key; one reward manager (hybridflow.rewards.RewardManager) here
-    overlong_buffer: OverlongBuffer = field(default_factory=OverlongBuffer)
+    reward_manager: str = "naive"  # naive | batch | dapo | prime (veRL's), see hybridflow/rewards/managers.py
+    reward_kwargs: dict = field(default_factory=dict)  # veRL: the manager's own options, e.g. dapo's overlong_buffer_cfg
+    overlong_buffer: OverlongBuffer = field(default_factory=OverlongBuffer)  # hybridflow's older key, any manager
     # rule-scoring workers
     num_workers: int = 2
     timeout_s: float = 10.0
     failure_score: float = 0.0
     max_failure_fraction: float = 0.5
+    batch_timeout_s: float = 300.0  # reward_manager=batch: the limit for one call on the whole batch
 
 
 @dataclass
 class CustomRewardConfig:
     path: str | None = None
     name: str = "compute_score"
+    reward_kwargs: dict = field(default_factory=dict)  # passed to every call of the function (veRL's key)
 
 
 @dataclass
@@ -211,7 +214,7 @@ class KLCtrlConfig:
 @dataclass
 class FilterGroupsConfig:
     enable: bool = False  # DAPO dynamic sampling
-    metric: str = "score"  # veRL's key; groups are filtered on each response's sequence score (score/acc alike)
+    metric: str = "score"  # acc: the reward manager's per-row acc; score/seq_reward/seq_final_reward: the sequence score
     max_num_gen_batches: int = 4  # 0 = unlimited
 
 
@@ -328,8 +331,27 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
         raise ConfigError(f"invalid {what} value: {e}") from None
 
 
+# Newer veRL (its top-level `reward:` section) names the reward keys differently; they mean the same thing here.
+VERL_REWARD_SECTION = {
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    "reward.reward_kwargs.": "reward_model.reward_kwargs.",
+    "reward.custom_reward_function.": "custom_reward_function.",
+    "reward.num_workers": "reward_model.num_workers",
+}
+
+
+def _rename_reward_section(item: str) -> str:
+    plus = item[: len(item) - len(item.lstrip("+"))]
+    key, sep, value = item[len(plus):].partition("=")
+    for old, new in VERL_REWARD_SECTION.items():
+        if key == old or (old.endswith(".") and key.startswith(old)):
+            return f"{plus}{new}{key[len(old):]}{sep}{value}"
+    return item
+
+
 def load_config(overrides: list[str] | None = None, preset: str | None = None, validate: bool = True) -> HybridFlowConfig:
     """Defaults <- optional YAML preset file <- dotted command-line overrides; then validated."""
+    overrides = [_rename_reward_section(o) for o in overrides or []]
     cfg = merge_overrides(HybridFlowConfig, overrides, preset)
     if validate:
         validate_config(cfg)
@@ -420,8 +442,11 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         errors.append("algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2 (groups of samples)")
     if alg.filter_groups.metric not in ("score", "acc", "seq_reward", "seq_final_reward"):
         errors.append(f"algorithm.filter_groups.metric={alg.filter_groups.metric!r}: choose score or acc")
-    if cfg.reward_model.reward_manager not in ("naive", "batch"):
-        errors.append(f"reward_model.reward_manager={cfg.reward_model.reward_manager!r}: hybridflow has one, 'naive'")
+    from hybridflow.rewards.managers import check_reward_manager_config
+
+    crf = cfg.custom_reward_function
+    errors += check_reward_manager_config(cfg.reward_model.reward_manager, dict(cfg.reward_model.reward_kwargs),
+                                          crf.path, dict(crf.reward_kwargs))
     if actor.recompute_old_log_prob not in ("auto", "always"):
         errors.append("actor_rollout_ref.actor.recompute_old_log_prob: choose auto or always")
     if t.fault_injection:

@@ -75,7 +75,6 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     from transformers import AutoTokenizer
 
     from hybridflow.data import RLDataLoader, RLDataset
-    from hybridflow.rewards import RewardManager, load_custom_reward_fn
     from hybridflow.single_controller import WorkerGroupError
     from hybridflow.trainer.metrics import measure_peak_flops
     from hybridflow.trainer.placement import build_worker_groups
@@ -108,14 +107,8 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     cfg.actor_rollout_ref.actor.optim.total_training_steps = total_steps
     cfg.critic.optim.total_training_steps = total_steps
 
-    custom = None
-    if cfg.custom_reward_function.path:
-        custom = load_custom_reward_fn(f"{cfg.custom_reward_function.path}:{cfg.custom_reward_function.name}")
     rm = cfg.reward_model
-    reward_fn = RewardManager(
-        tokenizer, custom, num_workers=rm.num_workers, timeout_s=rm.timeout_s, failure_score=rm.failure_score,
-        max_failure_fraction=rm.max_failure_fraction, reward_fn_key=d.reward_fn_key, rm_score_weight=rm.weight,
-    )
+    reward_fn = build_reward_fn(cfg, tokenizer)
     need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
     roles = 1 + int(bool(cfg.critic.enable)) + int(rm.enable)
     if t.backend == "ray":
@@ -174,6 +167,26 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     finally:
         tracker.finish()
         reward_fn.close()
+
+
+def build_reward_fn(cfg: HybridFlowConfig, tokenizer: Any):
+    """The reward manager named by reward_model.reward_manager, from the config's reward keys."""
+    from hybridflow.rewards import OverlongShaping, RewardManagerSpec, build_reward_manager
+
+    rm, crf = cfg.reward_model, cfg.custom_reward_function
+    legacy = None
+    if rm.overlong_buffer.enable:
+        legacy = OverlongShaping(len=rm.overlong_buffer.len, max_resp_len=cfg.data.max_response_length,
+                                 penalty_factor=rm.overlong_buffer.penalty_factor)
+    spec = RewardManagerSpec(
+        custom_path=crf.path, custom_name=crf.name, custom_kwargs=dict(crf.reward_kwargs),
+        reward_kwargs=dict(rm.reward_kwargs), max_response_length=cfg.data.max_response_length,
+        legacy_overlong=legacy, batch_timeout_s=rm.batch_timeout_s,
+        options=dict(num_workers=rm.num_workers, timeout_s=rm.timeout_s, failure_score=rm.failure_score,
+                     max_failure_fraction=rm.max_failure_fraction, reward_fn_key=cfg.data.reward_fn_key,
+                     rm_score_weight=rm.weight),
+    )
+    return build_reward_manager(rm.reward_manager, tokenizer, spec)
 
 
 def _local_gpu_count() -> int:

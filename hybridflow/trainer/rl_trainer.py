@@ -24,7 +24,6 @@ from hybridflow.algorithms import (
     get_advantage_estimator,
     get_kl_controller,
     masked_mean,
-    overlong_reward_penalty,
 )
 from hybridflow.engines.mismatch import logprob_mismatch
 from hybridflow.protocol import DataProto
@@ -163,7 +162,7 @@ class RLTrainer:
             batch = self.generate_and_score_once(prompts, salt=attempt, metrics=metrics, timing=timing)
             if not fg.enable:
                 return batch, metrics
-            keep = filter_groups(batch.non_tensor_batch["uid"], batch.batch["token_level_scores"].sum(-1).numpy())
+            keep = filter_groups(batch.non_tensor_batch["uid"], self.group_metric(batch, fg.metric))
             kept.append(batch[keep])
             dropped = batch[~keep]
             metrics[f"dapo/kept_groups_batch_{attempt}"] = float(keep.sum()) / self.cfg.actor_rollout_ref.rollout.n
@@ -177,6 +176,19 @@ class RLTrainer:
             filler = dropped[: target - len(merged)]  # whole groups: rows are in group order, n per group
             merged = DataProto.concat([merged, filler]) if len(merged) else filler
         return merged[:target], metrics
+
+    @staticmethod
+    def group_metric(batch: DataProto, metric: str) -> np.ndarray:
+        """[B] what dynamic sampling compares within a group: ``acc`` as the reward manager recorded it, else the
+        sequence score."""
+        if metric != "acc":
+            return batch.batch["token_level_scores"].sum(-1).numpy()
+        if "acc" not in batch.batch:
+            raise ValueError(
+                "algorithm.filter_groups.metric=acc, but the reward manager recorded no acc; use "
+                "reward_model.reward_manager=dapo (or batch/prime), return {'score': ..., 'acc': ...}, or metric=score"
+            )
+        return batch.batch["acc"].numpy()
 
     def generate_and_score_once(self, prompts: DataProto, *, salt: int, metrics: dict, timing: dict) -> DataProto:
         g, n = self.groups, self.cfg.actor_rollout_ref.rollout.n
@@ -206,19 +218,15 @@ class RLTrainer:
         return self.score(base).batch["token_level_scores"].sum(-1)
 
     def score(self, batch: DataProto, metrics: dict | None = None) -> DataProto:
-        """Rule scores (and reward-model scores) -> token_level_scores [B, R] with overlong shaping."""
+        """Rule scores (and reward-model scores) -> token_level_scores [B, R], shaped by the reward manager
+        (e.g. DAPO's overlong penalty); ``acc`` [B] too when the manager records it."""
         if self.groups.reward_model is not None:
             batch = batch.union(self.groups.reward_model.compute_rm_score(batch))
         result = self.reward_fn(batch)
-        scores = result.token_level_scores
-        ob = self.cfg.reward_model.overlong_buffer
-        if ob.enable:
-            lengths = batch.batch["response_mask"].sum(-1)
-            penalty = overlong_reward_penalty(lengths, self.cfg.data.max_response_length, ob.len, ob.penalty_factor)
-            last = (lengths.long() - 1).clamp(min=0)
-            scores = scores.clone()
-            scores[torch.arange(len(scores)), last] += penalty.to(scores.dtype)
-        batch.batch["token_level_scores"] = scores
+        batch.batch["token_level_scores"] = result.token_level_scores
+        acc = result.extra.get("acc")
+        if acc is not None and all(isinstance(a, (int, float)) for a in acc):  # every row has one (dapo/batch/prime)
+            batch.batch["acc"] = torch.tensor(acc, dtype=torch.float32)
         if metrics is not None:
             metrics.update(result.metrics)
             self.last_texts = result.responses_text

@@ -42,3 +42,24 @@ def wrong_signature(solution_str, ground_truth):
 
 def kwargs_only(**kwargs):
     return float(kwargs["solution_str"] == kwargs["ground_truth"])
+
+
+def batch_exact(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0, scale=1.0, **kwargs):
+    """veRL's batch signature: one call for the whole batch; reports the batch size it saw and its kwargs."""
+    return [
+        {"score": scale * float(s.strip() == str(g)) + bonus, "batch_size": len(solution_strs), "ds": d}
+        for d, s, g in zip(data_sources, solution_strs, ground_truths)
+    ]
+
+
+def batch_wrong_length(data_sources, solution_strs, ground_truths, extra_infos, **kwargs):
+    return [1.0] * (len(solution_strs) - 1)
+
+
+def with_tuple(data_source, solution_str, ground_truth, extra_info=None):
+    """prime-style: (score, details)."""
+    return (float(solution_str.strip() == str(ground_truth)), {"details": "x"})
+
+
+def needs_kwarg(data_source, solution_str, ground_truth, extra_info=None, *, threshold):
+    return float(len(solution_str) >= threshold)

@@ -27,6 +27,14 @@ ALGORITHMS = {
         "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4",
         "actor_rollout_ref.actor.loss_agg_mode=token-mean",
     ],
+    "dapo_verl_reward_keys": [  # veRL's DAPO recipe keys: the dapo reward manager's overlong buffer, groups by acc
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+        "algorithm.filter_groups.max_num_gen_batches=2", "reward_model.reward_manager=dapo",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.log=True", "+reward_model.reward_kwargs.max_resp_len=8",
+    ],
     "gspo": [
         "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.clip_ratio_low=0.0003",
         "actor_rollout_ref.actor.clip_ratio_high=0.0004", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
@@ -69,6 +77,9 @@ def test_algorithm_runs_and_learns_something(name, arithmetic_files, tiny_model_
         assert row["actor/skipped_nonfinite"] == 0
     if name == "ppo_gae_critic":
         assert all(math.isfinite(r["critic/vf_loss"]) for r in rows) and "timing/values" in rows[0]
+    if name.startswith("dapo"):  # the reward manager applied the overlong penalty (old key and veRL's alike)
+        assert all(r["reward/overlong_penalty_mean"] <= 0 for r in rows) and rows[0]["reward/overlong_penalty_mean"] < 0
+        assert ("reward/overlong_fraction" in rows[0]) == (name == "dapo_verl_reward_keys")  # overlong_buffer_cfg.log
     if "kl" in name or name == "reinforce_plus_plus":
         assert "timing/ref" in rows[0]
     # After step 1's sync the rollout engine must hold exactly the actor's weights: the log-probs it reports for
