@@ -1,4 +1,4 @@
-"""`hybridflow` command line: train | sft | export | report | make-tiny-model."""
+"""`hybridflow` command line: train | sft | export | merge | report | make-tiny-model."""
 
 from __future__ import annotations
 
@@ -54,6 +54,23 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_merge(args: argparse.Namespace) -> int:
+    from hybridflow.trainer.checkpoint import CheckpointError
+    from hybridflow.trainer.merge import merge_checkpoint
+
+    if args.backend != "fsdp":
+        print("hybridflow merge: --backend megatron is not supported; hybridflow reads FSDP checkpoints "
+              "(veRL's or its own). Use veRL's `python -m verl.model_merger` for Megatron ones", file=sys.stderr)
+        return 2
+    try:
+        out = merge_checkpoint(args.local_dir, args.target_dir, dtype=args.dtype, trust_remote_code=args.trust_remote_code)
+    except CheckpointError as e:
+        print(f"hybridflow merge: {e}", file=sys.stderr)
+        return 2
+    print(f"merged a Hugging Face model into {out}")
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from hybridflow.trainer.report import make_report
 
@@ -95,9 +112,22 @@ def build_parser() -> argparse.ArgumentParser:
     sft.set_defaults(func=_cmd_sft)
 
     export = sub.add_parser("export", help="turn a checkpoint folder into a Hugging Face model folder")
-    export.add_argument("checkpoint", help="a global_step_N folder (or a run folder: its latest checkpoint)")
+    export.add_argument("checkpoint", help="a global_step_N folder or its actor/ folder (or a run folder: its latest)")
     export.add_argument("out_dir")
     export.set_defaults(func=_cmd_export)
+
+    merge = sub.add_parser(
+        "merge", help="a sharded FSDP checkpoint (veRL's or hybridflow's) -> a Hugging Face model folder",
+        description="The shape of veRL's `python -m verl.model_merger merge --backend fsdp --local_dir DIR "
+        "--target_dir OUT`; DIR is a global_step_N/actor folder (or global_step_N, or a run folder).",
+    )
+    merge.add_argument("--backend", required=True, choices=["fsdp", "megatron"])
+    merge.add_argument("--local_dir", required=True, help="the checkpoint: global_step_N/actor, global_step_N or a run")
+    merge.add_argument("--target_dir", default="tmp", help="where to write the Hugging Face folder (veRL's default: tmp)")
+    merge.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                       help="auto: as stored (veRL's merger always writes bf16)")
+    merge.add_argument("--trust-remote-code", action="store_true")
+    merge.set_defaults(func=_cmd_merge)
 
     report = sub.add_parser("report", help="plots and an HTML page for a run folder")
     report.add_argument("run_dir")

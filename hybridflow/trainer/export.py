@@ -1,4 +1,6 @@
-"""`hybridflow export`: assemble a checkpoint's per-rank weight shards into an ordinary Hugging Face model folder."""
+"""`hybridflow export`: assemble a checkpoint's per-rank weight shards into an ordinary Hugging Face model folder.
+
+The folder writing is shared with `hybridflow merge` (``merge.py``), which reads veRL's FSDP checkpoints as well."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from hybridflow.trainer.checkpoint import CheckpointError, CheckpointManager
+from hybridflow.trainer.checkpoint import CheckpointError
 
 
 def load_full_actor_state(actor_dir: str) -> dict[str, torch.Tensor]:
@@ -39,29 +41,8 @@ def load_full_actor_state(actor_dir: str) -> dict[str, torch.Tensor]:
 
 
 def export_checkpoint(checkpoint: str, out_dir: str) -> str:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """A run folder (its latest checkpoint), a ``global_step_N`` folder or its ``actor/`` folder (veRL's habit) ->
+    a Hugging Face model folder at `out_dir`; veRL FSDP checkpoints are read too (see ``merge.py``)."""
+    from hybridflow.trainer.merge import merge_checkpoint
 
-    path = checkpoint
-    if not os.path.exists(os.path.join(path, "actor")):  # a run folder: take its latest checkpoint
-        latest = CheckpointManager(path).latest()
-        if latest is None:
-            raise CheckpointError(f"{checkpoint} is neither a checkpoint (global_step_N) nor a run folder with one")
-        path = latest
-    problem = CheckpointManager.verify(path)
-    if problem is not None:
-        raise CheckpointError(f"cannot export {path}: {problem}")
-    actor_dir = os.path.join(path, "actor")
-    hf_dir = os.path.join(actor_dir, "huggingface")
-    config = AutoConfig.from_pretrained(hf_dir)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = load_full_actor_state(actor_dir)
-    result = model.load_state_dict(state, strict=False)
-    model.tie_weights()
-    missing = [n for n, _ in model.named_parameters() if n not in state]
-    if missing or result.unexpected_keys:
-        raise CheckpointError(f"checkpoint does not fit the model: missing {missing[:5]}, unexpected "
-                              f"{result.unexpected_keys[:5]}")
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out_dir)
-    return out_dir
+    return merge_checkpoint(checkpoint, out_dir)

@@ -51,3 +51,16 @@ def test_exported_model_has_the_trained_actors_log_probs(arithmetic_files, tiny_
     assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     assert not torch.equal(base.model.embed_tokens.weight, model.model.embed_tokens.weight)  # it was trained
+
+    # veRL's habit: the actor/ folder itself; and the veRL-shaped merge command on the same checkpoint
+    from safetensors.torch import load_file
+
+    from hybridflow.cli import main as cli
+
+    assert cli(["export", os.path.join(ckpt, "actor"), str(tmp_path / "from_actor")]) == 0
+    assert cli(["merge", "--backend", "fsdp", "--local_dir", os.path.join(ckpt, "actor"),
+                "--target_dir", str(tmp_path / "merged")]) == 0
+    reference = load_file(os.path.join(out, "model.safetensors"))
+    for other in ("from_actor", "merged"):
+        weights = load_file(str(tmp_path / other / "model.safetensors"))
+        assert weights.keys() == reference.keys() and all(torch.equal(weights[k], reference[k]) for k in reference)
