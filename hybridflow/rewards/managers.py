@@ -16,7 +16,8 @@ Every manager keeps the base RewardManager's worker processes, per-sample timeou
 prime scores a failed row 0 silently; here it gets ``failure_score`` and counts). The batch call runs in one worker
 with ``batch_timeout_s`` for the whole call; if it fails, every row of the batch fails with it.
 
-Add your own: ``register_reward_manager("mine", factory)`` with ``factory(tokenizer, spec) -> RewardManager``.
+Add your own: ``register_reward_manager("mine", factory)`` with ``factory(tokenizer, spec) -> RewardManager``, or
+name it in the config as ``reward_model.reward_manager=my_pkg.module:factory`` (a ``hybridflow.plugins.Registry``).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.plugins import Registry
 from hybridflow.rewards.custom import load_custom_reward_fn
 from hybridflow.rewards.manager import OverlongShaping, RewardManager
 from hybridflow.rewards.pool import Outcome, check_batch_values, check_first_value, score_one
 from hybridflow.rewards.registry import RewardConfigError
 
 __all__ = [
+    "REWARD_MANAGERS",
     "BatchRewardManager",
     "PrimeRewardManager",
     "RewardManagerSpec",
@@ -83,9 +86,28 @@ class PrimeRewardManager(RewardManager):
 
 
 Factory = Callable[[Any, RewardManagerSpec], RewardManager]
-_MANAGERS: dict[str, Factory] = {}
-# reward_model.reward_kwargs each manager takes (None: any, passed on to the user's function).
-_ACCEPTED_KWARGS: dict[str, tuple[str, ...] | None] = {}
+
+
+@dataclass(frozen=True)
+class ManagerEntry:
+    """A registered manager: its factory and the ``reward_model.reward_kwargs`` keys it understands (None: any)."""
+
+    factory: Factory
+    reward_kwargs: tuple[str, ...] | None = ()
+
+
+def _as_entry(name: str, obj: Any) -> ManagerEntry:
+    """An import-path plugin ('pkg.mod:factory') is a factory(tokenizer, spec); it gets every reward_kwarg in spec."""
+    if isinstance(obj, ManagerEntry):
+        return obj
+    if not callable(obj):
+        raise RewardConfigError(f"reward manager {name!r} is a {type(obj).__name__}, not a factory(tokenizer, spec)")
+    return ManagerEntry(obj, None)
+
+
+REWARD_MANAGERS: Registry[ManagerEntry] = Registry(
+    "reward manager", "hybridflow.rewards.register_reward_manager(name, factory)", coerce=_as_entry
+)
 
 
 def register_reward_manager(
@@ -93,23 +115,21 @@ def register_reward_manager(
 ) -> None:
     """Make ``reward_model.reward_manager=name`` build ``factory(tokenizer, spec)``; `reward_kwargs` names the
     ``reward_model.reward_kwargs`` keys it understands (None: any)."""
-    if name in _MANAGERS and not override:
-        raise RewardConfigError(f"a reward manager named {name!r} is registered already; pass override=True")
-    _MANAGERS[name] = factory
-    _ACCEPTED_KWARGS[name] = reward_kwargs
+    REWARD_MANAGERS.add(name, ManagerEntry(factory, reward_kwargs), override=override)
 
 
 def available_reward_managers() -> list[str]:
-    return sorted(_MANAGERS)
+    return REWARD_MANAGERS.names()
 
 
 def check_reward_manager_config(name: str, reward_kwargs: dict[str, Any], custom_path: str | None,
                                 custom_kwargs: dict[str, Any]) -> list[str]:
     """Problems with the reward keys, one line each (empty: fine). Run at config validation, before any worker."""
-    if name not in _MANAGERS:
-        return [f"reward_model.reward_manager={name!r} is unknown; choose one of {available_reward_managers()}"]
+    problem = REWARD_MANAGERS.check(name)
+    if problem is not None:
+        return [f"reward_model.reward_manager={name!r}: {problem}"]
     errors = []
-    accepted = _ACCEPTED_KWARGS[name]
+    accepted = REWARD_MANAGERS.get(name).reward_kwargs
     if accepted is not None:
         unknown = sorted(set(reward_kwargs) - set(accepted))
         if unknown:
@@ -146,7 +166,7 @@ def build_reward_manager(name: str, tokenizer: Any, spec: RewardManagerSpec) -> 
     errors = check_reward_manager_config(name, spec.reward_kwargs, spec.custom_path, spec.custom_kwargs)
     if errors:
         raise RewardConfigError("; ".join(errors))
-    return _MANAGERS[name](tokenizer, spec)
+    return REWARD_MANAGERS.get(name).factory(tokenizer, spec)
 
 
 def _custom(spec: RewardManagerSpec, *, batch: bool = False, extra_kwargs: dict[str, Any] | None = None):

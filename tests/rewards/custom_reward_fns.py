@@ -63,3 +63,14 @@ def with_tuple(data_source, solution_str, ground_truth, extra_info=None):
 
 def needs_kwarg(data_source, solution_str, ground_truth, extra_info=None, *, threshold):
     return float(len(solution_str) >= threshold)
+
+
+def length_manager(tokenizer, spec):
+    """A reward-manager plugin named by import path: every response scores its length in characters."""
+    from hybridflow.rewards import RewardManager
+
+    return RewardManager(tokenizer, length_score, **spec.options)
+
+
+def length_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(len(solution_str))

@@ -37,7 +37,7 @@ def spec(**kw) -> RewardManagerSpec:
 def test_registry_names_and_config_errors():
     assert {"naive", "batch", "dapo", "prime"} <= set(available_reward_managers())
     tok = build_char_tokenizer()
-    with pytest.raises(RewardConfigError, match=r"unknown; choose one of \[.*'dapo'"):
+    with pytest.raises(RewardConfigError, match=r"unknown reward manager .nope.; known: .*batch, dapo, naive, prime"):
         build_reward_manager("nope", tok, spec())
     with pytest.raises(RewardConfigError, match=r"'naive' reward manager takes none.*reward_manager=dapo"):
         build_reward_manager("naive", tok, spec(reward_kwargs={"overlong_buffer_cfg": {"enable": True}}))
@@ -47,6 +47,12 @@ def test_registry_names_and_config_errors():
         build_reward_manager("naive", tok, spec(custom_kwargs={"x": 1}))
     with pytest.raises(RewardConfigError, match=r"overlong_buffer_cfg.\['lenght'\]: unknown"):
         build_reward_manager("dapo", tok, spec(reward_kwargs={"overlong_buffer_cfg": {"lenght": 4}}))
+
+
+def test_a_manager_plugin_by_import_path(tokenizer):
+    batch = make_batch(tokenizer, ["abc", "a"], ["?", "?"])
+    with build_reward_manager(f"{FNS}:length_manager", tokenizer, spec(reward_kwargs={"anything": 1})) as rm:
+        assert rm(batch).scores.tolist() == [3.0, 1.0]
 
 
 def test_batch_manager_calls_once_per_batch_with_reward_kwargs(tokenizer):
@@ -159,7 +165,7 @@ def test_verl_reward_keys_in_the_config():
     assert new.custom_reward_function.path == FNS and new.custom_reward_function.reward_kwargs == {"x": 1}
     with pytest.raises(ConfigError, match="'naive' reward manager takes none"):
         load_config(["+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True"])
-    with pytest.raises(ConfigError, match="reward_manager='nope' is unknown"):
+    with pytest.raises(ConfigError, match=r"reward_manager='nope': unknown reward manager 'nope'; known: .*batch, dapo, naive, prime"):
         load_config(["reward_model.reward_manager=nope"])
     with torch.no_grad():  # the manager a config builds
         from hybridflow.trainer.main import build_reward_fn
