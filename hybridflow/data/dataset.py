@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from hybridflow.data.schema import DataConfigError, check_row, read_rows
+from hybridflow.data.schema import DataConfigError, check_row
+from hybridflow.data.sources import read_source
 
 __all__ = ["RLDataset"]
 
@@ -32,7 +33,7 @@ _TRUNCATION_MODES = ("error", "left", "right")
 
 
 class RLDataset:
-    """Prompts from parquet/JSONL files in veRL's schema.
+    """Prompts from parquet/JSONL files in veRL's schema, reasoning-gym tasks or ``datasets`` folders (``sources.py``).
 
     ``ds[i]`` is a dict with ``input_ids`` LongTensor[L] (L <= max_prompt_length, no padding),
     ``attention_mask`` LongTensor[L] (all ones), and the row's fields: ``data_source``, ``raw_prompt`` (the chat list),
@@ -73,7 +74,7 @@ class RLDataset:
         rows: list[dict[str, Any]] = []
         origins: list[tuple[str, int]] = []
         for path in self.files:
-            for i, raw in enumerate(read_rows(path, required_columns=["data_source", prompt_key])):
+            for i, raw in enumerate(read_source(path, required_columns=["data_source", prompt_key])):
                 rows.append(check_row(raw, path, i, prompt_key=prompt_key, require_ground_truth=require_ground_truth))
                 origins.append((path, i))
 

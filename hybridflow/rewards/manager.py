@@ -166,7 +166,7 @@ class RewardManager:
                 "Keep the dataset's non-tensor columns on the batch through rollout"
             )
         if isinstance(self.compute_score, ScorerTable):  # say it once, up front, rather than fail every sample
-            unknown = {str(ds) for ds in nt[self.reward_fn_key]} - set(self.compute_score.scorers)
+            unknown = {str(ds) for ds in nt[self.reward_fn_key] if not self.compute_score.knows(str(ds))}
             if unknown:
                 raise unknown_data_source(sorted(unknown)[0], self.compute_score.scorers)
         extra_infos = list(nt["extra_info"]) if "extra_info" in nt else [None] * len(batch)

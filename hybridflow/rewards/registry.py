@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from hybridflow.plugins import Registry
-from hybridflow.rewards.scorers import arithmetic, code, countdown, gsm8k, math_answer
+from hybridflow.rewards.scorers import arithmetic, code, countdown, gsm8k, math_answer, reasoning_gym_tasks
 
 __all__ = [
     "RewardConfigError",
@@ -26,9 +26,11 @@ __all__ = [
     "code_score",
     "countdown_score",
     "default_compute_score",
+    "find_scorer",
     "gsm8k_lenient_score",
     "gsm8k_score",
     "math_score",
+    "reasoning_gym_score",
     "register_scorer",
     "unknown_data_source",
 ]
@@ -69,11 +71,16 @@ def code_score(data_source: str, solution_str: str, ground_truth: Any, extra_inf
     return code.compute_score(solution_str, ground_truth)
 
 
+def reasoning_gym_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    return reasoning_gym_tasks.compute_score(solution_str, extra_info)
+
+
 SCORERS: Registry[Scorer] = Registry("scorer for data_source", "hybridflow.rewards.register_scorer(data_source, fn)")
 
 
 def register_scorer(data_sources: str | Iterable[str], fn: Scorer, *, override: bool = False) -> None:
-    """Score rows whose data_source is one of `data_sources` with `fn` (custom-reward signature).
+    """Score rows whose data_source is one of `data_sources` with `fn` (custom-reward signature). A name ending
+    in ``/*`` (e.g. ``reasoning_gym/*``) covers every data_source under that prefix that has no scorer of its own.
 
     A data_source that has a scorer already is an error unless override=True.
     """
@@ -116,6 +123,15 @@ register_scorer(
 register_scorer(["countdown", "Jiayi-Pan/Countdown-Tasks-3to4"], countdown_score)
 register_scorer(["hybridflow/arithmetic"], arithmetic_score)
 register_scorer(["code", "codecontests", "apps", "taco"], code_score)
+register_scorer(["reasoning_gym/*"], reasoning_gym_score)  # every task, by the task's own score_answer
+
+
+def find_scorer(table: dict[str, Scorer], data_source: str) -> Scorer | None:
+    """`data_source`'s own scorer, else the one of the longest ``prefix/*`` family it falls in, else None."""
+    if data_source in table:
+        return table[data_source]
+    families = [n for n in table if n.endswith("/*") and data_source.startswith(n[:-1])]
+    return table[max(families, key=len)] if families else None
 
 
 def unknown_data_source(data_source: str, known: Iterable[str]) -> RewardConfigError:
@@ -129,9 +145,10 @@ def unknown_data_source(data_source: str, known: Iterable[str]) -> RewardConfigE
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> Any:
     """Score one response with the rule scorer registered for its data_source (veRL's signature)."""
-    if data_source not in SCORERS:
+    fn = find_scorer(_table(), data_source)
+    if fn is None:
         raise unknown_data_source(data_source, SCORERS.names())
-    return SCORERS.get(data_source)(data_source, solution_str, ground_truth, extra_info)
+    return fn(data_source, solution_str, ground_truth, extra_info)
 
 
 class ScorerTable:
@@ -141,8 +158,11 @@ class ScorerTable:
     def __init__(self, scorers: dict[str, Scorer] | None = None) -> None:
         self.scorers = dict(_table() if scorers is None else scorers)
 
+    def knows(self, data_source: str) -> bool:
+        return find_scorer(self.scorers, data_source) is not None
+
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> Any:
-        fn = self.scorers.get(data_source)
+        fn = find_scorer(self.scorers, data_source)
         if fn is None:
             raise unknown_data_source(data_source, self.scorers)
         return fn(data_source, solution_str, ground_truth, extra_info)
