@@ -121,6 +121,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
         check_resources(cfg, res.get("CPU", 0), res.get("GPU", 0))
 
     run_dir = t.default_local_dir
+    check_checkpoint_folder(run_dir, t.save_freq, total_steps)
     os.makedirs(run_dir, exist_ok=True)
     tracker = Tracking(run_dir, list(t.logger), project=t.project_name, experiment=t.experiment_name, config=to_dict(cfg))
     restarts, initial_val = 0, {}
@@ -167,6 +168,26 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     finally:
         tracker.finish()
         reward_fn.close()
+
+
+def check_checkpoint_folder(run_dir: str, save_freq: int, total_steps: int) -> None:
+    """Fail before training when a planned save would land on a checkpoint folder hybridflow did not write
+    (e.g. a veRL run's global_step_N): such folders are never overwritten."""
+    from hybridflow.trainer.checkpoint import CheckpointManager
+    from hybridflow.trainer.config import ConfigError
+
+    foreign = CheckpointManager(run_dir).foreign_steps()
+    planned = {f"global_step_{s}" for s in range(1, total_steps + 1) if save_freq > 0 and s % save_freq == 0}
+    if save_freq != 0:
+        planned.add(f"global_step_{total_steps}")
+    clash = sorted(set(foreign) & planned)
+    if clash:
+        raise ConfigError(
+            f"trainer.default_local_dir={run_dir} holds {clash}, written by another program (no COMPLETE marker, "
+            "e.g. veRL), where this run would save its checkpoints; they are left alone. Point "
+            "trainer.default_local_dir at another folder (`hybridflow merge --local_dir DIR/global_step_N/actor` "
+            "converts a veRL checkpoint to a model folder)"
+        )
 
 
 def build_reward_fn(cfg: HybridFlowConfig, tokenizer: Any):
