@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridflow.data.schema import DataConfigError, read_rows
+from hybridflow.data.schema import DataConfigError
+from hybridflow.data.sources import read_source
 from hybridflow.protocol import DataProto
 
 
@@ -35,7 +36,7 @@ class SFTDataset:
         self.examples: list[tuple[list[int], list[int]]] = []
         self.num_truncated = 0
         paths = [files] if isinstance(files, str) else list(files)
-        rows = [(f"{path} row {i}", row) for path in paths for i, row in enumerate(read_rows(path, []))]
+        rows = [(f"{path} row {i}", row) for path in paths for i, row in enumerate(read_source(path, []))]
         for where, row in rows:
             prompt = _get(row, prompt_key, where)
             response = _get(row, response_key, where)

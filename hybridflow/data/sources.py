@@ -11,7 +11,8 @@ reproducible and told apart; other keys are the task's own options, e.g. ``min_a
 ``system_prompt``: the name of one of reasoning-gym's system prompts (default ``default``, which asks for the answer
 in ``<answer>`` tags) or ``none``. Each item becomes a row with ``data_source`` ``reasoning_gym/TASK`` - scored by
 the task's own ``score_answer`` (``rewards/scorers/reasoning_gym_tasks.py``) - and ``extra_info`` carrying the task,
-its config and the generated entry. Quote the spec in a shell: ``&`` and ``?`` are special there.
+its config and the generated entry (and ``response``, the gold answer in tags, so ``hybridflow sft
+data.response_key=extra_info.response`` can warm-start a model on the same task). Quote the spec in a shell: ``&`` and ``?`` are special there.
 """
 
 from __future__ import annotations
@@ -107,7 +108,10 @@ def reasoning_gym_rows(spec: str) -> list[dict[str, Any]]:
             "prompt": [*system, {"role": "user", "content": entry["question"]}],
             "ability": "reasoning",
             "reward_model": {"style": "rule", "ground_truth": _NO_SINGLE_ANSWER if answer in (None, "") else str(answer)},
-            "extra_info": {"index": i, "task": task, "config": dict(params), "entry": dict(entry)},
+            # response: the gold answer in the format the system prompt asks for, for `hybridflow sft` warm starts
+            # (data.response_key=extra_info.response)
+            "extra_info": {"index": i, "task": task, "config": dict(params), "entry": dict(entry),
+                           "response": f"<answer>{answer}</answer>"},
         })
     return rows
 

@@ -97,3 +97,15 @@ def test_hf_datasets_folder(tmp_path, tokenizer):
     datasets.Dataset.from_list([{"question": "q", "answer": "a"}]).save_to_disk(str(tmp_path / "other"))
     with pytest.raises(DataConfigError, match=r"has no column\(s\) \['data_source', 'prompt'\]"):
         RLDataset(str(tmp_path / "other"), tokenizer)
+
+
+def test_reasoning_gym_rows_feed_sft_with_the_gold_answer(tokenizer):
+    from hybridflow.data.sft_dataset import SFTDataset
+
+    spec = "reasoning_gym:basic_arithmetic?size=4&seed=7&system_prompt=none"
+    rl = RLDataset(spec, tokenizer, max_prompt_length=512)
+    sft = SFTDataset(spec, tokenizer, response_key="extra_info.response", max_length=256)
+    assert len(sft) == 4
+    assert rl[0]["extra_info"]["response"] == f"<answer>{rl[0]['ground_truth']}</answer>"
+    assert default_compute_score(rl[0]["data_source"], rl[0]["extra_info"]["response"], rl[0]["ground_truth"],
+                                 rl[0]["extra_info"]) == 1.0
