@@ -85,10 +85,10 @@ def _file_sizes(path: str) -> dict[str, int]:
 
 
 class CheckpointManager:
-    def __init__(self, root: str, max_to_keep: int | None = 2):
+    def __init__(self, root: str, max_to_keep: int | None = 2, *, warn_foreign: bool = True):
         self.root = root
         self.max_to_keep = max_to_keep
-        foreign = self.foreign_steps()
+        foreign = self.foreign_steps() if warn_foreign else []
         if foreign:
             logger.warning(
                 "%s holds checkpoint folders hybridflow did not write (no %s marker): %s; they are left alone "

@@ -176,7 +176,7 @@ def check_checkpoint_folder(run_dir: str, save_freq: int, total_steps: int) -> N
     from hybridflow.trainer.checkpoint import CheckpointManager
     from hybridflow.trainer.config import ConfigError
 
-    foreign = CheckpointManager(run_dir).foreign_steps()
+    foreign = CheckpointManager(run_dir, warn_foreign=False).foreign_steps()  # RLTrainer's manager warns
     planned = {f"global_step_{s}" for s in range(1, total_steps + 1) if save_freq > 0 and s % save_freq == 0}
     if save_freq != 0:
         planned.add(f"global_step_{total_steps}")
