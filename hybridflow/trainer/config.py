@@ -470,6 +470,11 @@ def validate_config(cfg: HybridFlowConfig) -> None:
     crf = cfg.custom_reward_function
     errors += check_reward_manager_config(cfg.reward_model.reward_manager, dict(cfg.reward_model.reward_kwargs),
                                           crf.path, dict(crf.reward_kwargs))
+    if cfg.reward_model.model.enable_gradient_checkpointing:
+        errors.append(
+            "reward_model.model.enable_gradient_checkpointing=true: the reward model is never trained here (it only "
+            "scores), so there is no backward pass to checkpoint; remove the key"
+        )
     if actor.recompute_old_log_prob not in ("auto", "always"):
         errors.append("actor_rollout_ref.actor.recompute_old_log_prob: choose auto or always")
     if t.fault_injection:
