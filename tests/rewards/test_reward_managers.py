@@ -11,6 +11,7 @@ from test_reward_manager import make_batch
 from hybridflow.engines.tiny import build_char_tokenizer
 from hybridflow.rewards import (
     BatchRewardManager,
+    OverlongShaping,
     PrimeRewardManager,
     RewardComputationError,
     RewardConfigError,
@@ -131,6 +132,11 @@ def test_dapo_manager_takes_the_scorers_own_acc_and_defaults(tokenizer):
     assert rm.overlong.max_resp_len == 6 and rm.overlong.penalty_factor == 1.0
     with pytest.raises(RewardConfigError, match="must be > 0"):
         build_reward_manager("dapo", tokenizer, spec(reward_kwargs={"overlong_buffer_cfg": {"enable": True}}))
+    with pytest.raises(RewardConfigError, match="the overlong penalty is set twice"):  # old key and veRL's together
+        build_reward_manager("dapo", tokenizer, spec(legacy_overlong=OverlongShaping(len=2, max_resp_len=8),
+                                                     reward_kwargs={"overlong_buffer_cfg": {"enable": True, "len": 2}}))
+    legacy = build_reward_manager("naive", tokenizer, spec(legacy_overlong=OverlongShaping(len=2, max_resp_len=8)))
+    assert legacy.overlong.len == 2 and not legacy.record_acc  # the old key shapes under any manager
 
 
 def test_prime_manager_reads_the_first_element_of_a_tuple(tokenizer):
