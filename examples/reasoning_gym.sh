@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 TASK=${TASK:-basic_arithmetic}
 OPTS=${OPTS:-min_terms=2&max_terms=2&min_digits=1&max_digits=2&allow_parentheses=false&allow_negation=false}
 OUT=${OUT:-outputs/reasoning_gym_$TASK}
-SFT_STEPS=${SFT_STEPS:-600}
+SFT_STEPS=${SFT_STEPS:-200}
 SRC="reasoning_gym:$TASK?system_prompt=none&$OPTS"
 
 .venv/bin/hybridflow make-tiny-model "$OUT/init" --size tiny
@@ -19,11 +19,14 @@ SRC="reasoning_gym:$TASK?system_prompt=none&$OPTS"
     trainer.logger=[jsonl]
 exec .venv/bin/hybridflow train \
     algorithm.adv_estimator=grpo \
-    "data.train_files=$SRC&size=4096&seed=1" "data.val_files=$SRC&size=128&seed=2" \
+    "data.train_files=$SRC&size=4096&seed=1" "data.val_files=$SRC&size=256&seed=2" \
     "actor_rollout_ref.model.path=$OUT/sft/huggingface" \
-    data.max_prompt_length=48 data.max_response_length=24 data.train_batch_size=16 \
-    actor_rollout_ref.rollout.n=8 actor_rollout_ref.actor.ppo_mini_batch_size=16 \
-    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32 actor_rollout_ref.actor.optim.lr=1e-4 \
-    trainer.total_training_steps=30 trainer.test_freq=10 "trainer.default_local_dir=$OUT/grpo" \
+    data.max_prompt_length=48 data.max_response_length=24 data.train_batch_size=64 \
+    actor_rollout_ref.rollout.n=8 actor_rollout_ref.actor.ppo_mini_batch_size=64 \
+    actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192 \
+    actor_rollout_ref.actor.optim.lr=2e-4 actor_rollout_ref.actor.optim.weight_decay=0.0 \
+    actor_rollout_ref.rollout.val_kwargs.do_sample=true actor_rollout_ref.rollout.val_kwargs.temperature=1.0 \
+    actor_rollout_ref.rollout.val_kwargs.n=4 \
+    trainer.total_training_steps=40 trainer.test_freq=20 "trainer.default_local_dir=$OUT/grpo" \
     trainer.experiment_name=reasoning_gym \
     "$@"
