@@ -13,6 +13,7 @@ engines (native, hf, vllm) are to implement the same protocol with batching and 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -51,6 +52,8 @@ class HFGenerator:
         self.device = torch.device(device)
         self._lock = asyncio.Lock()
         self._seed_source = torch.Generator().manual_seed(0)
+        # transformers renamed the KV-cache argument and output field from past_key_values to cache (5.x)
+        self._cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @classmethod
     def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> HFGenerator:
@@ -97,6 +100,6 @@ class HFGenerator:
                 finish = "stop"
                 break
             if step + 1 < max_new_tokens:
-                out = self.model(input_ids=token.view(1, 1).to(self.device), past_key_values=out.past_key_values,
-                                 use_cache=True)
+                cache = {self._cache_name: getattr(out, self._cache_name)}
+                out = self.model(input_ids=token.view(1, 1).to(self.device), use_cache=True, **cache)
         return Generation(tokens, log_probs, finish)

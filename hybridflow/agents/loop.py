@@ -385,25 +385,27 @@ class _EpisodeRun:
         if cfg.max_tool_calls is not None:
             allowed = min(allowed, cfg.max_tool_calls - len(ep.tool_calls))
         allowed = min(allowed, cfg.max_parallel_calls)
-        results = await asyncio.gather(*(
+        records = await asyncio.gather(*(
             self._call(c, turn) if i < allowed else self._refuse(c, turn, i) for i, c in enumerate(calls)
         ))
-        return [{"role": "tool", "content": text} for text in results]
+        ep.tool_calls.extend(records)  # in the order the model wrote the calls, whatever order they finished in
+        return [{"role": "tool", "content": r["output"]} for r in records]
 
     def _record(self, call: ToolCall, turn: int, error: str | None, output: str, detail: str = "",
-                reward: float | None = None, latency: float = 0.0, metrics: dict | None = None) -> str:
+                reward: float | None = None, latency: float = 0.0, metrics: dict | None = None) -> dict[str, Any]:
         ep = self.ep
         assert ep is not None
-        output, cut = truncate_text(self.loop.tokenizer, output, self.cfg.max_observation_tokens)
-        ep.observations_truncated += int(cut)
+        cut = False
+        if error is None:  # the tool's own output; the loop's error messages are short already
+            output, cut = truncate_text(self.loop.tokenizer, output, self.cfg.max_observation_tokens)
+            ep.observations_truncated += int(cut)
         if error is not None:
             ep.tool_errors[error] += 1
-        ep.tool_calls.append({"turn": turn, "name": call.name, "arguments": call.arguments, "error": error,
-                              "detail": detail, "output": output, "reward": reward, "latency_s": latency,
-                              "truncated": cut, "metrics": dict(metrics or {})})
-        return output
+        return {"turn": turn, "name": call.name, "arguments": call.arguments, "error": error, "detail": detail,
+                "output": output, "reward": reward, "latency_s": latency, "truncated": cut,
+                "metrics": dict(metrics or {})}
 
-    async def _refuse(self, call: ToolCall, turn: int, i: int) -> str:
+    async def _refuse(self, call: ToolCall, turn: int, i: int) -> dict[str, Any]:
         cfg = self.cfg
         why = (f"at most {cfg.max_parallel_calls} tool calls per turn" if i >= cfg.max_parallel_calls
                else f"the episode's limit of {cfg.max_tool_calls} tool calls is reached")
@@ -416,7 +418,7 @@ class _EpisodeRun:
                 call_maybe_async(tool.create, timeout=self.cfg.tool_timeout_s, executor=self.executor, **kwargs))
         return await self.states[tool.name]
 
-    async def _call(self, call: ToolCall, turn: int) -> str:
+    async def _call(self, call: ToolCall, turn: int) -> dict[str, Any]:
         if call.error is not None:
             return self._record(call, turn, call.error, f"Error: could not read the tool call: {call.detail}.",
                                 call.detail)
@@ -447,8 +449,9 @@ class _EpisodeRun:
                                 latency=time.monotonic() - start)
         except Exception as e:
             self._fail(where, "raised", e)
-            return self._record(call, turn, "raised", f"Error: tool {tool.name!r} failed: {type(e).__name__}: {e}",
-                                f"{type(e).__name__}: {e}", latency=time.monotonic() - start)
+            message = f"{type(e).__name__}: {str(e)[:500]}"
+            return self._record(call, turn, "raised", f"Error: tool {tool.name!r} failed: {message}", message,
+                                latency=time.monotonic() - start)
         finally:
             assert self.ep is not None
             self.ep.tool_time_s += time.monotonic() - start
