@@ -50,7 +50,7 @@ class HFGenerator:
         self.model = model.eval()
         self.stop_token_ids = [int(t) for t in stop_token_ids]
         self.device = torch.device(device)
-        self._lock = asyncio.Lock()
+        self._locks: dict[int, asyncio.Lock] = {}  # one per event loop: a Lock may not cross loops
         self._seed_source = torch.Generator().manual_seed(0)
         # transformers renamed the KV-cache argument and output field from past_key_values to cache (5.x)
         self._cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -75,7 +75,11 @@ class HFGenerator:
             raise ValueError("generate() got an empty context")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        async with self._lock:
+        loop_id = id(asyncio.get_running_loop())
+        lock = self._locks.get(loop_id)
+        if lock is None:
+            self._locks = {loop_id: (lock := asyncio.Lock())}  # earlier loops are finished; drop their locks
+        async with lock:
             return await asyncio.to_thread(self._decode, list(prompt_token_ids), max_new_tokens, sampling)
 
     @torch.no_grad()

@@ -62,7 +62,7 @@ class AgentLoopConfig:
     max_observation_tokens: int | None = 256  # per tool result / environment message, before template wrapping
     tool_timeout_s: float | None = 10.0
     env_timeout_s: float | None = 30.0
-    max_failure_fraction: float = 1.0  # > this fraction of episodes with a tool/env failure stops the batch
+    max_failure_fraction: float = 0.5  # > this fraction of episodes with a tool/env failure stops the batch
     failure_reward: float = 0.0  # the reward of an episode whose environment failed
     add_tool_rewards: bool = False  # add the tools' per-call rewards to the episode reward (veRL ignores them)
     max_concurrent_episodes: int | None = None

@@ -24,9 +24,9 @@ class Countdown:
         return f"{self.left} left", float(len(action) % 2), self.left == 0, {}
 
 
-def _episodes(tiny_lm, sampling, n=3):
+def _episodes(tiny_lm, sampling, n=3, gen=None):
     model, tok = tiny_lm
-    gen = HFGenerator(model, [tok.eos_token_id])
+    gen = gen or HFGenerator(model, [tok.eos_token_id])
     cfg = AgentLoopConfig(max_tokens_per_turn=12, max_response_tokens=120, max_assistant_turns=4, seed=11)
     rows = [{"prompt": [{"role": "user", "content": f"Count {i}."}], "start": i} for i in range(n)]
     return AgentLoop(gen, tok, cfg, env_factory=Countdown).run_sync(rows, sampling)
@@ -56,8 +56,9 @@ def test_loop_log_probs_match_a_forward_pass_over_the_trajectory(tiny_lm, sampli
 
 
 def test_sampling_is_reproducible_per_episode(tiny_lm):
-    a = _episodes(tiny_lm, SamplingParams(temperature=1.0), n=2)
-    b = _episodes(tiny_lm, SamplingParams(temperature=1.0), n=2)
+    gen = HFGenerator(tiny_lm[0], [tiny_lm[1].eos_token_id])  # one generator across two event loops
+    a = _episodes(tiny_lm, SamplingParams(temperature=1.0), n=2, gen=gen)
+    b = _episodes(tiny_lm, SamplingParams(temperature=1.0), n=2, gen=gen)
     assert [e.trajectory.response_ids for e in a] == [e.trajectory.response_ids for e in b]
     assert a[0].trajectory.response_ids != a[1].trajectory.response_ids
 

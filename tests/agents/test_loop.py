@@ -150,7 +150,8 @@ def test_tool_failures_cost_their_episode_not_the_batch(tiny_lm, qwen_tok):
         "huge": [call("flaky", mode="huge"), "done"],
         "ok": [call("flaky", mode="ok"), call("flaky", mode="ok"), "done"],
     }))
-    cfg = AgentLoopConfig(tool_timeout_s=0.3, max_observation_tokens=32, add_tool_rewards=True)
+    cfg = AgentLoopConfig(tool_timeout_s=0.3, max_observation_tokens=32, add_tool_rewards=True,
+                          max_failure_fraction=1.0)
     loop = AgentLoop(gen, qwen_tok, cfg, tools=[flaky, AsyncHang()])
     start = time.monotonic()
     rows = [row("raise"), row("hang"), row("ahang"), row("huge"),
@@ -192,31 +193,39 @@ class GuessEnv:
     def reset(self, **row):
         if self.fail_in == "reset":
             raise RuntimeError("no game today")
+        if self.fail_in == "reset_hang":
+            time.sleep(1.0)
         return f" Guess {row['extra_info']['secret'] % 3}."
 
     def step(self, action):
         self.steps += 1
         if self.fail_in == "step":
             raise KeyError("lost state")
+        if self.fail_in == "step_hang":
+            time.sleep(1.0)
         if self.bad_return:
             return "only text"
         return ("right" if "[2]" in action else "wrong"), 0.25, "[2]" in action, {}
 
     def get_reward(self):
+        if self.fail_in == "reward":
+            raise ZeroDivisionError("no reward")
         return 1.0
 
 
 def test_environment_failures_end_the_episode_with_the_failure_reward(tiny_lm):
     model, tok = tiny_lm
     gen = ScriptedGenerator(model, tok, lambda c: ["[1]", "[2]"][min(assistant_turns(c), 1)])
-    cfg = AgentLoopConfig(failure_reward=-1.0)
+    cfg = AgentLoopConfig(failure_reward=-1.0, max_failure_fraction=1.0, env_timeout_s=0.2)
     rows = [row("go", extra_info={"secret": 5})]
     ok = AgentLoop(gen, tok, cfg, env_factory=GuessEnv).run_sync(rows)[0]
     assert ok.termination == "env_done" and ok.env_rewards == [0.25, 0.25] and ok.reward == 1.5
     assert ok.conversation[0]["content"] == "go Guess 2."  # reset's text joins the last user message
     results = {}
-    for name, factory in {"reset": lambda: GuessEnv("reset"), "step": lambda: GuessEnv("step"),
-                          "bad": lambda: GuessEnv(bad_return=True), "ctor": lambda: 1 / 0}.items():
+    cases = {"reset": lambda: GuessEnv("reset"), "step": lambda: GuessEnv("step"),
+             "bad": lambda: GuessEnv(bad_return=True), "ctor": lambda: 1 / 0, "reward": lambda: GuessEnv("reward"),
+             "reset_hang": lambda: GuessEnv("reset_hang"), "step_hang": lambda: GuessEnv("step_hang")}
+    for name, factory in cases.items():
         (ep,) = AgentLoop(gen, tok, cfg, env_factory=factory).run_sync(rows)
         results[name] = ep
         assert ep.termination == "env_error" and ep.reward == -1.0
@@ -227,6 +236,10 @@ def test_environment_failures_end_the_episode_with_the_failure_reward(tiny_lm):
     assert dict(results["bad"].env_errors) == {"bad_step_return": 1}
     assert "must return (observation, reward | None, done, info)" in results["bad"].failure
     assert dict(results["ctor"].env_errors) == {"construct_raised": 1}
+    assert dict(results["reward"].env_errors) == {"reward_raised": 1}
+    assert dict(results["reset_hang"].env_errors) == {"reset_timeout": 1}
+    assert dict(results["step_hang"].env_errors) == {"step_timeout": 1}
+    assert results["step_hang"].env_time_s < 0.5
     with pytest.raises(AgentFailureError, match="environment GuessEnv: step_raised"):
         AgentLoop(gen, tok, AgentLoopConfig(max_failure_fraction=0.0),
                   env_factory=lambda: GuessEnv("step")).run_sync(rows)

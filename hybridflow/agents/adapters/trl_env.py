@@ -13,12 +13,30 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridflow.agents.environment import Environment
-from hybridflow.agents.schema import SchemaError
+from hybridflow.agents.schema import SchemaError, function_schema
 from hybridflow.agents.tools import FunctionTool, Tool
 
-__all__ = ["TRLEnvironment", "trl_environment_factory"]
+__all__ = ["TRLEnvironment", "tool_method_names", "trl_environment_factory"]
 
 _NOT_TOOLS = frozenset({"reset", "get_reward", "close", "step", "tools"})
+
+
+def tool_method_names(cls: type) -> list[str]:
+    """The public methods of a TRL-style environment class that become tools; raises SchemaError naming a method
+    that cannot be described (no type hints / docstring)."""
+    names = []
+    for name, member in inspect.getmembers(cls):
+        if name.startswith("_") or name in _NOT_TOOLS or not inspect.isfunction(member):
+            continue
+        try:
+            function_schema(member)
+        except SchemaError as e:
+            raise SchemaError(f"environment class {cls.__name__}: public method {name!r} cannot become a tool "
+                              f"({e}); annotate it and give it a docstring, or make it private (_{name})") from e
+        names.append(name)
+    if not names:
+        raise SchemaError(f"environment class {cls.__name__} has no public methods to offer as tools")
+    return names
 
 
 class TRLEnvironment(Environment):
@@ -34,18 +52,7 @@ class TRLEnvironment(Environment):
         self._tools = self._collect_tools()
 
     def _collect_tools(self) -> list[Tool]:
-        tools = []
-        for name, member in inspect.getmembers(type(self.obj)):
-            if name.startswith("_") or name in _NOT_TOOLS or not inspect.isfunction(member):
-                continue
-            try:
-                tools.append(FunctionTool(getattr(self.obj, name)))
-            except SchemaError as e:
-                raise SchemaError(f"environment class {self.name}: public method {name!r} cannot become a tool "
-                                  f"({e}); annotate it and give it a docstring, or make it private (_{name})") from e
-        if not tools:
-            raise SchemaError(f"environment class {self.name} has no public methods to offer as tools")
-        return tools
+        return [FunctionTool(getattr(self.obj, name)) for name in tool_method_names(type(self.obj))]
 
     def tools(self) -> list[Tool]:
         return list(self._tools)
@@ -64,4 +71,6 @@ def trl_environment_factory(factory: Callable[[], Any]) -> Callable[[], TRLEnvir
     """A class (or zero-argument factory) of TRL-style environments -> an env_factory for AgentLoop."""
     if not callable(factory):
         raise TypeError(f"environment_factory must be a class or a zero-argument callable, got {factory!r}")
+    if isinstance(factory, type):
+        tool_method_names(factory)  # a method that cannot be a tool is a setup error: say so now, not per episode
     return lambda: TRLEnvironment(factory())
