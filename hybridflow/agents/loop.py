@@ -306,16 +306,16 @@ class _EpisodeRun:
         self.ep = ep = Episode(self.index, Trajectory(renderer.prompt_ids(messages)), termination="stop",
                                conversation=[dict(m) for m in messages])
         ep.observations_truncated += int(first_obs is not None and cut)
-        if env_error is not None:
-            ep.env_errors[env_error[0]] += 1
-            self._fail(self.env_name, *env_error)
-            ep.termination = "env_error"
-        else:
-            try:
+        try:
+            if env_error is not None:
+                ep.env_errors[env_error[0]] += 1
+                self._fail(self.env_name, *env_error)
+                ep.termination = "env_error"
+            else:
                 ep.termination = await self._turns(renderer)
-            finally:
-                await self._release()
-        await self._score()
+            await self._score()
+        finally:
+            await self._release()  # tool states and the environment are released however the episode ended
         return ep
 
     async def _turns(self, renderer: ChatRenderer) -> str:
@@ -505,8 +505,12 @@ class _EpisodeRun:
                      termination=ep.termination, env_rewards=ep.env_rewards)
         ground_truth = (row.get("reward_model") or {}).get("ground_truth", row.get("ground_truth"))
         solution = self.loop.tokenizer.decode(ep.trajectory.response_ids, skip_special_tokens=True)
-        value = self.loop.compute_score(data_source=row.get("data_source"), solution_str=solution,
-                                        ground_truth=ground_truth, extra_info=extra)
+        try:
+            value = self.loop.compute_score(data_source=row.get("data_source"), solution_str=solution,
+                                            ground_truth=ground_truth, extra_info=extra)
+        except Exception as e:  # the user's scorer is not an environment: a bug there should stop the run, located
+            raise RuntimeError(f"compute_score raised on row {self.index} (data_source "
+                               f"{row.get('data_source')!r}): {type(e).__name__}: {e}") from e
         if isinstance(value, dict):
             if "score" not in value:
                 raise ValueError(f"compute_score returned a dict without 'score' for row {self.index}: {value!r:.200}")

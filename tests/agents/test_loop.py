@@ -79,6 +79,9 @@ def test_tool_episode_tokens_masks_records_and_score(tiny_lm, qwen_tok):
         ("multiply", {"a": 123, "b": 45}, None, "5535")]
     assert seen["index"] == 7 and seen["num_turns"] == 3 and seen["tool_calls"][0]["output"] == "5535"
     assert [m["role"] for m in seen["turns"]] == ["user", "assistant", "tool", "assistant"]
+    with pytest.raises(RuntimeError, match=r"compute_score raised on row 0 \(data_source 'calc'\): KeyError"):
+        AgentLoop(gen, qwen_tok, tools=[multiply], compute_score=lambda **kw: {}["x"]).run_sync(
+            [row("123*45?", data_source="calc")])
     m = ep.metrics()
     assert m["tool_calls"] == 1 and m["assistant_turns"] == 2 and 0 < m["observation_token_share"] < 1
 
@@ -240,6 +243,16 @@ def test_environment_failures_end_the_episode_with_the_failure_reward(tiny_lm):
     assert dict(results["reset_hang"].env_errors) == {"reset_timeout": 1}
     assert dict(results["step_hang"].env_errors) == {"step_timeout": 1}
     assert results["step_hang"].env_time_s < 0.5
+    closed = []
+
+    class Closing(GuessEnv):
+
+        def close(self):
+            closed.append(self.fail_in)
+
+    for fail_in in ("reset", "step", None):
+        AgentLoop(gen, tok, cfg, env_factory=lambda f=fail_in: Closing(f)).run_sync(rows)
+    assert closed == ["reset", "step", None]  # closed however the episode ended
     with pytest.raises(AgentFailureError, match="environment GuessEnv: step_raised"):
         AgentLoop(gen, tok, AgentLoopConfig(max_failure_fraction=0.0),
                   env_factory=lambda: GuessEnv("step")).run_sync(rows)
