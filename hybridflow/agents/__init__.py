@@ -5,6 +5,7 @@ over rows; ``collate_episodes`` turns the finished episodes into a DataProto for
 """
 
 from hybridflow.agents.collate import collate_episodes
+from hybridflow.agents.engine_generator import RolloutEngineGenerator
 from hybridflow.agents.environment import Environment, EnvStep
 from hybridflow.agents.generator import Generation, Generator, HFGenerator
 from hybridflow.agents.loop import AgentFailureError, AgentLoop, AgentLoopConfig, Episode, summarize_episodes
@@ -26,6 +27,7 @@ __all__ = [
     "Generator",
     "HFGenerator",
     "HermesToolParser",
+    "RolloutEngineGenerator",
     "Tool",
     "ToolCall",
     "ToolResult",

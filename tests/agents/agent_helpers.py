@@ -93,7 +93,15 @@ def assistant_turns(context: str) -> int:
     return len(re.findall(r"<\|im_start\|>assistant\n", context)) - 1
 
 
-def last_observation(context: str) -> str:
-    """The content of the last user / tool turn in a rendered context."""
-    parts = context.split("<|im_start|>user\n")
-    return parts[-1].split("<|im_end|>")[0]
+class Countdown:
+    """Answers every turn with the turns left; ends after three steps."""
+
+    def __init__(self):
+        self.left = 3
+
+    def reset(self, **row):
+        return f" Start at {row['start']}."
+
+    def step(self, action):
+        self.left -= 1
+        return f"{self.left} left", float(len(action) % 2), self.left == 0, {}

@@ -5,23 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from agent_helpers import Countdown
 
 from hybridflow.agents import AgentLoop, AgentLoopConfig, HFGenerator, collate_episodes
 from hybridflow.engines.rollout.base import SamplingParams
-
-
-class Countdown:
-    """Answers every turn with the turns left; ends after three steps."""
-
-    def __init__(self):
-        self.left = 3
-
-    def reset(self, **row):
-        return f" Start at {row['start']}."
-
-    def step(self, action):
-        self.left -= 1
-        return f"{self.left} left", float(len(action) % 2), self.left == 0, {}
 
 
 def _episodes(tiny_lm, sampling, n=3, gen=None):
