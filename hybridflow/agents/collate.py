@@ -10,7 +10,8 @@ Tensors (B episodes, P = longest prompt, R = longest response, at least 1):
   ``rollout_log_probs [B, R]``: the generator's log-probs on generated tokens, 0 elsewhere.
 non_tensor_batch: ``num_turns``, ``termination``, ``tool_calls`` (list of call records), ``turn_spans`` (assistant /
 observation spans in response positions), ``conversation`` (the episode as chat messages), ``agent_reward`` and
-``agent_reward_parts``, ``agent_metrics`` (per-episode numbers); meta_info ``agent_metrics`` (batch summary).
+``agent_reward_parts``, ``turn_rewards`` ((response position, reward) of each environment step reward, at the
+scored turn's last token), ``agent_metrics`` (per-episode numbers); meta_info ``agent_metrics`` (batch summary).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def collate_episodes(episodes: Sequence[Episode], pad_token_id: int) -> DataProt
         "conversation": [list(e.conversation) for e in episodes],
         "agent_reward": [float(e.reward) for e in episodes],
         "agent_reward_parts": [dict(e.reward_parts) for e in episodes],
+        "turn_rewards": [list(e.turn_rewards) for e in episodes],
         "agent_metrics": [e.metrics() for e in episodes],
     }
     return DataProto.from_dict(tensors, non_tensors, {"agent_metrics": summarize_episodes(episodes)})

@@ -96,6 +96,9 @@ class Episode:
     reward: float = 0.0
     reward_parts: dict[str, float] = field(default_factory=dict)
     env_rewards: list[float | None] = field(default_factory=list)
+    # (response position of the last token of the scored assistant turn, reward) per non-None step reward: where a
+    # per-turn reward belongs in token_level_scores
+    turn_rewards: list[tuple[int, float]] = field(default_factory=list)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     conversation: list[dict[str, str]] = field(default_factory=list)  # the episode as chat messages, turn by turn
     tool_errors: Counter = field(default_factory=Counter)
@@ -359,6 +362,8 @@ class _EpisodeRun:
                 except TypeError as e:
                     return self._env_failed("bad_step_return", e)
                 ep.env_rewards.append(step.reward)
+                if step.reward is not None:
+                    ep.turn_rewards.append((len(traj.response_ids) - 1, step.reward))
                 if step.done:
                     return "env_done"
                 if user_limit:

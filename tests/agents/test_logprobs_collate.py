@@ -76,6 +76,11 @@ def test_collate_layout(tiny_lm):
     assert list(nt["num_turns"]) == [e.num_turns for e in episodes]
     assert list(nt["termination"]) == ["env_done"] * B
     assert nt["turn_spans"][0][0]["kind"] == "assistant"
+    for i, ep in enumerate(episodes):  # one step reward per assistant turn, at that turn's last generated token
+        ends = [s["end"] - 1 for s in nt["turn_spans"][i] if s["kind"] == "assistant"]
+        assert [pos for pos, _ in nt["turn_rewards"][i]] == ends
+        assert [r for _, r in nt["turn_rewards"][i]] == ep.env_rewards
+        assert all(b["response_mask"][i, pos] == 1 for pos in ends)
     assert nt["conversation"][0][0] == {"role": "user", "content": "Count 0. Start at 0."}
     assert batch.meta_info["agent_metrics"]["agent/turns/mean"] == sum(e.num_turns for e in episodes) / B
     with pytest.raises(ValueError, match="no episodes"):

@@ -306,3 +306,6 @@ def test_tool_calls_of_many_episodes_overlap(tiny_lm, qwen_tok):
     eps = AgentLoop(gen, qwen_tok, tools=[wait]).run_sync([row("w")] * 6)
     assert time.monotonic() - start < 6 * 0.4 * 0.6
     assert all(e.tool_calls[0]["output"] == "waited" for e in eps)
+    start = time.monotonic()
+    AgentLoop(gen, qwen_tok, AgentLoopConfig(max_concurrent_episodes=1), tools=[wait]).run_sync([row("w")] * 3)
+    assert time.monotonic() - start >= 3 * 0.4  # one episode at a time

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 from agent_helpers import DROP_THINK_TEMPLATE, QWEN_STYLE_TEMPLATE, ScriptedGenerator, assistant_turns, tokenizer_with
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hybridflow.agents import AgentLoop, AgentLoopConfig, ChatRenderer
 from hybridflow.agents.trajectory import TemplateError, truncate_text
@@ -101,3 +103,35 @@ def test_truncate_text_in_tokens(tiny_lm):
     assert truncate_text(tok, "x" * 5_000_000, None)[1] is False
     text, cut = truncate_text(tok, "ab" * 3_000_000, 16)  # megabytes: cut before tokenizing
     assert cut and text == "ab" * 8 + "...(truncated)"
+
+
+_TEXT = st.text(alphabet=st.characters(codec="ascii", exclude_characters="<>\x00"), max_size=12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(turns=st.lists(st.tuples(_TEXT, st.booleans(), st.lists(_TEXT, min_size=1, max_size=3),
+                                st.booleans()), min_size=1, max_size=4))
+def test_deltas_reproduce_the_template_for_any_conversation(tiny_model_path, turns):
+    """For an append-only template the assembled tokens equal the template's own rendering of the conversation, for
+    any mix of stopped / length-cut turns and tool or user observations (char tokenizer: comparable token for token)."""
+    tok = _qwen_tok(tiny_model_path)
+    r = ChatRenderer(tok)
+    conversation = [{"role": "user", "content": "start"}]
+    ids = r.prompt_ids(conversation)
+    for reply, stopped, observations, as_tool in turns:
+        ids += r.encode(reply) + ([tok.eos_token_id] if stopped else [])
+        new = [{"role": "tool" if as_tool else "user", "content": o} for o in observations]
+        if not as_tool:
+            new = new[:1]
+        ids += r.delta_ids(new, tok.eos_token_id if stopped else None)
+        conversation += [{"role": "assistant", "content": reply}, *new]
+    assert ids == r.encode(r.render(conversation, add_generation_prompt=True))
+
+
+_QWEN_TOK = {}
+
+
+def _qwen_tok(path):
+    if path not in _QWEN_TOK:
+        _QWEN_TOK[path] = tokenizer_with(path, QWEN_STYLE_TEMPLATE)
+    return _QWEN_TOK[path]
