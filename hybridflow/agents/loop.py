@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -67,7 +68,7 @@ class AgentLoopConfig:
     add_tool_rewards: bool = False  # add the tools' per-call rewards to the episode reward (veRL ignores them)
     max_concurrent_episodes: int | None = None
     tool_threads: int = 16  # threads for sync tools and environments (a hung sync call keeps its thread)
-    seed: int = 0  # per-turn sampling seeds derive from (seed, episode index, turn)
+    seed: int = 0  # seeds the loop's draw of a base seed per run() when sampling.seed is None
 
     def validate(self) -> None:
         for name in ("max_assistant_turns", "max_user_turns", "max_tool_calls", "max_observation_tokens"):
@@ -192,6 +193,7 @@ class AgentLoop:
         self.parser = get_parser(parser) if isinstance(parser, str) else parser
         self.compute_score = compute_score
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self._seeds = random.Random(self.config.seed)
 
     @staticmethod
     def _index_tools(tools: list[Tool], where: str) -> dict[str, Tool]:
@@ -210,12 +212,15 @@ class AgentLoop:
         """One episode per row, concurrently; episodes come back in row order."""
         sampling = sampling or SamplingParams()
         sampling.validate()
+        # Turn (episode i, turn t) samples with a seed derived from (base, i, t): reproducible for a given
+        # sampling.seed, and fresh for every run() when it is None (as the rollout engines treat seed=None).
+        base_seed = sampling.seed if sampling.seed is not None else self._seeds.randrange(2**62)
         limit = asyncio.Semaphore(self.config.max_concurrent_episodes or max(len(rows), 1))
         executor = ThreadPoolExecutor(self.config.tool_threads, thread_name_prefix="hybridflow-agent-tool")
 
         async def one(i: int, row: dict[str, Any]) -> Episode:
             async with limit:
-                return await _EpisodeRun(self, i, row, sampling, executor).run()
+                return await _EpisodeRun(self, i, row, sampling, base_seed, executor).run()
 
         try:
             episodes = await asyncio.gather(*(one(i, dict(r)) for i, r in enumerate(rows)))
@@ -241,9 +246,10 @@ class AgentLoop:
 class _EpisodeRun:
     """The state of one running episode (kept off the AgentLoop so that episodes share nothing)."""
 
-    def __init__(self, loop: AgentLoop, index: int, row: dict[str, Any], sampling: SamplingParams, executor):
+    def __init__(self, loop: AgentLoop, index: int, row: dict[str, Any], sampling: SamplingParams, base_seed: int,
+                 executor):
         self.loop, self.cfg, self.index, self.row = loop, loop.config, index, row
-        self.sampling, self.executor = sampling, executor
+        self.sampling, self.base_seed, self.executor = sampling, base_seed, executor
         self.tools: dict[str, Tool] = dict(loop.tools)
         self.states: dict[str, asyncio.Future] = {}
         self.env: Any = None
@@ -273,13 +279,12 @@ class _EpisodeRun:
                 self.ep.env_time_s += time.monotonic() - start
 
     def _seed(self, turn: int) -> int:
-        base = self.sampling.seed if self.sampling.seed is not None else self.cfg.seed
-        return ((int(base) * 1_000_003 + self.index) * 1_009 + turn) % (2**62)
+        return ((int(self.base_seed) * 1_000_003 + self.index) * 1_009 + turn) % (2**62)
 
     # ------------------------------------------------------------------ the episode
     async def run(self) -> Episode:
         messages = _messages_of(self.row, self.index)
-        first_obs, env_error = None, None
+        first_obs, env_error, cut = None, None, False
         if self.loop.env_factory is not None:
             try:
                 self.env = self.loop.env_factory()
@@ -308,7 +313,7 @@ class _EpisodeRun:
                 messages.append({"role": "user", "content": first_obs})
         self.ep = ep = Episode(self.index, Trajectory(renderer.prompt_ids(messages)), termination="stop",
                                conversation=[dict(m) for m in messages])
-        ep.observations_truncated += int(first_obs is not None and cut)
+        ep.observations_truncated += int(cut)
         try:
             if env_error is not None:
                 ep.env_errors[env_error[0]] += 1
@@ -447,6 +452,7 @@ class _EpisodeRun:
             raw = await call_maybe_async(tool.execute, state, dict(call.arguments or {}),
                                          timeout=self.cfg.tool_timeout_s, executor=self.executor, **execute_kwargs)
             result = to_tool_result(raw)
+            result.text = str(result.text)
         except asyncio.TimeoutError:
             self._fail(where, "timeout", f"no answer within tool_timeout_s={self.cfg.tool_timeout_s}")
             return self._record(call, turn, "timeout",

@@ -21,6 +21,7 @@ loop turns that message into the tool's observation, so the model is told rather
 
 from __future__ import annotations
 
+import collections.abc
 import enum
 import inspect
 import re
@@ -58,7 +59,7 @@ def _json_type(hint: Any, where: str) -> dict[str, Any]:
         if len(rest) == 1:
             return _json_type(rest[0], where)
         return {"anyOf": [_json_type(a, where) for a in rest]}
-    if hint in (list, tuple, set) or origin in (list, tuple, set, typing.Sequence):
+    if hint in (list, tuple, set) or origin in (list, tuple, set, collections.abc.Sequence):
         out = {"type": "array"}
         if args and args[0] is not Ellipsis:
             out["items"] = _json_type(args[0], where)

@@ -48,6 +48,14 @@ def test_sampling_is_reproducible_per_episode(tiny_lm):
     b = _episodes(tiny_lm, SamplingParams(temperature=1.0), n=2, gen=gen)
     assert [e.trajectory.response_ids for e in a] == [e.trajectory.response_ids for e in b]
     assert a[0].trajectory.response_ids != a[1].trajectory.response_ids
+    # one loop, seed=None: every run draws a fresh base seed; an explicit seed repeats
+    tok = tiny_lm[1]
+    loop = AgentLoop(gen, tok, AgentLoopConfig(max_tokens_per_turn=12, max_assistant_turns=2), env_factory=Countdown)
+    rows = [{"prompt": [{"role": "user", "content": "Count."}], "start": 0}]
+    runs = [loop.run_sync(rows, SamplingParams(temperature=1.0))[0].trajectory.response_ids for _ in range(2)]
+    assert runs[0] != runs[1]
+    fixed = [loop.run_sync(rows, SamplingParams(temperature=1.0, seed=5))[0].trajectory.response_ids for _ in range(2)]
+    assert fixed[0] == fixed[1]
 
 
 def test_collate_layout(tiny_lm):

@@ -72,6 +72,7 @@ class TextArenaEnvironment(Environment):
             done, obs = self._advance_to_player()
             if not done:
                 return obs, None, False, dict(info or {})
-        rewards, game_info = self.env.close()
+        closed = self.env.close()  # (rewards, game_info) in textarena 0.7; just rewards in some games
+        rewards, game_info = closed if isinstance(closed, tuple) else (closed, {})
         self.game_info = dict(game_info or {})
         return None, float(rewards.get(self.player_id, 0.0)), True, {**dict(info or {}), **self.game_info}

@@ -18,6 +18,7 @@ A class that subclasses veRL's own ``BaseTool`` needs veRL importable; duck-type
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from typing import Any
 
@@ -62,14 +63,19 @@ class VerlTool(Tool):
         self.inner = inner
 
     async def create(self, **create_kwargs: Any) -> Any:
-        result = await self.inner.create(create_kwargs=create_kwargs)
+        result = await _maybe_await(self.inner.create(create_kwargs=create_kwargs))
         return result[0] if isinstance(result, tuple) else result
 
     async def execute(self, state: Any, arguments: dict[str, Any], **execute_kwargs: Any) -> Any:
-        return await self.inner.execute(state, arguments, **execute_kwargs)
+        return await _maybe_await(self.inner.execute(state, arguments, **execute_kwargs))
 
     async def release(self, state: Any) -> None:
-        await self.inner.release(state)
+        await _maybe_await(self.inner.release(state))
+
+
+async def _maybe_await(value: Any) -> Any:
+    # veRL's tools are async; a user's tool with a plain def works too (it then runs on the event loop)
+    return await value if inspect.isawaitable(value) else value
 
 
 def _import_class(class_name: str, where: str) -> type:
