@@ -222,8 +222,15 @@ class AgentLoop:
             async with limit:
                 return await _EpisodeRun(self, i, row, sampling, base_seed, executor).run()
 
+        tasks = [asyncio.ensure_future(one(i, dict(r))) for i, r in enumerate(rows)]
         try:
-            episodes = await asyncio.gather(*(one(i, dict(r)) for i, r in enumerate(rows)))
+            episodes = await asyncio.gather(*tasks)
+        except BaseException:
+            # a generator or template error (or a cancellation): stop the other episodes rather than orphan them
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         finally:
             executor.shutdown(wait=False, cancel_futures=True)  # hung sync tools must not hold the batch
         self._check_failures(episodes)

@@ -309,3 +309,36 @@ def test_tool_calls_of_many_episodes_overlap(tiny_lm, qwen_tok):
     start = time.monotonic()
     AgentLoop(gen, qwen_tok, AgentLoopConfig(max_concurrent_episodes=1), tools=[wait]).run_sync([row("w")] * 3)
     assert time.monotonic() - start >= 3 * 0.4  # one episode at a time
+
+
+def test_a_generator_error_stops_the_batch_without_orphans(tiny_lm, qwen_tok):
+    model, _ = tiny_lm
+
+    async def nap(seconds: float) -> str:
+        """Sleep.
+
+        Args:
+            seconds: how long
+        """
+        await asyncio.sleep(seconds)
+        return "rested"
+
+    inner = ScriptedGenerator(model, qwen_tok, scripted({"nap": [call("nap", seconds=30), "done"], "bad": ["x"]}))
+
+    class Broken:
+        async def generate(self, prompt_token_ids, max_new_tokens, sampling):
+            if "bad" in qwen_tok.decode(prompt_token_ids):
+                await asyncio.sleep(0.1)
+                raise RuntimeError("engine crashed")
+            return await inner.generate(prompt_token_ids, max_new_tokens, sampling)
+
+    loop = AgentLoop(Broken(), qwen_tok, AgentLoopConfig(tool_timeout_s=60), tools=[nap])
+
+    async def main():
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="engine crashed"):
+            await loop.run([row("nap"), row("bad")])
+        assert time.monotonic() - start < 5
+        assert asyncio.all_tasks() == {asyncio.current_task()}  # the napping episode was cancelled, not orphaned
+
+    asyncio.run(main())
