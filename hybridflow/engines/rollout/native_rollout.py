@@ -61,6 +61,20 @@ def iter_checkpoint_tensors(model_path: str):
 class NativeRollout(RolloutEngine):
     """Batched generation for Qwen2 / Llama checkpoints with a pre-allocated KV cache; see the module docstring."""
 
+    DTYPES = ("fp32", "bf16", "int8")
+    SWITCHES = ("enforce_eager", "free_cache_engine")
+
+    @classmethod
+    def options_from_config(cls, rollout) -> dict:
+        """veRL's switches: enforce_eager -> decode ("eager", or "auto": CUDA graphs on GPUs); free_cache_engine ->
+        free the fixed-shape decode buffers after each generation."""
+        kwargs = {}
+        if rollout.enforce_eager is not None:
+            kwargs["decode"] = "eager" if rollout.enforce_eager else "auto"
+        if rollout.free_cache_engine is not None:
+            kwargs["free_cache_engine"] = bool(rollout.free_cache_engine)
+        return kwargs
+
     def __init__(
         self,
         model_path: str,
