@@ -5,20 +5,22 @@ A parser never raises on what a model wrote: a call it cannot read comes back as
 observation, counted in the episode's metrics. Unknown tool names and wrong argument types are checked by the loop
 against the tools' schemas, since only it knows which tools exist.
 
-Registry: ``get_parser("hermes")`` or a ``package.module:attr`` import path to a parser class or instance;
-``register_parser(name, parser)`` adds one. (To move onto hybridflow/plugins.py's common Registry.)
+Registry (``TOOL_CALL_PARSERS``, the project's one ``plugins.Registry``): ``get_parser("hermes")``, or a
+``package.module:attr`` / ``path/to/file.py:attr`` import path to a parser class or instance;
+``register_parser(name, parser)`` adds one.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["HermesToolParser", "ParsedResponse", "ToolCall", "ToolCallParser", "get_parser", "parser_names",
-           "register_parser"]
+from hybridflow.plugins import Registry
+
+__all__ = ["TOOL_CALL_PARSERS", "HermesToolParser", "ParsedResponse", "ToolCall", "ToolCallParser", "get_parser",
+           "parser_names", "register_parser"]
 
 
 @dataclass
@@ -89,32 +91,23 @@ class HermesToolParser:
         return ToolCall(name, args, raw)
 
 
-_PARSERS: dict[str, Any] = {"hermes": HermesToolParser, "qwen": HermesToolParser}
+TOOL_CALL_PARSERS: Registry[Any] = Registry("tool-call parser", "hybridflow.agents.register_parser(name, parser)")
+TOOL_CALL_PARSERS.add("hermes", HermesToolParser)
+TOOL_CALL_PARSERS.add("qwen", HermesToolParser)
 
 
 def register_parser(name: str, parser: Any, override: bool = False) -> None:
     """Add a parser class (instantiated without arguments) or instance under `name`."""
-    if name in _PARSERS and not override:
-        raise ValueError(f"a tool-call parser named {name!r} exists; pass override=True to replace it")
-    _PARSERS[name] = parser
+    TOOL_CALL_PARSERS.add(name, parser, override=override)
 
 
 def parser_names() -> list[str]:
-    return sorted(_PARSERS)
+    return TOOL_CALL_PARSERS.names()
 
 
 def get_parser(name: str) -> ToolCallParser:
-    """A parser by registered name or ``package.module:attr`` import path."""
-    if name in _PARSERS:
-        entry = _PARSERS[name]
-    elif ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            entry = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"tool-call parser {name!r} cannot be imported: {e}") from e
-    else:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {parser_names()} or 'package.module:attr'")
+    """A parser by registered name or ``package.module:attr`` import path (PluginError if neither)."""
+    entry = TOOL_CALL_PARSERS.get(name)
     parser = entry() if isinstance(entry, type) else entry
     if not isinstance(parser, ToolCallParser):
         raise TypeError(f"tool-call parser {name!r} ({parser!r}) has no parse(text) -> ParsedResponse method")
