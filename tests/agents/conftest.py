@@ -11,7 +11,6 @@ def tiny_lm(tiny_model_path):
     """(model, tokenizer): the shared tiny random-init Qwen2 and its character tokenizer (ChatML template)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     return model, tokenizer
