@@ -342,3 +342,21 @@ def test_a_generator_error_stops_the_batch_without_orphans(tiny_lm, qwen_tok):
         assert asyncio.all_tasks() == {asyncio.current_task()}  # the napping episode was cancelled, not orphaned
 
     asyncio.run(main())
+
+
+def test_release_and_close_failures_are_counted(tiny_lm, qwen_tok):
+    model, _ = tiny_lm
+
+    class BadRelease(Flaky):
+        def release(self, state):
+            raise OSError("disk gone")
+
+    class BadClose(GuessEnv):
+        def close(self):
+            raise OSError("socket gone")
+
+    gen = ScriptedGenerator(model, qwen_tok, scripted({"ok Guess 1.": [call("flaky", mode="ok"), "[2]"]}))
+    loop = AgentLoop(gen, qwen_tok, tools=[BadRelease()], env_factory=BadClose)
+    (ep,) = loop.run_sync([row("ok", extra_info={"secret": 1})])
+    assert ep.termination == "env_done" and ep.failure is None and ep.reward == 1.25
+    assert dict(ep.tool_errors) == {"release_raised": 1} and dict(ep.env_errors) == {"close_raised": 1}
