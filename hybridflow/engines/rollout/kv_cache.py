@@ -99,7 +99,7 @@ def _by_row(x: torch.Tensor, rows: RunningRows, G: int) -> torch.Tensor:
     return grouped[rows.prompt_index, :, rows.sample_index]  # advanced indices around a slice: [rows, kv, G, F]
 
 
-def decode_attention(q: torch.Tensor, cache: KVCache, layer: int, rows: RunningRows, bias: torch.Tensor,
+def decode_attention(q: torch.Tensor, cache: KVCache, layer: int, rows: RunningRows, bias,
                      length: int, scale: float) -> torch.Tensor:
     """One decode step of attention over the row's prompt and its first `length` generated tokens.
 
@@ -117,12 +117,15 @@ def decode_attention(q: torch.Tensor, cache: KVCache, layer: int, rows: RunningR
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.bmm(probs, cache.values[layer][:r, :, :end].reshape(r * kv, end, D)).view(r, kv, G, D)
     P = cache.prompt_len
+    bias, own_bias = bias
     prompts = r // rows.n if rows.grouped else cache.prompt_keys[layer].shape[0]
     prompt_keys = cache.prompt_keys[layer][:prompts]
     prompt_values = cache.prompt_values[layer][:prompts]
     q = q * scale
     prompt_scores = _by_row(torch.matmul(_by_prompt(q, rows, prompts), prompt_keys.transpose(-1, -2)), rows, G)
     own_scores = torch.matmul(q, cache.keys[layer][:r, :, :length].transpose(-1, -2))  # every generated key is real
+    if own_bias is not None:  # a sliding window that has moved past some generated keys
+        own_scores = own_scores + own_bias
     scores = torch.cat((prompt_scores + bias, own_scores), dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     prompt_probs, own_probs = probs.split((P, length), dim=-1)
@@ -130,14 +133,27 @@ def decode_attention(q: torch.Tensor, cache: KVCache, layer: int, rows: RunningR
     return out + _by_row(torch.matmul(_by_prompt(prompt_probs, rows, prompts), prompt_values), rows, G)
 
 
-def attention_bias(cache: KVCache, prompt_bias: torch.Tensor, length: int) -> torch.Tensor:
+def attention_bias(cache: KVCache, prompt_bias: torch.Tensor, length: int, window: int | None = None):
     """decode_attention's additive mask from the rows' prompt masks [rows, P] (0, or -inf at left padding).
 
-    Shared layout: [rows, 1, 1, P] over the prompt keys. Otherwise [rows * kv_heads, 1, P + length] over prompt and
-    generated keys (generated keys are always real). Built once per decode step and shared by the layers.
+    Shared layout: ([rows, 1, 1, P] over the prompt keys, [1, 1, 1, length] over the generated keys or None).
+    Otherwise [rows * kv_heads, 1, P + length] over prompt and generated keys (generated keys are always real).
+    ``window``: a sliding-window layer's size; the query (generated token length - 1, column P + length - 1) sees
+    only keys less than `window` columns back, as transformers' sliding-window mask does. Built once per decode step
+    and window, shared by the layers.
     """
+    P = cache.prompt_len
+    outside = None  # [P + length] bool: columns the window has left behind
+    if window is not None and P + length > window:
+        outside = torch.arange(P + length, device=prompt_bias.device) <= P + length - 1 - window
     if cache.shared:
-        return prompt_bias[:, None, None, :]
+        if outside is None:
+            return prompt_bias[:, None, None, :], None
+        mask = torch.zeros(P + length, dtype=prompt_bias.dtype, device=prompt_bias.device)
+        mask.masked_fill_(outside, float("-inf"))
+        return (prompt_bias + mask[:P])[:, None, None, :], mask[P:][None, None, None, :]
     rows = prompt_bias.shape[0]
     bias = torch.nn.functional.pad(prompt_bias, (0, length))
+    if outside is not None:
+        bias = bias.masked_fill(outside[None], float("-inf"))
     return bias[:, None, :].expand(rows, cache.kv_heads, bias.shape[1]).reshape(rows * cache.kv_heads, 1, -1)
