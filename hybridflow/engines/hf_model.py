@@ -114,9 +114,14 @@ class HeadOnPositions(nn.Module):
         if self.is_critic:
             return {"values": head(selected).squeeze(-1).float()}
         log_probs, entropies = [], []
+        # the CausalLM forward we bypass soft-caps its logits (Gemma 2/3): cap * tanh(logits / cap)
+        cap = getattr(self.hf.config, "final_logit_softcapping", None)
         # Chunks bound the [chunk, V] logits held at once (V is ~150k for real vocabularies).
         for lo in range(0, selected.shape[0], max(1, chunk_size)):
-            logits = head(selected[lo : lo + chunk_size]).float() / temperature
+            logits = head(selected[lo : lo + chunk_size])
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+            logits = logits.float() / temperature
             log_probs.append(log_probs_from_logits(logits, target_ids[lo : lo + chunk_size]))
             if calculate_entropy:
                 entropies.append(entropy_from_logits(logits))
