@@ -83,7 +83,7 @@ def build_char_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
 
 
 # Architectures a tiny model can be written in (transformers model_type names; all run on the native rollout).
-TINY_ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral", "gemma3_text", "phi3")
+TINY_ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma3_text", "phi3")
 
 
 @dataclass
@@ -144,6 +144,13 @@ def make_config(spec: TinyModelSpec, tokenizer=None):
             extra["head_dim"] = head_dim  # Qwen3's config default is 128
         cls = transformers.Qwen2Config if spec.arch == "qwen2" else transformers.Qwen3Config
         return cls(**common, **extra)
+    if spec.arch == "qwen3_moe":
+        # 4 experts, 2 per token, renormalised router weights (as Qwen3-30B-A3B), experts half the dense width
+        return transformers.Qwen3MoeConfig(
+            **common, head_dim=head_dim, rope_parameters=rope, use_sliding_window=window is not None,
+            sliding_window=window, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=inter // 2,
+            norm_topk_prob=True,
+        )
     if spec.arch == "llama":
         return transformers.LlamaConfig(**common, rope_parameters=rope)
     if spec.arch == "mistral":

@@ -23,7 +23,7 @@ from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.engines.rollout.arch_specs import resolve, supported_architectures
 from hybridflow.engines.tiny import SIZES, TINY_ARCHITECTURES, build_char_tokenizer, make_config
 
-ARCHS = ["qwen2", "qwen3", "llama", "mistral", "gemma3_text", "phi3"]
+ARCHS = ["qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma3_text", "phi3"]
 WINDOW = 8  # shorter than prompt + response: the sliding layers really drop keys
 # decode mode -> engine kwargs. "onednn": eager steps with the oneDNN-packed matmuls (on by default only from
 # hidden size 256 up; forced here on the unit model)
@@ -34,12 +34,14 @@ def arch_config(arch: str, init: float = 0.3):
     """The unit-size config of `arch` with its distinctive features switched on; a wide weight init (`init` std) so
     that greedy outputs vary instead of repeating one token."""
     tokenizer = build_char_tokenizer()
-    window = WINDOW if arch in ("qwen2", "qwen3", "mistral", "gemma3_text") else None
+    window = WINDOW if arch in ("qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3_text") else None
     config = make_config(dataclasses.replace(SIZES["unit"], arch=arch, sliding_window=window,
                                              tie_word_embeddings=arch not in ("llama", "phi3")), tokenizer)
     config.initializer_range = init
     if arch == "qwen3":
         config.attention_bias = True
+    if arch == "qwen3_moe":
+        config.mlp_only_layers = [0]  # a dense layer, then a routed one
     if arch == "llama":
         config.attention_bias = config.mlp_bias = True
         config.rope_parameters = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -111,6 +113,7 @@ def test_arch_features_are_really_on():
                                                                       ("full_attention", None)]
     assert gemma.final_softcap == 3.0 and gemma.embed_scale == 64**0.5 and gemma.attention_scale == 24**-0.5
     assert "self_attn.qkv_proj" in shapes["phi3"].spec.projections
+    assert [layer.moe for layer in shapes["qwen3_moe"].layers] == [False, True]
     assert set(supported_architectures()) == set(ARCHS) == set(TINY_ARCHITECTURES)
 
 

@@ -63,6 +63,9 @@ class ArchSpec:
     # Which layers slide: "layer_types" (config.layer_types names them), "all" (every layer when
     # config.sliding_window is set), "none".
     sliding: str = "none"
+    # Mixture-of-experts MLP (Qwen3-MoE): a top-k router (mlp.gate) over config.num_experts experts on the layers
+    # that config.decoder_sparse_step / mlp_only_layers make sparse; the other layers keep the dense MLP.
+    moe: bool = False
 
     @property
     def projections(self) -> dict[str, tuple[str, str | None]]:
@@ -96,6 +99,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("gemma3_text", qk_norm=True, norm_offset=1.0, sandwich_norms=True, scale_embeddings=True,
                  activation_key="hidden_activation", query_scale_key="query_pre_attn_scalar",
                  final_softcap_key="final_logit_softcapping", sliding="layer_types"),
+        # Qwen3-MoE: Qwen3's attention with routed experts (no shared expert); every layer slides when
+        # use_sliding_window.
+        ArchSpec("qwen3_moe", qk_norm=True, sliding="all", moe=True),
         # Phi-3: fused qkv_proj and gate_up_proj, no biases, partial rotary / longrope from rope_parameters.
         ArchSpec("phi3", name_map=FUSED_PROJECTIONS, qkv_bias=False, o_bias=False, sliding="all"),
     )
@@ -112,6 +118,7 @@ class LayerShape:
 
     rope: str  # key of the decoder's rotary tables: "default", or the layer type when rope differs per type
     window: int | None
+    moe: bool = False  # routed experts instead of the dense MLP
 
 
 @dataclass(frozen=True)
@@ -137,10 +144,18 @@ class DecoderShape:
     final_softcap: float | None
     embed_scale: float | None
     layers: tuple[LayerShape, ...] = field(default=())
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
 
     @property
     def windows(self) -> set[int | None]:
         return {layer.window for layer in self.layers}
+
+    @property
+    def moe(self) -> bool:
+        return any(layer.moe for layer in self.layers)
 
 
 def _flag(config, value: bool | str) -> bool:
@@ -190,9 +205,11 @@ def resolve(config) -> DecoderShape:
     types = _layer_types(config, spec)
     window = getattr(config, "sliding_window", None)
     per_type_rope = _rope_per_layer_type(config)
+    sparse = _sparse_layers(config, spec)
     layers = tuple(
-        LayerShape(rope=t if per_type_rope else "default", window=int(window) if t == "sliding_attention" else None)
-        for t in types
+        LayerShape(rope=t if per_type_rope else "default", window=int(window) if t == "sliding_attention" else None,
+                   moe=i in sparse)
+        for i, t in enumerate(types)
     )
     softcap = getattr(config, spec.final_softcap_key, None) if spec.final_softcap_key else None
     return DecoderShape(
@@ -215,7 +232,20 @@ def resolve(config) -> DecoderShape:
         final_softcap=float(softcap) if softcap else None,
         embed_scale=float(config.hidden_size) ** 0.5 if spec.scale_embeddings else None,
         layers=layers,
+        num_experts=int(getattr(config, "num_experts", 0) or 0) if sparse else 0,
+        experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0) if sparse else 0,
+        moe_intermediate_size=int(getattr(config, "moe_intermediate_size", 0) or 0) if sparse else 0,
+        norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
     )
+
+
+def _sparse_layers(config, spec: ArchSpec) -> set[int]:
+    """Indices of the MoE layers, by Qwen3MoeDecoderLayer's rule."""
+    if not spec.moe or int(getattr(config, "num_experts", 0) or 0) <= 0:
+        return set()
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    return {i for i in range(int(config.num_hidden_layers)) if i not in dense and (i + 1) % step == 0}
 
 
 def _rope_per_layer_type(config) -> bool:

@@ -29,12 +29,18 @@ import torch.nn.functional as F
 from hybridflow.engines.rollout.arch_specs import DecoderShape, resolve, supported_architectures
 from hybridflow.engines.rollout.int8_linear import check_int8_supported, int8_linear, pack_int8
 from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows, attention_bias, decode_attention
+from hybridflow.engines.rollout.moe import moe_mlp
 from hybridflow.engines.rollout.onednn_linear import MIN_PACKED_WIDTH, onednn_available, onednn_linear, pack_onednn
 from hybridflow.engines.rollout.rope import rotary_tables
 
 __all__ = ["DecoderShape", "NativeDecoder", "supported_architectures"]
 
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# MoE layers: the per-expert names save_pretrained writes -> (fused tensor, part); in memory transformers holds the
+# fused [E, 2I, H] "mlp.experts.gate_up_proj" and [E, H, I] "mlp.experts.down_proj" (the names weight sync sends)
+_EXPERT_NAME = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_PART = {"gate_proj": ("experts_gate_up", "gate"), "up_proj": ("experts_gate_up", "up"),
+                "down_proj": ("experts_down", None)}
 _ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -100,17 +106,24 @@ class NativeDecoder:
         # HF multiplies by a 0-d tensor of the weights' dtype (Gemma3TextScaledWordEmbedding): the same rounding here
         self.embed_scale = None if s.embed_scale is None else torch.tensor(s.embed_scale).to(dtype=dtype, device=device)
         self.layers: list[dict[str, torch.Tensor | None]] = []
-        for _ in range(s.num_layers):
+        for shape in s.layers:
             layer = {
                 "w_qkv": empty(self.q_size + 2 * self.kv_size, s.hidden_size),
                 "b_qkv": empty(self.q_size + 2 * self.kv_size) if s.qkv_bias else None,
                 "w_o": empty(s.hidden_size, self.q_size),
                 "b_o": empty(s.hidden_size) if s.o_bias else None,
-                "w_gate_up": empty(2 * s.intermediate_size, s.hidden_size),
-                "b_gate_up": empty(2 * s.intermediate_size) if s.mlp_bias else None,
-                "w_down": empty(s.hidden_size, s.intermediate_size),
-                "b_down": empty(s.hidden_size) if s.mlp_bias else None,
             }
+            if shape.moe:
+                E, inter = s.num_experts, s.moe_intermediate_size
+                layer |= {"router": empty(E, s.hidden_size), "experts_gate_up": empty(E, 2 * inter, s.hidden_size),
+                          "experts_down": empty(E, s.hidden_size, inter)}
+            else:
+                layer |= {
+                    "w_gate_up": empty(2 * s.intermediate_size, s.hidden_size),
+                    "b_gate_up": empty(2 * s.intermediate_size) if s.mlp_bias else None,
+                    "w_down": empty(s.hidden_size, s.intermediate_size),
+                    "b_down": empty(s.hidden_size) if s.mlp_bias else None,
+                }
             for name in self.spec.layer_norms:
                 width = s.head_dim if name.startswith("self_attn.") else s.hidden_size
                 layer[name.removeprefix("self_attn.")] = empty(width)
@@ -129,11 +142,26 @@ class NativeDecoder:
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
             names |= {f"{p}{norm}.weight" for norm in self.spec.layer_norms}
+            if s.layers[i].moe:
+                names.add(f"{p}mlp.gate.weight")
+                names |= {f"{p}mlp.experts.{e}.{m}.weight" for e in range(s.num_experts) for m in _EXPERT_PART}
             for module, (fused, _) in self.spec.projections.items():
+                if s.layers[i].moe and fused in ("gate_up", "down"):
+                    continue
                 names.add(f"{p}{module}.weight")
                 if bias[fused]:
                     names.add(f"{p}{module}.bias")
         return names
+
+    def missing_names(self, loaded: set[str]) -> list[str]:
+        """expected_names() not in `loaded`, where a fused experts tensor stands for its per-expert names."""
+        missing = self.expected_names() - loaded
+        for name in loaded:
+            prefix, fused, _ = name.rpartition("mlp.experts.")
+            if fused in ("gate_up_proj", "down_proj"):
+                parts = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+                missing -= {f"{prefix}mlp.experts.{e}.{m}.weight" for e in range(self.shape.num_experts) for m in parts}
+        return sorted(missing)
 
     def _slot(self, name: str) -> torch.Tensor | None:
         """The tensor (or slice of a fused tensor) that HF parameter `name` lives in; None for ignored buffers."""
@@ -150,15 +178,27 @@ class NativeDecoder:
             return self._unknown(name)
         layer, rest = self.layers[int(match.group(1))], match.group(2)
         module, _, kind = rest.rpartition(".")
+        q, kv, inter = self.q_size, self.kv_size, self.shape.intermediate_size
+        if "router" in layer:  # an MoE layer
+            expert = _EXPERT_NAME.fullmatch(rest)
+            if expert is not None and int(expert.group(1)) < self.shape.num_experts:
+                fused, part = _EXPERT_PART[expert.group(2)]
+                target, inter = layer[fused][int(expert.group(1))], self.shape.moe_intermediate_size
+                return target if part is None else target[:inter] if part == "gate" else target[inter:]
+            moe_names = {"mlp.gate.weight": "router", "mlp.experts.gate_up_proj": "experts_gate_up",
+                         "mlp.experts.down_proj": "experts_down"}
+            if rest in moe_names:
+                return layer[moe_names[rest]]
         if module in self.spec.layer_norms and kind == "weight":
             return layer[module.removeprefix("self_attn.")]
         if module not in self.spec.projections or kind not in ("weight", "bias"):
             return self._unknown(name)
         fused, part = self.spec.projections[module]
+        if f"w_{fused}" not in layer:  # a dense MLP name on an MoE layer
+            return self._unknown(name)
         target = layer[f"{kind[0]}_{fused}"]
         if target is None:
             raise ValueError(f"native rollout: got {name!r} but this {self.shape.arch} config has no such bias")
-        q, kv, inter = self.q_size, self.kv_size, self.shape.intermediate_size
         bounds = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}
         return target if part is None else target[slice(*bounds[part])]
 
@@ -187,11 +227,13 @@ class NativeDecoder:
         return True
 
     def _pack_all(self) -> dict:
+        # the projections; routed experts stay in dtype and run as plain matmuls (moe.py)
         names = ("qkv", "o", "gate_up", "down")
         if self.matmul == "int8":  # the output head stays in fp32
-            layers = [{n: pack_int8(layer[f"w_{n}"], layer[f"b_{n}"]) for n in names} for layer in self.layers]
+            layers = [{n: pack_int8(layer[f"w_{n}"], layer[f"b_{n}"]) for n in names if f"w_{n}" in layer}
+                      for layer in self.layers]
             return {"layers": layers, "lm_head": None}
-        layers = [{n: pack_onednn(layer[f"w_{n}"]) for n in names} for layer in self.layers]
+        layers = [{n: pack_onednn(layer[f"w_{n}"]) for n in names if f"w_{n}" in layer} for layer in self.layers]
         return {"layers": layers, "lm_head": pack_onednn(self.lm_head)}
 
     def _packed_weights(self) -> dict:
@@ -214,6 +256,10 @@ class NativeDecoder:
         return _rms_norm(x, weight, self.shape.rms_norm_eps, self.offset_norm)
 
     def _mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
+        layer, s = self.layers[li], self.shape
+        if s.layers[li].moe:
+            return moe_mlp(x, layer["router"], layer["experts_gate_up"], layer["experts_down"], s.experts_per_token,
+                           s.norm_topk_prob, self.act)
         gate, up = self._linear(li, "gate_up", x).chunk(2, dim=-1)
         return self._linear(li, "down", self.act(gate).mul_(up))
 

@@ -110,15 +110,19 @@ class NativeRollout(RolloutEngine):
         loaded = {name for name, tensor in iter_checkpoint_tensors(model_path) if self.model.load(name, tensor)}
         if decode not in DECODE_MODES:
             raise ValueError(f"native rollout: decode={decode!r}; choose one of {list(DECODE_MODES)}")
-        if decode == "auto":
-            decode = "cuda_graph" if self.device.type == "cuda" else "eager"
+        if decode == "auto":  # MoE expert dispatch has data-dependent shapes, which a CUDA graph cannot replay
+            decode = "cuda_graph" if self.device.type == "cuda" and not self.model.shape.moe else "eager"
+        if decode == "cuda_graph" and self.model.shape.moe:
+            raise ValueError("native rollout: decode='cuda_graph' cannot capture the expert dispatch of a "
+                             f"{self.config.model_type} checkpoint (data-dependent group sizes); use decode='eager' "
+                             "(actor_rollout_ref.rollout.enforce_eager=true)")
         if decode == "cuda_graph" and self.device.type != "cuda":
             raise ValueError(f"native rollout: decode='cuda_graph' needs a CUDA device, this worker computes on "
                              f"{self.device.type}; use decode='eager' (or 'static' to test the fixed-shape step)")
         self.decode = decode
         self.free_cache_engine = bool(free_cache_engine)  # fixed-shape decode: drop its buffers after each call
         self._graphs = GraphDecoder(self.model, capture=decode == "cuda_graph") if decode != "eager" else None
-        missing = sorted(self.model.expected_names() - loaded)
+        missing = self.model.missing_names(loaded)
         if missing:
             raise ValueError(f"checkpoint {model_path} lacks {len(missing)} tensors the decoder needs: {missing[:6]}")
 
