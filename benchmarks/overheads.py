@@ -117,19 +117,18 @@ class Instrument:
 
         def train_step(trainer, prompts):
             instrument.calls = []
-            metrics = original_step(trainer, prompts)
-            instrument.after_step(trainer, metrics)
-            return metrics
+            metrics, batch = original_step(trainer, prompts)
+            instrument.after_step(trainer, metrics, batch)
+            return metrics, batch
 
         WorkerGroup._call = timed_call
         RLTrainer.train_step = train_step
 
-    def after_step(self, trainer, metrics: dict) -> None:
+    def after_step(self, trainer, metrics: dict, batch) -> None:
         self.recording = False
         try:
             group = trainer.groups.actor_rollout
             reports = group.bench_report()
-            batch = trainer.last_batch
             self.steps.append(
                 {
                     "step_s": metrics["timing/step"],

@@ -69,6 +69,11 @@ class EngineConfig:
     use_remove_padding: bool = True  # strip rows to real tokens and bucket by length (False: plain padded forward)
     entropy_chunk_size: int = 2048  # tokens whose [chunk, vocab] logits are held at once
     num_threads: int | None = None  # torch intra-op threads for this rank (None: leave as is)
+    # Forward-only passes (compute_log_prob, compute_values) hold no activations for backward, so they may use
+    # larger micro-batches than training (veRL's log_prob_* keys); None: the training setting above.
+    infer_micro_batch_size_per_gpu: int | None = None
+    infer_use_dynamic_bsz: bool | None = None
+    infer_max_tokens_per_micro_batch: int | None = None
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -79,6 +84,10 @@ class EngineConfig:
             raise ValueError(f"micro_batch_size_per_gpu must be positive, got {self.micro_batch_size_per_gpu}")
         if self.max_tokens_per_micro_batch <= 0:
             raise ValueError(f"max_tokens_per_micro_batch must be positive, got {self.max_tokens_per_micro_batch}")
+        for name in ("infer_micro_batch_size_per_gpu", "infer_max_tokens_per_micro_batch"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         if not os.path.isdir(self.model_path):
             raise FileNotFoundError(f"model_path {self.model_path!r} is not a directory (save_pretrained output)")
         if self.role != "ref":
@@ -187,18 +196,25 @@ class FSDPEngine:
         return on_device.cpu()
 
     # ------------------------------------------------------------------ micro-batches
-    def _plan(self, data: DataProto) -> list[list[int]]:
-        """Row groups of this rank's shard; every rank gets the same number of groups."""
+    def _plan(self, data: DataProto, *, inference: bool = False) -> list[list[int]]:
+        """Row groups of this rank's shard; every rank gets the same number of groups. inference=True: the
+        forward-only sizes (``infer_*``) where set."""
+        c = self.config
+        dynamic, budget, rows = c.use_dynamic_bsz, c.max_tokens_per_micro_batch, c.micro_batch_size_per_gpu
+        if inference:
+            dynamic = dynamic if c.infer_use_dynamic_bsz is None else c.infer_use_dynamic_bsz
+            budget = budget if c.infer_max_tokens_per_micro_batch is None else c.infer_max_tokens_per_micro_batch
+            rows = rows if c.infer_micro_batch_size_per_gpu is None else c.infer_micro_batch_size_per_gpu
         attention_mask = data.batch["attention_mask"]
         starts, ends = mb.real_token_spans(attention_mask)
         if self.config.use_remove_padding:
             lengths = (ends - starts).tolist()
         else:
             lengths = [attention_mask.shape[1]] * len(data)
-        if self.config.use_dynamic_bsz:
-            groups = mb.token_budget_micro_batches(lengths, self.config.max_tokens_per_micro_batch)
+        if dynamic:
+            groups = mb.token_budget_micro_batches(lengths, budget)
         else:
-            groups = mb.fixed_size_micro_batches(lengths, self.config.micro_batch_size_per_gpu, sort=True)
+            groups = mb.fixed_size_micro_batches(lengths, rows, sort=True)
         # Each micro-batch forward is a collective under FSDP: all ranks must run the same number of them.
         count = int(self._all_reduce(torch.tensor([len(groups)]), dist.ReduceOp.MAX).item())
         if count != len(groups):
@@ -256,7 +272,7 @@ class FSDPEngine:
         self.model.eval()
         results: dict[str, torch.Tensor] = {}
         with torch.no_grad(), self._params_on_device():
-            for group in self._plan(data):
+            for group in self._plan(data, inference=True):
                 outs = self._forward(data[group], **kwargs)
                 for key, value in outs.items():
                     if key not in results:

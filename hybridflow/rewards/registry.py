@@ -4,8 +4,9 @@ Every registered function has the custom-reward signature
 ``fn(data_source, solution_str, ground_truth, extra_info=None) -> float | dict`` (a dict holds ``"score"`` plus any
 extra per-sample values to log). Add your own with ``register_scorer("my/source", fn)``; ``fn`` must be a module-level
 function (or a ``functools.partial`` of one) because scoring runs in worker processes that receive it by pickling.
-To change a built-in's options, re-register it, e.g.
-``register_scorer("hybridflow/arithmetic", functools.partial(arithmetic_score, format_score=0.1))``.
+To change a built-in's options, replace it explicitly, e.g.
+``register_scorer("hybridflow/arithmetic", functools.partial(arithmetic_score, format_score=0.1), override=True)``.
+The table is a `hybridflow.plugins.Registry` like every other one (same duplicate rule, same messages).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pickle
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from hybridflow.plugins import Registry
 from hybridflow.rewards.scorers import arithmetic, code, countdown, gsm8k, math_answer
 
 __all__ = [
@@ -59,11 +61,14 @@ def code_score(data_source: str, solution_str: str, ground_truth: Any, extra_inf
     return code.compute_score(solution_str, ground_truth)
 
 
-_SCORERS: dict[str, Scorer] = {}
+SCORERS: Registry[Scorer] = Registry("scorer for data_source", "hybridflow.rewards.register_scorer(data_source, fn)")
 
 
-def register_scorer(data_sources: str | Iterable[str], fn: Scorer, *, overwrite: bool = True) -> None:
-    """Score rows whose data_source is one of `data_sources` with `fn` (custom-reward signature)."""
+def register_scorer(data_sources: str | Iterable[str], fn: Scorer, *, override: bool = False) -> None:
+    """Score rows whose data_source is one of `data_sources` with `fn` (custom-reward signature).
+
+    A data_source that has a scorer already is an error unless override=True.
+    """
     names = [data_sources] if isinstance(data_sources, str) else list(data_sources)
     if not callable(fn):
         raise RewardConfigError(f"register_scorer({names}): {fn!r} is not callable")
@@ -75,14 +80,22 @@ def register_scorer(data_sources: str | Iterable[str], fn: Scorer, *, overwrite:
             "define it at module level (not a lambda or a nested function)"
         ) from e
     for name in names:
-        if name in _SCORERS and not overwrite:
-            raise RewardConfigError(f"a scorer for data_source {name!r} is registered already; pass overwrite=True")
-        _SCORERS[name] = fn
+        if name in SCORERS and not override:
+            raise RewardConfigError(
+                f"a scorer for data_source {name!r} is registered already ({SCORERS.get(name)!r}); pass "
+                "override=True to replace it"
+            )
+    for name in names:
+        SCORERS.add(name, fn, override=True)
+
+
+def _table() -> dict[str, Scorer]:
+    return {name: SCORERS.get(name) for name in SCORERS.names()}
 
 
 def available_scorers() -> list[str]:
     """The data_source names default_compute_score knows."""
-    return sorted(_SCORERS)
+    return SCORERS.names()
 
 
 register_scorer(["openai/gsm8k", "gsm8k"], gsm8k_score)
@@ -100,17 +113,16 @@ def unknown_data_source(data_source: str, known: Iterable[str]) -> RewardConfigE
     return RewardConfigError(
         f"no reward function for data_source {data_source!r}; known: {sorted(known)}. Either write a function "
         "fn(data_source, solution_str, ground_truth, extra_info=None) -> float and pass it as "
-        "reward.custom_reward_function='path/to/file.py:fn', or call "
+        "custom_reward_function.path=path/to/file.py custom_reward_function.name=fn, or call "
         "hybridflow.rewards.register_scorer(data_source, fn) before training"
     )
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> Any:
     """Score one response with the rule scorer registered for its data_source (veRL's signature)."""
-    fn = _SCORERS.get(data_source)
-    if fn is None:
-        raise unknown_data_source(data_source, _SCORERS)
-    return fn(data_source, solution_str, ground_truth, extra_info)
+    if data_source not in SCORERS:
+        raise unknown_data_source(data_source, SCORERS.names())
+    return SCORERS.get(data_source)(data_source, solution_str, ground_truth, extra_info)
 
 
 class ScorerTable:
@@ -118,7 +130,7 @@ class ScorerTable:
     driver are known there too (a worker imports this module fresh and would only see the built-ins)."""
 
     def __init__(self, scorers: dict[str, Scorer] | None = None) -> None:
-        self.scorers = dict(_SCORERS if scorers is None else scorers)
+        self.scorers = dict(_table() if scorers is None else scorers)
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> Any:
         fn = self.scorers.get(data_source)

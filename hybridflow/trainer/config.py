@@ -208,11 +208,17 @@ class KLCtrlConfig:
     target_kl: float = 0.1
 
 
+# What DAPO's group filter compares within a group: score = the sequence's rule/reward score, acc = the scorer's
+# "acc" field (a scorer returning {"score": ..., "acc": ...}), seq_reward = score minus the KL penalty in the reward
+# (equal to score without use_kl_in_reward), seq_final_reward = score with the overlong shaping.
+FILTER_METRICS = ("score", "acc", "seq_reward", "seq_final_reward")
+
+
 @dataclass
 class FilterGroupsConfig:
     enable: bool = False  # DAPO dynamic sampling
-    metric: str = "score"  # veRL's key; groups are filtered on each response's sequence score (score/acc alike)
-    max_num_gen_batches: int = 4  # 0 = unlimited
+    metric: str = "score"  # one of FILTER_METRICS
+    max_num_gen_batches: int = 4  # generation batches per step at most; 0 = no limit
 
 
 @dataclass
@@ -343,22 +349,37 @@ def to_dict(cfg: HybridFlowConfig) -> dict:
 # ----------------------------------------------------------------------------------------------------- validation
 def validate_config(cfg: HybridFlowConfig) -> None:
     """Fail before any worker starts, with the numbers to change."""
-    from hybridflow.algorithms import available_advantage_estimators, available_policy_losses
+    from hybridflow.algorithms.objective import check_loss_agg_mode
+    from hybridflow.algorithms.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+    from hybridflow.engines.rollout.registry import rollout_config_errors
+    from hybridflow.workers.actor_rollout_ref import actor_loss_config
+    from hybridflow.workers.engine_config import STRATEGIES
 
     errors: list[str] = []
     d, arr, t, alg = cfg.data, cfg.actor_rollout_ref, cfg.trainer, cfg.algorithm
     actor, rollout = arr.actor, arr.rollout
     n = rollout.n
     world = t.nnodes * t.n_gpus_per_node
-    if alg.adv_estimator not in available_advantage_estimators():
+    # The registries answer for the names (and import a user's plugin named as 'package.module:attr').
+    if problem := ADVANTAGE_ESTIMATORS.check(alg.adv_estimator):
+        errors.append(f"algorithm.adv_estimator: {problem}")
+    if problem := POLICY_LOSSES.check(actor.policy_loss.loss_mode):
+        errors.append(f"actor_rollout_ref.actor.policy_loss.loss_mode: {problem}")
+    errors += [f"actor_rollout_ref.actor.{p}" for p in actor_loss_config(actor).errors()]
+    for key, mode in (("actor_rollout_ref.actor", actor.loss_agg_mode), ("critic", cfg.critic.loss_agg_mode)):
+        if problem := check_loss_agg_mode(mode):
+            errors.append(f"{key}.{problem}")
+    errors += rollout_config_errors(rollout)
+    if actor.strategy not in STRATEGIES:
         errors.append(
-            f"algorithm.adv_estimator={alg.adv_estimator!r} is unknown; choose one of {available_advantage_estimators()}"
+            f"actor_rollout_ref.actor.strategy={actor.strategy!r}: hybridflow trains with FSDP2 only "
+            f"({' / '.join(STRATEGIES)}); Megatron is not supported, remove the key or set it to fsdp2"
         )
-    loss_mode = resolve_policy_loss_name(actor.policy_loss.loss_mode)
-    if loss_mode not in available_policy_losses():
+    if not arr.hybrid_engine:
         errors.append(
-            f"actor_rollout_ref.actor.policy_loss.loss_mode={actor.policy_loss.loss_mode!r} is unknown; "
-            f"choose one of {['vanilla', *available_policy_losses()]}"
+            "actor_rollout_ref.hybrid_engine=false asks for a rollout group apart from the actor, which hybridflow "
+            "does not have yet; remove the key (the rollout shares the actor's processes and gets its weights in "
+            "memory after every update)"
         )
     if t.backend not in ("ray", "local"):
         errors.append(f"trainer.backend={t.backend!r}: choose 'ray' or 'local'")
@@ -369,13 +390,6 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         )
     if t.placement not in ("colocate", "split"):
         errors.append(f"trainer.placement={t.placement!r}: choose 'colocate' or 'split'")
-    if rollout.name not in ("native", "hf", "vllm"):
-        errors.append(f"actor_rollout_ref.rollout.name={rollout.name!r}: choose native, hf or vllm")
-    if rollout.dtype == "int8" and rollout.name != "native":
-        errors.append(
-            f"actor_rollout_ref.rollout.dtype=int8 is the native engine's (CPU); with rollout.name={rollout.name} "
-            "choose fp32 or bf16, or set actor_rollout_ref.rollout.name=native"
-        )
     if rollout.gpu_memory_utilization is not None and not 0 < rollout.gpu_memory_utilization <= 1:
         errors.append(
             f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]"
@@ -418,14 +432,23 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         errors.append("actor_rollout_ref.rollout.temperature must be > 0 when do_sample=true")
     if alg.filter_groups.enable and n < 2:
         errors.append("algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2 (groups of samples)")
-    if alg.filter_groups.metric not in ("score", "acc", "seq_reward", "seq_final_reward"):
-        errors.append(f"algorithm.filter_groups.metric={alg.filter_groups.metric!r}: choose score or acc")
+    if alg.filter_groups.metric not in FILTER_METRICS:
+        errors.append(
+            f"algorithm.filter_groups.metric={alg.filter_groups.metric!r}: choose one of {list(FILTER_METRICS)}"
+        )
+    if alg.filter_groups.enable and alg.use_kl_in_reward and alg.filter_groups.metric == "seq_final_reward":
+        errors.append(
+            "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the KL penalty is "
+            "known only after the group filter has run; filter on seq_reward (the shaped score) instead"
+        )
+    if alg.filter_groups.max_num_gen_batches < 0:
+        errors.append("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit)")
     if cfg.reward_model.reward_manager not in ("naive", "batch"):
         errors.append(f"reward_model.reward_manager={cfg.reward_model.reward_manager!r}: hybridflow has one, 'naive'")
     if actor.recompute_old_log_prob not in ("auto", "always"):
         errors.append("actor_rollout_ref.actor.recompute_old_log_prob: choose auto or always")
     if t.fault_injection:
-        from hybridflow.workers.fault import parse_fault_spec  # a pure parser; no worker state
+        from hybridflow.common.faults import parse_fault_spec
 
         try:
             parse_fault_spec(t.fault_injection)
@@ -433,11 +456,6 @@ def validate_config(cfg: HybridFlowConfig) -> None:
             errors.append(str(e))
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
-
-
-def resolve_policy_loss_name(name: str) -> str:
-    """veRL calls the PPO clip loss 'vanilla'."""
-    return "ppo" if name == "vanilla" else name
 
 
 def check_resources(cfg: HybridFlowConfig, available_cpus: float, available_gpus: float) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridflow.common.metrics import reduce_metrics
 from hybridflow.protocol import DataProto
 
 __all__ = [
@@ -216,18 +217,6 @@ def measure_peak_flops(
             torch.cuda.synchronize(dev)
         best = min(best, time.perf_counter() - start)
     return 2.0 * size**3 / best
-
-
-def reduce_metrics(metrics: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-    """Mean of each key over a list of metric dicts (e.g. one per micro-batch or rank); a key counts only where present.
-
-    Keys come out in order of first appearance, so equal inputs give equal (and equally ordered) outputs.
-    """
-    sums: dict[str, list[float]] = {}
-    for m in metrics:
-        for k, v in m.items():
-            sums.setdefault(k, []).append(float(v.item() if hasattr(v, "item") else v))
-    return {k: float(np.mean(vs)) for k, vs in sums.items()}
 
 
 # ---------------------------------------------------------------------------------------------------- validation

@@ -11,6 +11,7 @@ pieces chosen by config: the advantage estimator, the policy loss, KL in the rew
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Any
@@ -26,6 +27,7 @@ from hybridflow.algorithms import (
     masked_mean,
     overlong_reward_penalty,
 )
+from hybridflow.common.seeds import derive_seed
 from hybridflow.engines.mismatch import logprob_mismatch
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.balance import balance_batch
@@ -40,7 +42,6 @@ from hybridflow.trainer.metrics import (
 )
 from hybridflow.trainer.placement import WorkerGroups
 from hybridflow.trainer.validation import Validator
-from hybridflow.workers.actor_rollout_ref import derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -81,13 +82,14 @@ class RLTrainer:
         )
 
     # ------------------------------------------------------------------------------------------- one step
-    def train_step(self, prompts: DataProto) -> dict[str, float]:
+    def train_step(self, prompts: DataProto) -> tuple[dict[str, float], DataProto]:
+        """One step of the dataflow -> (metrics, the trained batch: every row with its own text, scores, uid...)."""
         cfg, g, timing, metrics = self.cfg, self.groups, {}, {}
         step_start = time.perf_counter()
         batch, gen_metrics = self.rollout_and_score(prompts, timing)  # times "generate" and "reward"
         metrics.update(gen_metrics)
         if cfg.trainer.balance_batch:
-            balance_batch(batch, g.actor_rollout.world_size)
+            metrics.update(balance_batch(batch, g.actor_rollout.world_size))
         batch.meta_info.update(self.step_meta())
         if not self.on_policy:
             with Timer("old_log_prob", timing):
@@ -123,8 +125,7 @@ class RLTrainer:
         metrics.update(
             compute_throughput_metrics(timing, num_tokens, g.actor_rollout.world_size, flops, self.peak_flops)
         )
-        self.last_batch = batch
-        return metrics
+        return metrics, batch
 
     # ------------------------------------------------------------------------------------------- stages
     def step_meta(self) -> dict[str, Any]:
@@ -157,13 +158,16 @@ class RLTrainer:
         kept: list[DataProto] = []
         metrics: dict[str, float] = {}
         target = self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n
-        for attempt in range(max(1, fg.max_num_gen_batches) if fg.enable else 1):
+        attempts = itertools.count() if fg.enable and fg.max_num_gen_batches == 0 else range(
+            fg.max_num_gen_batches if fg.enable else 1
+        )
+        for attempt in attempts:
             if attempt:
                 prompts = self.next_prompts()
             batch = self.generate_and_score_once(prompts, salt=attempt, metrics=metrics, timing=timing)
             if not fg.enable:
                 return batch, metrics
-            keep = filter_groups(batch.non_tensor_batch["uid"], batch.batch["token_level_scores"].sum(-1).numpy())
+            keep = filter_groups(batch.non_tensor_batch["uid"], self.filter_values(batch, fg.metric))
             kept.append(batch[keep])
             dropped = batch[~keep]
             metrics[f"dapo/kept_groups_batch_{attempt}"] = float(keep.sum()) / self.cfg.actor_rollout_ref.rollout.n
@@ -205,8 +209,26 @@ class RLTrainer:
         base.batch["response_mask"] = base.batch["response_mask"].float()
         return self.score(base).batch["token_level_scores"].sum(-1)
 
+    @staticmethod
+    def filter_values(batch: DataProto, metric: str) -> np.ndarray:
+        """What DAPO's group filter compares per row (config.FILTER_METRICS), read from the row's own columns."""
+        if metric == "acc":
+            if "acc" not in batch.batch:
+                raise ValueError(
+                    "algorithm.filter_groups.metric=acc needs a scorer that returns a dict with an 'acc' field "
+                    "({'score': ..., 'acc': ...}); this batch's scorer returned none. Use metric=score instead"
+                )
+            return batch.batch["acc"].numpy()
+        if metric == "score":
+            return batch.batch["scores"].numpy()
+        return batch.batch["token_level_scores"].sum(-1).numpy()  # seq_reward / seq_final_reward: shaped score
+
     def score(self, batch: DataProto, metrics: dict | None = None) -> DataProto:
-        """Rule scores (and reward-model scores) -> token_level_scores [B, R] with overlong shaping."""
+        """Rule scores (and reward-model scores) -> token_level_scores [B, R] with overlong shaping.
+
+        Each row keeps what was scored with it: ``response_text`` (non-tensor), ``scores`` [B] (before shaping),
+        ``acc`` [B] when the scorer returns one.
+        """
         if self.groups.reward_model is not None:
             batch = batch.union(self.groups.reward_model.compute_rm_score(batch))
         result = self.reward_fn(batch)
@@ -219,9 +241,12 @@ class RLTrainer:
             scores = scores.clone()
             scores[torch.arange(len(scores)), last] += penalty.to(scores.dtype)
         batch.batch["token_level_scores"] = scores
+        batch.batch["scores"] = result.scores
+        if "acc" in result.extra and all(v is not None for v in result.extra["acc"]):
+            batch.batch["acc"] = torch.tensor([float(v) for v in result.extra["acc"]], dtype=torch.float32)
+        batch.non_tensor_batch["response_text"] = np.array(result.responses_text, dtype=object)
         if metrics is not None:
             metrics.update(result.metrics)
-            self.last_texts = result.responses_text
         return batch
 
     def compute_advantage(self, batch: DataProto) -> dict[str, float]:
@@ -287,7 +312,7 @@ class RLTrainer:
             self.tracker.log(last, step=self.global_step)
         while self.global_step < total_steps:
             prompts = self.next_prompts()
-            metrics = self.train_step(prompts)
+            metrics, batch = self.train_step(prompts)
             self.global_step += 1
             metrics["training/global_step"] = self.global_step
             metrics["training/epoch"] = float(self.loader.state_dict().get("epoch", 0))
@@ -296,7 +321,7 @@ class RLTrainer:
                 metrics.update(self.validator.run(self.global_step))
             writer = self.sample_writer
             if writer is not None and self.global_step % writer.every_n_steps == 0:  # decode only when writing
-                self.write_samples()
+                self.write_samples(batch)
             self.tracker.log(metrics, step=self.global_step)
             if self.progress is not None:
                 self.progress.update(self.global_step, metrics)
@@ -305,12 +330,13 @@ class RLTrainer:
             last = metrics
         return last
 
-    def write_samples(self) -> None:
-        b = self.last_batch
+    def write_samples(self, b: DataProto) -> None:
+        """Each written sample is one row of the trained batch: its prompt, the response scored with it, its score."""
         prompts = [self.tokenizer.decode(p[m.bool()[: p.shape[0]]]) for p, m in zip(b.batch["prompts"], b.batch["attention_mask"])]
         scores = b.batch["token_level_scores"].sum(-1).tolist()
         gts = list(b.non_tensor_batch.get("ground_truth", [None] * len(b)))
-        self.sample_writer.maybe_write(self.global_step, prompts, list(self.last_texts)[: len(b)], scores, None, gts)
+        texts = list(b.non_tensor_batch["response_text"])
+        self.sample_writer.maybe_write(self.global_step, prompts, texts, scores, None, gts)
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> str:

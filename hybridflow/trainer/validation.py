@@ -6,9 +6,9 @@ from typing import Any
 
 import numpy as np
 
+from hybridflow.common.seeds import derive_seed
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.metrics import compute_validation_metrics
-from hybridflow.workers.actor_rollout_ref import derive_seed
 
 
 class Validator:

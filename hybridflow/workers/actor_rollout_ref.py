@@ -6,7 +6,10 @@ weights after every update through ``sync_rollout_weights``, no second process, 
 
 Primitive APIs (each a group method on the driver side):
   init_model, generate_sequences, compute_log_prob, compute_ref_log_prob, update_actor, sync_rollout_weights,
-  get_actor_weights / load_rollout_weights (for split placement), save_checkpoint, load_checkpoint.
+  save_checkpoint, load_checkpoint.
+
+The worker reads its own config sections and builds its pieces from them; what the loss *is* lives in
+``algorithms/objective.py`` (built once from the actor keys), the worker only runs it on each micro-batch.
 """
 
 from __future__ import annotations
@@ -17,25 +20,35 @@ from typing import Any
 
 import torch
 
-from hybridflow.algorithms import agg_loss, get_policy_loss, kl_penalty, masked_mean
+from hybridflow.algorithms.objective import ActorLossConfig, LossContext, build_actor_objective
+from hybridflow.common.metrics import reduce_metrics
+from hybridflow.common.seeds import derive_seed
 from hybridflow.engines.fsdp_engine import FSDPEngine
 from hybridflow.engines.mismatch import logprob_mismatch
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
+from hybridflow.engines.rollout.layout import pad_responses
+from hybridflow.engines.rollout.registry import rollout_engine_kwargs
 from hybridflow.protocol import DataProto
-from hybridflow.single_controller import Dispatch, Execute, Worker, register
-from hybridflow.workers.engine_config import engine_config, optim_config, rollout_engine_kwargs
+from hybridflow.single_controller import Dispatch, Worker, register
+from hybridflow.workers.engine_config import engine_config, optim_config
 from hybridflow.workers.fault import maybe_inject_fault
 from hybridflow.workers.rank_state import load_rank_state, save_rank_state
 
 VALID_ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref", "actor_ref")
 
 
-def derive_seed(*parts: int) -> int:
-    """A deterministic 31-bit seed from integers (base seed, step, rank, ...)."""
-    h = 0x9E3779B1
-    for p in parts:
-        h = (h * 0x01000193 ^ (int(p) & 0xFFFFFFFF)) & 0xFFFFFFFF
-    return h & 0x7FFFFFFF
+def actor_loss_config(actor: Any) -> ActorLossConfig:
+    """The actor section's loss keys as the objective's settings (clip_ratio_low/high default to clip_ratio)."""
+    return ActorLossConfig(
+        policy_loss=actor.policy_loss.loss_mode,
+        clip_ratio_low=actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
+        clip_ratio_high=actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c,
+        entropy_coeff=actor.entropy_coeff,
+        use_kl_loss=actor.use_kl_loss,
+        kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type,
+    )
 
 
 class ActorRolloutRefWorker(Worker):
@@ -73,8 +86,13 @@ class ActorRolloutRefWorker(Worker):
                     use_dynamic_bsz=actor.use_dynamic_bsz,
                     max_token_len=actor.ppo_max_token_len_per_gpu,
                     optim=optim_config(actor.optim, actor.grad_clip, actor.optim.total_training_steps),
+                    # old log-probs are a forward-only pass: veRL sizes it with the rollout's log_prob_* keys
+                    infer_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
+                    infer_use_dynamic_bsz=arr.rollout.log_prob_use_dynamic_bsz,
+                    infer_max_token_len=arr.rollout.log_prob_max_token_len_per_gpu,
                 )
             )
+            self.objective = build_actor_objective(actor_loss_config(actor))
         if self.is_ref:
             self.ref = FSDPEngine(
                 engine_config(
@@ -117,6 +135,9 @@ class ActorRolloutRefWorker(Worker):
         )
         start = time.perf_counter()
         out = self.rollout.generate(prompts.select(["input_ids", "attention_mask", "position_ids"]), params)
+        # One response width per call, whatever this rank's longest response: the driver gathers every rank's rows
+        # into one batch, which needs one width.
+        out = pad_responses(out, params.max_new_tokens, getattr(self.rollout, "pad_token_id", 0))
         self.rollout.release_memory()
         out.meta_info = {"generate_time_s": time.perf_counter() - start, "temperature": params.temperature}
         return out
@@ -127,15 +148,6 @@ class ActorRolloutRefWorker(Worker):
         start = time.perf_counter()
         self.rollout.update_weights(self.actor.named_full_parameters())
         return time.perf_counter() - start
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
-    def get_actor_weights(self) -> dict[str, torch.Tensor]:
-        """Split placement: the full actor state dict (rank 0's copy), to be loaded into a separate rollout group."""
-        return self.actor.full_state_dict()
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_rollout_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        self.rollout.update_weights(state_dict.items())
 
     # ------------------------------------------------------------------ log-probs
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -165,67 +177,38 @@ class ActorRolloutRefWorker(Worker):
         self._fault_point("update_actor", data)
         mini_rows = actor.ppo_mini_batch_size * n // self.world_size
         data.meta_info.setdefault("calculate_entropy", actor.entropy_coeff != 0)
-        loss_fn = self._make_policy_loss_fn(data.meta_info)
-        metrics: dict[str, list[float]] = {}
+        loss_fn = self._loss_fn(actor.loss_agg_mode, data.meta_info.get("max_response_length"))
+        per_step: list[dict[str, float]] = []
         step = int(data.meta_info.get("global_step", 0))
         for mb in data.make_iterator(
             mini_rows, epochs=actor.ppo_epochs, shuffle=actor.shuffle, seed=derive_seed(self.config.trainer.seed, step)
         ):
             mb.meta_info.update(data.meta_info)
-            for k, v in self.actor.train_step(mb, loss_fn).items():
-                metrics.setdefault(f"actor/{k}", []).append(float(v))
-        lr = self.actor.lr_scheduler_step()
-        out = {k: sum(v) / len(v) for k, v in metrics.items()}
-        out["actor/lr"] = lr
+            per_step.append({f"actor/{k}": float(v) for k, v in self.actor.train_step(mb, loss_fn).items()})
+        out = reduce_metrics(per_step)
+        out["actor/lr"] = self.actor.lr_scheduler_step()
         return out
 
     def _fault_point(self, method: str, data: DataProto) -> None:
         t = self.config.trainer
         maybe_inject_fault(t.fault_injection, t.default_local_dir, method, self.rank, int(data.meta_info.get("global_step", -1)))
 
-    def _make_policy_loss_fn(self, meta: dict):
-        from hybridflow.trainer.config import resolve_policy_loss_name  # a pure helper; no trainer state
-
-        actor = self.config.actor_rollout_ref.actor
-        policy_loss = get_policy_loss(resolve_policy_loss_name(actor.policy_loss.loss_mode))
-        low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
-        high = actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high
-        norm_length = meta.get("max_response_length")
+    def _loss_fn(self, loss_agg_mode: str, norm_length: int | None):
+        """The engine's loss_fn(micro, outputs): the actor objective under this mini-batch's global counts."""
+        objective = self.objective
 
         def loss_fn(micro: DataProto, outputs: dict[str, torch.Tensor]):
-            mask = micro.batch["response_mask"].to(outputs["log_probs"].dtype)
-            log_prob = outputs["log_probs"]
-            on_policy = "old_log_probs" not in micro.batch
-            old = log_prob.detach() if on_policy else micro.batch["old_log_probs"]
-            counts = dict(
+            ctx = LossContext(
+                loss_agg_mode=loss_agg_mode,
                 global_num_tokens=micro.meta_info.get("global_num_tokens"),
                 global_num_seqs=micro.meta_info.get("global_num_seqs"),
                 norm_length=norm_length,
             )
-            pg_loss, pg_metrics = policy_loss(
-                old,
-                log_prob,
-                micro.batch["advantages"],
-                mask,
-                loss_agg_mode=actor.loss_agg_mode,
-                clip_ratio_low=low,
-                clip_ratio_high=high,
-                clip_ratio_c=actor.clip_ratio_c,
-                **counts,
-            )
-            loss = pg_loss
-            metrics = {k: float(v) for k, v in pg_metrics.items()}
-            metrics["pg_loss"] = local_loss_value(pg_loss.detach(), counts, mask, actor.loss_agg_mode)
-            if "entropy" in outputs:
-                entropy = agg_loss(outputs["entropy"], mask, actor.loss_agg_mode, **counts)
-                metrics["entropy"] = float(masked_mean(outputs["entropy"].detach(), mask))
-                loss = loss - actor.entropy_coeff * entropy
-            if actor.use_kl_loss:
-                kl = kl_penalty(log_prob, micro.batch["ref_log_probs"], actor.kl_loss_type)
-                loss = loss + actor.kl_loss_coef * agg_loss(kl, mask, actor.loss_agg_mode, **counts)
-                metrics["kl_loss"] = float(masked_mean(kl.detach(), mask))
-            if on_policy and "rollout_log_probs" in micro.batch:
+            log_prob = outputs["log_probs"]
+            loss, metrics = objective(micro.batch, log_prob, outputs.get("entropy"), ctx)
+            if "old_log_probs" not in micro.batch and "rollout_log_probs" in micro.batch:
                 # The first forward of an on-policy update is the training engine's view of the rollout's tokens.
+                mask = micro.batch["response_mask"].to(log_prob.dtype)
                 mm = logprob_mismatch(micro.batch["rollout_log_probs"], log_prob.detach(), mask)
                 metrics.update({f"rollout_{k.replace('/', '_')}": v for k, v in mm.items()})
             return loss, metrics
@@ -250,12 +233,3 @@ class ActorRolloutRefWorker(Worker):
         load_rank_state(os.path.join(path, "actor", f"rank_state_{self.rank}.json"))
         if self.actor is not None and self.rollout is not None:
             self.rollout.update_weights(self.actor.named_full_parameters())
-
-
-def local_loss_value(loss: torch.Tensor, counts: dict, mask: torch.Tensor, loss_agg_mode: str) -> float:
-    """A micro-batch's share of the mini-batch loss, turned back into this micro-batch's own mean (for logging)."""
-    if loss_agg_mode == "token-mean":
-        total, local = counts.get("global_num_tokens"), float(mask.sum())
-    else:
-        total, local = counts.get("global_num_seqs"), float(mask.shape[0])
-    return float(loss) * (float(total) / local if total and local else 1.0)

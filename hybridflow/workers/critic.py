@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from hybridflow.algorithms import compute_value_loss
+from hybridflow.algorithms.objective import CriticLossConfig, LossContext, build_critic_objective
+from hybridflow.common.metrics import reduce_metrics
+from hybridflow.common.seeds import derive_seed
 from hybridflow.engines.fsdp_engine import FSDPEngine
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
-from hybridflow.workers.actor_rollout_ref import derive_seed, local_loss_value
 from hybridflow.workers.engine_config import engine_config, optim_config
 from hybridflow.workers.rank_state import load_rank_state, save_rank_state
 
@@ -37,6 +38,7 @@ class CriticWorker(Worker):
                 optim=optim_config(critic.optim, critic.grad_clip, critic.optim.total_training_steps),
             )
         )
+        self.objective = build_critic_objective(CriticLossConfig(cliprange_value=critic.cliprange_value))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
@@ -52,28 +54,23 @@ class CriticWorker(Worker):
         epochs = critic.ppo_epochs or actor.ppo_epochs
         norm_length = data.meta_info.get("max_response_length")
 
+        objective = self.objective
+
         def loss_fn(micro: DataProto, outputs: dict):
-            mask = micro.batch["response_mask"].to(outputs["values"].dtype)
-            counts = dict(
+            ctx = LossContext(
+                loss_agg_mode=critic.loss_agg_mode,
                 global_num_tokens=micro.meta_info.get("global_num_tokens"),
                 global_num_seqs=micro.meta_info.get("global_num_seqs"),
                 norm_length=norm_length,
             )
-            loss, metrics = compute_value_loss(
-                outputs["values"], micro.batch["values"], micro.batch["returns"], mask,
-                cliprange_value=critic.cliprange_value, loss_agg_mode=critic.loss_agg_mode, **counts,
-            )
-            metrics = {k: float(v) for k, v in metrics.items()}
-            metrics["vf_loss"] = local_loss_value(loss.detach(), counts, mask, critic.loss_agg_mode)
-            return loss, metrics
+            return objective(micro.batch, outputs["values"], ctx)
 
         step = int(data.meta_info.get("global_step", 0))
-        metrics: dict[str, list[float]] = {}
+        per_step: list[dict[str, float]] = []
         for mb in data.make_iterator(mini_rows, epochs=epochs, shuffle=critic.shuffle, seed=derive_seed(step, 11)):
             mb.meta_info.update(data.meta_info)
-            for k, v in self.engine.train_step(mb, loss_fn).items():
-                metrics.setdefault(f"critic/{k}", []).append(float(v))
-        out = {k: sum(v) / len(v) for k, v in metrics.items()}
+            per_step.append({f"critic/{k}": float(v) for k, v in self.engine.train_step(mb, loss_fn).items()})
+        out = reduce_metrics(per_step)
         out["critic/lr"] = self.engine.lr_scheduler_step()
         return out
 

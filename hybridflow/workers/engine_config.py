@@ -6,6 +6,8 @@ from typing import Any
 
 from hybridflow.engines.fsdp_engine import EngineConfig, OptimConfig
 
+STRATEGIES = ("fsdp", "fsdp2")  # veRL's names; both mean FSDP2 (torch's fully_shard) here
+
 
 def optim_config(optim: Any, grad_clip: float, total_steps: int) -> OptimConfig:
     scheduler = optim.warmup_style or optim.lr_scheduler_type
@@ -35,7 +37,12 @@ def engine_config(
     use_dynamic_bsz: bool,
     max_token_len: int,
     optim: OptimConfig | None = None,
+    infer_micro_batch_size: int | None = None,
+    infer_use_dynamic_bsz: bool | None = None,
+    infer_max_token_len: int | None = None,
 ) -> EngineConfig:
+    """One engine's config. The ``infer_*`` settings size the forward-only passes (log-probs, values), which hold
+    no activations for backward and may use larger micro-batches than training; None: the training settings."""
     kwargs = dict(
         model_path=model_path,
         role=role,
@@ -49,28 +56,10 @@ def engine_config(
         fsdp_size=fsdp.fsdp_size,
         seed=seed,
         use_remove_padding=model.use_remove_padding,
+        infer_micro_batch_size_per_gpu=infer_micro_batch_size,
+        infer_use_dynamic_bsz=infer_use_dynamic_bsz,
+        infer_max_tokens_per_micro_batch=infer_max_token_len,
     )
     if optim is not None:
         kwargs["optim"] = optim
     return EngineConfig(**kwargs)
-
-
-def rollout_engine_kwargs(rollout: Any) -> dict[str, Any]:
-    """The rollout section's veRL engine switches as the chosen engine's kwargs, under explicit ``engine_kwargs``.
-
-    native: enforce_eager -> decode ("eager", or "auto": CUDA graphs on GPUs), free_cache_engine -> free_cache_engine;
-    vllm: enforce_eager, gpu_memory_utilization as they are; hf has no such switches.
-    """
-    kwargs: dict[str, Any] = {}
-    if rollout.name == "native":
-        if rollout.enforce_eager is not None:
-            kwargs["decode"] = "eager" if rollout.enforce_eager else "auto"
-        if rollout.free_cache_engine is not None:
-            kwargs["free_cache_engine"] = bool(rollout.free_cache_engine)
-    elif rollout.name == "vllm":
-        if rollout.enforce_eager is not None:
-            kwargs["enforce_eager"] = bool(rollout.enforce_eager)
-        if rollout.gpu_memory_utilization is not None:
-            kwargs["gpu_memory_utilization"] = float(rollout.gpu_memory_utilization)
-    kwargs.update(dict(rollout.engine_kwargs))
-    return kwargs

@@ -4,8 +4,7 @@ Configured with ``trainer.fault_injection="update_actor:1:3"`` (method, rank, gl
 run folder: a marker file written just before the SIGKILL stops the restarted workers from dying again at the same
 step, which is what a real one-off fault (an OOM kill, a lost node) looks like.
 
-``parse_fault_spec`` checks a spec without running anything, so a typo fails at start-up instead of inside a worker
-(where it would look like a crash) or, with a method that has no fault point, never firing at all.
+The spec's parser lives in hybridflow/common/faults.py, so config validation can check it without importing workers.
 """
 
 from __future__ import annotations
@@ -13,26 +12,9 @@ from __future__ import annotations
 import os
 import signal
 
-# The worker methods that call maybe_inject_fault (ActorRolloutRefWorker._fault_point).
-FAULT_POINTS = ("compute_log_prob", "update_actor")
+from hybridflow.common.faults import FAULT_POINTS, parse_fault_spec
 
-
-def parse_fault_spec(spec: str) -> tuple[str, int, int]:
-    """'update_actor:1:3' -> ('update_actor', 1, 3); ValueError saying what is wrong otherwise."""
-    usage = f"trainer.fault_injection={spec!r} must look like 'update_actor:1:3' (method:rank:step)"
-    parts = spec.split(":")
-    if len(parts) != 3:
-        raise ValueError(usage)
-    method, rank_text, step_text = (p.strip() for p in parts)
-    try:
-        rank, step = int(rank_text), int(step_text)
-    except ValueError:
-        raise ValueError(f"{usage}; rank and step must be integers") from None
-    if method not in FAULT_POINTS:
-        raise ValueError(f"{usage}; method {method!r} has no fault point, choose one of {list(FAULT_POINTS)}")
-    if rank < 0 or step < 1:
-        raise ValueError(f"{usage}; rank must be >= 0 and step >= 1 (global steps count from 1)")
-    return method, rank, step
+__all__ = ["FAULT_POINTS", "maybe_inject_fault", "parse_fault_spec"]
 
 
 def maybe_inject_fault(spec: str | None, run_dir: str, method: str, rank: int, step: int) -> None:

@@ -48,11 +48,11 @@ def test_register_a_new_estimator_and_refuse_duplicates(throwaway_name):
     assert isinstance(constant, AdvantageEstimator) and constant.needs_group_index
     assert throwaway_name in available_advantage_estimators()
     est = get_advantage_estimator(throwaway_name)
-    assert est.description == "Advantage 1 on every valid token."
     adv, _ = est(torch.zeros(1, 2), torch.tensor([[1, 0]]), gamma=0.9, values=None)  # unused kwargs are ignored
     assert adv.tolist() == [[1.0, 0.0]]
     with pytest.raises(ValueError, match="already registered"):
         register_advantage("gae")(lambda *a, **k: None)
+    register_advantage(throwaway_name, override=True)(constant.fn)  # replacing is explicit
 
 
 def test_policy_loss_metadata():
@@ -61,3 +61,28 @@ def test_policy_loss_metadata():
     assert dict(get_policy_loss("ppo").recommended) == {}
     with pytest.raises(ValueError, match="already registered"):
         register_policy_loss("ppo")(lambda *a, **k: None)
+
+
+def test_an_import_path_resolves_to_a_plugin(tmp_path, monkeypatch):
+    """A name of the form 'package.module:attr' (or 'file.py:attr') is imported by whichever process looks it up."""
+    (tmp_path / "my_plugin_adv.py").write_text(
+        "def half(token_level_rewards, response_mask, **_):\n"
+        "    adv = 0.5 * response_mask.to(token_level_rewards.dtype)\n"
+        "    return adv, adv\n"
+        "half.needs_group_index = True\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        est = get_advantage_estimator("my_plugin_adv:half")
+        assert isinstance(est, AdvantageEstimator) and est.needs_group_index
+        assert est(torch.zeros(1, 2), torch.tensor([[1, 1]]))[0].tolist() == [[0.5, 0.5]]
+        by_file = get_advantage_estimator(f"{tmp_path}/my_plugin_adv.py:half")
+        assert by_file(torch.zeros(1, 1), torch.tensor([[1]]))[0].tolist() == [[0.5]]
+        with pytest.raises(ValueError, match=r"has no attribute 'missing'.*half"):
+            get_advantage_estimator("my_plugin_adv:missing")
+        with pytest.raises(ValueError, match=r"could not be imported.*PYTHONPATH"):
+            get_policy_loss("no_such_module_xyz:loss")
+    finally:
+        for name in ("my_plugin_adv:half", f"{tmp_path}/my_plugin_adv.py:half"):
+            if name in ADVANTAGE_ESTIMATORS:
+                ADVANTAGE_ESTIMATORS.remove(name)

@@ -156,6 +156,7 @@ def test_register_scorer():
     assert "tests/exact" in available_scorers()
     assert default_compute_score("tests/exact", " a ", "a") == 1.0
     with pytest.raises(RewardConfigError, match="registered already"):
-        register_scorer("tests/exact", exact, overwrite=False)
+        register_scorer("tests/exact", exact)
+    register_scorer("tests/exact", exact, override=True)  # replacing is explicit
     with pytest.raises(RewardConfigError, match="cannot be pickled"):
         register_scorer("tests/lambda", lambda *a: 1.0)

@@ -28,15 +28,13 @@ def test_verl_key_names_are_accepted():
 
 
 def test_verl_rollout_engine_switches_reach_the_engine():
-    from hybridflow.workers.engine_config import rollout_engine_kwargs
+    from hybridflow.engines.rollout.registry import rollout_engine_kwargs
 
-    base = ["actor_rollout_ref.rollout.enforce_eager=False", "actor_rollout_ref.rollout.free_cache_engine=True",
-            "actor_rollout_ref.rollout.gpu_memory_utilization=0.6"]
+    base = ["actor_rollout_ref.rollout.enforce_eager=False", "actor_rollout_ref.rollout.free_cache_engine=True"]
     native = load_config(base).actor_rollout_ref.rollout
     assert rollout_engine_kwargs(native) == {"decode": "auto", "free_cache_engine": True}
-    vllm = load_config([*base, "actor_rollout_ref.rollout.name=vllm"]).actor_rollout_ref.rollout
-    assert rollout_engine_kwargs(vllm) == {"enforce_eager": False, "gpu_memory_utilization": 0.6}
-    assert rollout_engine_kwargs(load_config([*base, "actor_rollout_ref.rollout.name=hf"]).actor_rollout_ref.rollout) == {}
+    # vllm's switches: tests/vllm_rollout/test_install_hint.py (run in the vLLM virtualenv)
+    assert rollout_engine_kwargs(load_config(["actor_rollout_ref.rollout.name=hf"]).actor_rollout_ref.rollout) == {}
     eager = load_config(["actor_rollout_ref.rollout.enforce_eager=True"]).actor_rollout_ref.rollout
     assert rollout_engine_kwargs(eager) == {"decode": "eager"}
     assert rollout_engine_kwargs(load_config([]).actor_rollout_ref.rollout) == {}  # unset: the engine's defaults
@@ -45,6 +43,20 @@ def test_verl_rollout_engine_switches_reach_the_engine():
     assert rollout_engine_kwargs(explicit) == {"decode": "static"}  # engine_kwargs win
     with pytest.raises(ConfigError, match="gpu_memory_utilization"):
         load_config(["actor_rollout_ref.rollout.gpu_memory_utilization=1.5"])
+
+
+def test_each_rollout_engine_rejects_what_it_cannot_honour():
+    """The engine answers for its own options: a switch or an engine_kwargs key it does not read is an error."""
+    for overrides, match in [
+        (["actor_rollout_ref.rollout.gpu_memory_utilization=0.5"], r"gpu_memory_utilization has no effect.*native"),
+        (["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.enforce_eager=true"],
+         r"enforce_eager has no effect.*name=hf"),
+        (["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.dtype=int8"], r"dtype='int8'.*\['fp32', 'bf16'\]"),
+        (["+actor_rollout_ref.rollout.engine_kwargs.decod=eager"], r"engine_kwargs\.decod: .*options: .*'decode'"),
+        (["actor_rollout_ref.rollout.name=sglang"], r"rollout.name='sglang'.*known: hf, native, vllm"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            load_config(overrides)
 
 
 def test_misspelled_key_names_the_closest_valid_one():

@@ -22,3 +22,16 @@ def test_import_without_vllm_names_the_install_command():
     assert out.returncode == 0, out.stderr
     assert "ImportError:" in out.stdout
     assert "bash scripts/setup_vllm_env.sh" in out.stdout and "hybridflow[vllm]" in out.stdout
+
+
+def test_verl_switches_reach_vllm():
+    """The vllm engine reads veRL's rollout switches itself (validation asks it, not a list kept elsewhere)."""
+    from hybridflow.engines.rollout.registry import rollout_engine_kwargs
+    from hybridflow.trainer.config import load_config
+
+    rollout = load_config([
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=False",
+        "actor_rollout_ref.rollout.free_cache_engine=True", "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+    ]).actor_rollout_ref.rollout
+    assert rollout_engine_kwargs(rollout) == {"enforce_eager": False, "gpu_memory_utilization": 0.6,
+                                              "enable_sleep_mode": True}

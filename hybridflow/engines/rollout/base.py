@@ -30,9 +30,11 @@ Non-tensor prompt columns are repeated n times (interleaved) into the output; me
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -60,7 +62,55 @@ class SamplingParams:
 
 
 class RolloutEngine(ABC):
-    """Generates responses for a batch of prompts; holds its own copy of the policy weights."""
+    """Generates responses for a batch of prompts; holds its own copy of the policy weights.
+
+    An engine also says what it reads from the config's rollout section (``actor_rollout_ref.rollout``), so that
+    validation asks the engine rather than a list kept elsewhere: ``DTYPES`` it can run, ``options_from_config``
+    (veRL's engine switches as its constructor kwargs) and ``config_errors`` (what it cannot do).
+    """
+
+    DTYPES: tuple[str, ...] = ("fp32", "bf16")
+    # veRL rollout switches this engine understands; a switch set to a non-None value for an engine that does not
+    # list it is a config error (it would be silently ignored otherwise).
+    SWITCHES: tuple[str, ...] = ()
+
+    @classmethod
+    def options_from_config(cls, rollout: Any) -> dict[str, Any]:
+        """Constructor kwargs from the rollout section's veRL switches (``enforce_eager``, ...); {} by default."""
+        return {}
+
+    @classmethod
+    def accepted_options(cls) -> set[str] | None:
+        """Keyword options of the constructor beyond the common four; None when it takes any (``**kwargs``)."""
+        params = inspect.signature(cls.__init__).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return None
+        return {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY} - {
+            "dtype", "seed", "max_model_len"
+        }
+
+    @classmethod
+    def config_errors(cls, rollout: Any) -> list[str]:
+        """What in the rollout section this engine cannot honour, as messages naming the key and the fix."""
+        errors = []
+        where = f"actor_rollout_ref.rollout.name={rollout.name}"
+        if rollout.dtype not in cls.DTYPES:
+            errors.append(f"actor_rollout_ref.rollout.dtype={rollout.dtype!r}: {where} runs {list(cls.DTYPES)}")
+        for switch in ("enforce_eager", "free_cache_engine", "gpu_memory_utilization"):
+            if getattr(rollout, switch, None) is not None and switch not in cls.SWITCHES:
+                errors.append(
+                    f"actor_rollout_ref.rollout.{switch} has no effect with {where}; remove it (it applies to "
+                    f"{'vllm' if switch == 'gpu_memory_utilization' else 'native and vllm'})"
+                )
+        accepted = cls.accepted_options()
+        if accepted is not None:
+            given = set(cls.options_from_config(rollout)) | set(rollout.engine_kwargs)
+            for key in sorted(given - accepted):
+                errors.append(
+                    f"actor_rollout_ref.rollout.engine_kwargs.{key}: {where} has no option {key!r}; "
+                    f"its options: {sorted(accepted)}"
+                )
+        return errors
 
     @abstractmethod
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:

@@ -172,3 +172,31 @@ def assemble_output(
     }
     non_tensors = {k: np.repeat(v, n, axis=0) for k, v in prompts.non_tensor_batch.items()}
     return DataProto.from_dict(tensors, non_tensors, dict(prompts.meta_info))
+
+
+def pad_responses(out: DataProto, width: int, pad_token_id: int) -> DataProto:
+    """Right-pad a rollout output (the layout above) to `width` response columns; a no-op when it is as wide.
+
+    Ranks that generate separately return responses as wide as their own longest one; gathering them into one batch
+    needs one width, so every call pads to its max_new_tokens. Padding columns are masked out (attention_mask,
+    response_mask 0, log-probs 0), positions continue, so nothing downstream computes or learns on them.
+    """
+    b = out.batch
+    R = b["responses"].shape[1]
+    extra = width - R
+    if extra <= 0:
+        return out
+    rows = b["responses"].shape[0]
+
+    def right(t: torch.Tensor, value) -> torch.Tensor:
+        return torch.cat([t, t.new_full((rows, extra), value)], dim=1)
+
+    b["responses"] = right(b["responses"], pad_token_id)
+    b["input_ids"] = right(b["input_ids"], pad_token_id)
+    b["attention_mask"] = right(b["attention_mask"], 0)
+    b["response_mask"] = right(b["response_mask"], 0)
+    if "rollout_log_probs" in b:
+        b["rollout_log_probs"] = right(b["rollout_log_probs"], 0.0)
+    pos = b["position_ids"]
+    b["position_ids"] = torch.cat([pos, pos[:, -1:] + 1 + torch.arange(extra, device=pos.device)[None, :]], dim=1)
+    return out

@@ -65,6 +65,20 @@ class NativeRollout(RolloutEngine):
     """Batched generation with a pre-allocated KV cache for the architectures in arch_specs.py; see the module
     docstring."""
 
+    DTYPES = ("fp32", "bf16", "int8")
+    SWITCHES = ("enforce_eager", "free_cache_engine")
+
+    @classmethod
+    def options_from_config(cls, rollout) -> dict:
+        """veRL's switches: enforce_eager -> decode ("eager", or "auto": CUDA graphs on GPUs); free_cache_engine ->
+        free the fixed-shape decode buffers after each generation."""
+        kwargs = {}
+        if rollout.enforce_eager is not None:
+            kwargs["decode"] = "eager" if rollout.enforce_eager else "auto"
+        if rollout.free_cache_engine is not None:
+            kwargs["free_cache_engine"] = bool(rollout.free_cache_engine)
+        return kwargs
+
     def __init__(
         self,
         model_path: str,

@@ -1,53 +1,89 @@
-"""Name -> rollout engine class, resolved lazily so that an optional backend (vllm) costs nothing until it is asked for.
+"""Name -> rollout engine class, on the project's one plugin mechanism (hybridflow/plugins.py).
 
-Every engine class takes ``(model_path, *, dtype, seed, max_model_len, **engine_kwargs)``.
+Built-in engines are registered lazily, so an optional backend (vllm) costs nothing until it is asked for; a user's
+engine is either registered in code (``register_rollout_engine("mine", MyRollout)``) or named in the config by import
+path (``actor_rollout_ref.rollout.name=my_pkg.rollout:MyRollout``), which every worker process imports itself.
+
+Every engine class takes ``(model_path, *, dtype, seed, max_model_len, **engine_kwargs)`` and declares what it
+reads from the config itself (``RolloutEngine.DTYPES``, ``options_from_config``, ``config_errors``), so config
+validation asks the engine instead of a hand-kept list.
 """
 
 from __future__ import annotations
 
-import importlib
+from typing import Any
 
 from hybridflow.engines.rollout.base import RolloutEngine
+from hybridflow.plugins import PluginError, Registry
 
-__all__ = ["available_rollout_engines", "create_rollout_engine", "register_rollout_engine"]
-
-_ENGINES: dict[str, str | type[RolloutEngine]] = {
-    "hf": "hybridflow.engines.rollout.hf_rollout:HFRollout",
-    "native": "hybridflow.engines.rollout.native_rollout:NativeRollout",
-    "vllm": "hybridflow.engines.rollout.vllm_rollout:VLLMRollout",
-}
-# Backends that need packages outside the default install, and how to get them.
-_INSTALL_HINTS = {
-    "vllm": "install it with `pip install 'hybridflow[vllm]'` (or `make vllm-env` for the separate .venv-vllm)",
-}
+__all__ = [
+    "ROLLOUT_ENGINES",
+    "available_rollout_engines",
+    "create_rollout_engine",
+    "get_rollout_engine",
+    "register_rollout_engine",
+    "rollout_config_errors",
+    "rollout_engine_kwargs",
+]
 
 
-def register_rollout_engine(name: str, engine: str | type[RolloutEngine]) -> None:
+def _as_engine(name: str, obj: Any) -> type[RolloutEngine]:
+    if not (isinstance(obj, type) and issubclass(obj, RolloutEngine)):
+        raise PluginError(
+            f"rollout engine {name!r} names {obj!r}, which is not a subclass of "
+            "hybridflow.engines.rollout.RolloutEngine"
+        )
+    return obj
+
+
+ROLLOUT_ENGINES: Registry[type[RolloutEngine]] = Registry(
+    "rollout engine",
+    "hybridflow.engines.rollout.register_rollout_engine(name, cls)",
+    coerce=_as_engine,
+    install_hints={
+        "vllm": "install it with `pip install 'hybridflow[vllm]'` (or `make vllm-env` for the separate .venv-vllm)"
+    },
+)
+ROLLOUT_ENGINES.add("hf", "hybridflow.engines.rollout.hf_rollout:HFRollout", lazy=True)
+ROLLOUT_ENGINES.add("native", "hybridflow.engines.rollout.native_rollout:NativeRollout", lazy=True)
+ROLLOUT_ENGINES.add("vllm", "hybridflow.engines.rollout.vllm_rollout:VLLMRollout", lazy=True)
+
+
+def register_rollout_engine(name: str, engine: str | type[RolloutEngine], *, override: bool = False) -> None:
     """Add a backend: a RolloutEngine subclass or a 'package.module:ClassName' import path (imported on first use)."""
-    _ENGINES[name] = engine
+    ROLLOUT_ENGINES.add(name, engine, override=override, lazy=isinstance(engine, str))
 
 
 def available_rollout_engines() -> list[str]:
-    """Registered names (a registered backend may still fail to import; see create_rollout_engine)."""
-    return sorted(_ENGINES)
+    """Registered names (a registered backend may still fail to import; see get_rollout_engine)."""
+    return ROLLOUT_ENGINES.names()
 
 
-def _resolve(name: str) -> type[RolloutEngine]:
-    if name not in _ENGINES:
-        raise ValueError(f"unknown rollout engine {name!r}; registered engines: {available_rollout_engines()}")
-    target = _ENGINES[name]
-    if not isinstance(target, str):
-        return target
-    module_name, _, class_name = target.partition(":")
+def get_rollout_engine(name: str) -> type[RolloutEngine]:
+    """The engine class registered as (or importable by) `name`; ImportError saying what to install if it fails."""
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        hint = _INSTALL_HINTS.get(name, "check that its package is installed")
-        raise ImportError(f"rollout engine {name!r} could not be imported ({err}); {hint}") from err
-    engine = getattr(module, class_name, None)
-    if engine is None:
-        raise ImportError(f"rollout engine {name!r}: {module_name} has no class {class_name!r}")
-    return engine
+        return ROLLOUT_ENGINES.get(name)
+    except PluginError as err:
+        if name in ROLLOUT_ENGINES or "could not be imported" in str(err):
+            raise ImportError(str(err)) from err
+        raise
+
+
+def rollout_engine_kwargs(rollout: Any) -> dict[str, Any]:
+    """The rollout config section as the chosen engine's constructor kwargs (veRL switches, then engine_kwargs)."""
+    engine = get_rollout_engine(rollout.name)
+    kwargs = dict(engine.options_from_config(rollout))
+    kwargs.update(dict(rollout.engine_kwargs))
+    return kwargs
+
+
+def rollout_config_errors(rollout: Any) -> list[str]:
+    """What is wrong with the rollout section for its engine (empty when it can be built); no engine is built."""
+    try:
+        engine = get_rollout_engine(rollout.name)
+    except (PluginError, ImportError) as err:
+        return [f"actor_rollout_ref.rollout.name={rollout.name!r}: {err}"]
+    return engine.config_errors(rollout)
 
 
 def create_rollout_engine(
@@ -60,5 +96,5 @@ def create_rollout_engine(
     **engine_kwargs,
 ) -> RolloutEngine:
     """Build the rollout engine registered as `name` for the checkpoint at `model_path`."""
-    engine = _resolve(name)
+    engine = get_rollout_engine(name)
     return engine(model_path, dtype=dtype, seed=seed, max_model_len=max_model_len, **engine_kwargs)

@@ -148,6 +148,21 @@ class VLLMRollout(RolloutEngine):
     """
 
     name = "vllm"
+    DTYPES = ("fp32", "bf16", "fp16")
+    SWITCHES = ("enforce_eager", "free_cache_engine", "gpu_memory_utilization")
+
+    @classmethod
+    def options_from_config(cls, rollout: Any) -> dict[str, Any]:
+        """veRL's switches: enforce_eager and gpu_memory_utilization as they are; free_cache_engine -> sleep mode
+        (weights offloaded and KV freed between generations, GPUs only)."""
+        kwargs: dict[str, Any] = {}
+        if rollout.enforce_eager is not None:
+            kwargs["enforce_eager"] = bool(rollout.enforce_eager)
+        if rollout.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = float(rollout.gpu_memory_utilization)
+        if rollout.free_cache_engine is not None:
+            kwargs["enable_sleep_mode"] = bool(rollout.free_cache_engine)
+        return kwargs
 
     def __init__(
         self,
