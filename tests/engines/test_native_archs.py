@@ -231,3 +231,16 @@ def test_unknown_architecture_names_the_supported_ones_and_the_hf_fallback(tmp_p
     out = create_rollout_engine("hf", str(tmp_path)).generate(make_prompts(tokenizer),
                                                               SamplingParams(greedy=True, max_new_tokens=3))
     assert out.batch["responses"].shape[0] == 6
+
+
+def test_moe_refuses_cuda_graphs_and_longrope_stays_in_its_short_range(tmp_path):
+    moe = write_arch_model(tmp_path / "moe", "qwen3_moe")
+    with pytest.raises(ValueError, match=r"cuda_graph.*expert dispatch.*enforce_eager"):
+        create_rollout_engine("native", moe, decode="cuda_graph")
+    # Phi-3's longrope switches to its long factors past original_max_position_embeddings (64 in the test config),
+    # decided by the longest sequence in a forward pass: the native engine generates within the short range
+    phi3 = create_rollout_engine("native", write_arch_model(tmp_path / "phi3", "phi3"), num_threads=1)
+    assert phi3.max_model_len == 64
+    prompts = make_prompts(phi3.tokenizer)
+    out = phi3.generate(prompts, SamplingParams(greedy=True, max_new_tokens=200))
+    assert out.batch["input_ids"].shape[1] <= 64
