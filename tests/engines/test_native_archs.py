@@ -10,9 +10,12 @@ AutoModelForCausalLM and gives the same logits.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 
 import pytest
 import torch
+from e2e_helpers import tiny_run_overrides
 from test_rollout_engines import make_prompts
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
@@ -22,6 +25,9 @@ from hybridflow.engines.mismatch import logprob_mismatch
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.engines.rollout.arch_specs import resolve, supported_architectures
 from hybridflow.engines.tiny import SIZES, TINY_ARCHITECTURES, build_char_tokenizer, make_config
+from hybridflow.single_controller.errors import WorkerGroupError
+from hybridflow.trainer.config import load_config
+from hybridflow.trainer.main import run_training
 
 ARCHS = ["qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma3_text", "phi3"]
 WINDOW = 8  # shorter than prompt + response: the sliding layers really drop keys
@@ -244,3 +250,39 @@ def test_moe_refuses_cuda_graphs_and_longrope_stays_in_its_short_range(tmp_path)
     prompts = make_prompts(phi3.tokenizer)
     out = phi3.generate(prompts, SamplingParams(greedy=True, max_new_tokens=200))
     assert out.batch["input_ids"].shape[1] <= 64
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text", "phi3"])
+def test_grpo_trains_each_architecture_with_the_native_rollout(arithmetic_files, tmp_path, arch):
+    """Two GRPO steps through the trainer (local backend): rollout, log-prob passes, update, weight sync. The
+    second step's rollout runs on the synced weights, so its log-probs must equal the actor's old log-probs."""
+    model = str(tmp_path / "model")
+    assert cli_main(["make-tiny-model", model, "--arch", arch, "--size", "unit"]) == 0
+    run_dir = str(tmp_path / "run")
+    cfg = load_config(tiny_run_overrides(arithmetic_files, model, run_dir, "trainer.backend=local",
+                                         "actor_rollout_ref.rollout.name=native"))
+    assert run_training(cfg, progress=False).global_step == 2
+    with open(f"{run_dir}/metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert len(rows) == 2
+    for row in rows:
+        assert math.isfinite(row["actor/pg_loss"]), row
+        assert row["rollout/mismatch_max_abs"] <= 1e-5, (arch, row["rollout/mismatch_max_abs"])
+
+
+def test_an_architecture_the_native_engine_does_not_know_trains_with_the_hf_rollout(arithmetic_files, tmp_path):
+    tokenizer = build_char_tokenizer()
+    config = GPT2Config(vocab_size=288, n_embd=32, n_layer=1, n_head=2, n_positions=128,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    overrides = tiny_run_overrides(arithmetic_files, str(tmp_path / "gpt2"), str(tmp_path / "run"),
+                                   "trainer.backend=local")
+    # the worker that builds the native engine fails with the supported list and the fallback
+    with pytest.raises(WorkerGroupError, match=r"init_model.*model_type='gpt2'.*actor_rollout_ref\.rollout\.name=hf"):
+        run_training(load_config([*overrides, "actor_rollout_ref.rollout.name=native"]), progress=False)
+    cfg = load_config([*overrides, "actor_rollout_ref.rollout.name=hf"])
+    assert run_training(cfg, progress=False).global_step == 2
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        assert len(f.readlines()) == 2
