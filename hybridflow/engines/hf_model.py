@@ -16,6 +16,7 @@ __all__ = [
     "HF_PREFIX",
     "HeadOnPositions",
     "entropy_from_logits",
+    "from_pretrained",
     "hf_name",
     "load_model",
     "load_tokenizer",
@@ -41,6 +42,17 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
+def from_pretrained(auto_class, path: str, attn_implementation: str = "sdpa", **kwargs) -> nn.Module:
+    """``auto_class.from_pretrained`` with ``attn_implementation``; falls back to "eager" for a model whose
+    transformers class has no SDPA path (Gemma 2: SDPA cannot soft-cap attention scores)."""
+    try:
+        return auto_class.from_pretrained(path, attn_implementation=attn_implementation, **kwargs)
+    except ValueError as err:
+        if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(err):
+            raise
+        return auto_class.from_pretrained(path, attn_implementation="eager", **kwargs)
+
+
 def load_model(path: str, role: str, attn_implementation: str = "sdpa") -> nn.Module:
     """The transformers model for `role` ("actor" | "ref" -> causal LM, "critic" -> one-label token classifier), fp32.
 
@@ -51,9 +63,9 @@ def load_model(path: str, role: str, attn_implementation: str = "sdpa") -> nn.Mo
     kwargs = {"dtype": torch.float32, "attn_implementation": attn_implementation}
     try:
         if role == "critic":
-            model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, **kwargs)
+            model = from_pretrained(AutoModelForTokenClassification, path, num_labels=1, **kwargs)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            model = from_pretrained(AutoModelForCausalLM, path, **kwargs)
     except OSError as err:
         raise OSError(
             f"could not load a {role} model from {path!r}: {err}. Pass a local save_pretrained directory"

@@ -83,7 +83,7 @@ def build_char_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
 
 
 # Architectures a tiny model can be written in (transformers model_type names; all run on the native rollout).
-TINY_ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma3_text", "phi3")
+TINY_ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma2", "gemma3_text", "phi3")
 
 
 @dataclass
@@ -158,6 +158,12 @@ def make_config(spec: TinyModelSpec, tokenizer=None):
     if spec.arch == "phi3":
         return transformers.Phi3Config(**common, rope_parameters=rope, sliding_window=window,
                                        original_max_position_embeddings=spec.max_position_embeddings)
+    if spec.arch == "gemma2":
+        # alternating sliding/global layers; attention and logit soft-capping at Gemma 2's 50 and 30
+        return transformers.Gemma2Config(
+            **common, head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=window or 64,
+            hidden_activation="gelu_pytorch_tanh", rope_parameters=rope,
+        )
     if spec.arch == "gemma3_text":
         # Gemma 3's pattern: five sliding layers, then a global one; the last layer is global here so that a
         # two-layer model has one of each.

@@ -29,7 +29,7 @@ from hybridflow.single_controller.errors import WorkerGroupError
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.main import run_training
 
-ARCHS = ["qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma3_text", "phi3"]
+ARCHS = ["qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma2", "gemma3_text", "phi3"]
 WINDOW = 8  # shorter than prompt + response: the sliding layers really drop keys
 # decode mode -> engine kwargs. "onednn": eager steps with the oneDNN-packed matmuls (on by default only from
 # hidden size 256 up; forced here on the unit model)
@@ -40,7 +40,7 @@ def arch_config(arch: str, init: float = 0.3):
     """The unit-size config of `arch` with its distinctive features switched on; a wide weight init (`init` std) so
     that greedy outputs vary instead of repeating one token."""
     tokenizer = build_char_tokenizer()
-    window = WINDOW if arch in ("qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3_text") else None
+    window = WINDOW if arch in ("qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3_text") else None
     config = make_config(dataclasses.replace(SIZES["unit"], arch=arch, sliding_window=window,
                                              tie_word_embeddings=arch not in ("llama", "phi3")), tokenizer)
     config.initializer_range = init
@@ -53,6 +53,8 @@ def arch_config(arch: str, init: float = 0.3):
         config.rope_parameters = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 16}
+    if arch == "gemma2":  # small caps, so that the wide-init scores and logits really get capped
+        config.attn_logit_softcapping, config.final_logit_softcapping = 2.0, 3.0
     if arch == "gemma3_text":
         config.final_logit_softcapping = 3.0
         config.query_pre_attn_scalar = 24
@@ -77,7 +79,7 @@ def write_arch_model(path, arch: str, seed: int = 0, init: float = 0.3) -> str:
             if name.endswith("bias"):
                 p.normal_(0, 0.3)
             elif "norm" in name:
-                p.uniform_(-0.5, 0.5) if arch == "gemma3_text" else p.uniform_(0.5, 1.5)
+                p.uniform_(-0.5, 0.5) if arch.startswith("gemma") else p.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
@@ -118,6 +120,7 @@ def test_arch_features_are_really_on():
     assert [(layer.rope, layer.window) for layer in gemma.layers] == [("sliding_attention", WINDOW),
                                                                       ("full_attention", None)]
     assert gemma.final_softcap == 3.0 and gemma.embed_scale == 64**0.5 and gemma.attention_scale == 24**-0.5
+    assert gemma.attn_softcap is None and shapes["gemma2"].attn_softcap == 2.0
     assert "self_attn.qkv_proj" in shapes["phi3"].spec.projections
     assert [layer.moe for layer in shapes["qwen3_moe"].layers] == [False, True]
     assert set(supported_architectures()) == set(ARCHS) == set(TINY_ARCHITECTURES)
@@ -252,7 +255,7 @@ def test_moe_refuses_cuda_graphs_and_longrope_stays_in_its_short_range(tmp_path)
     assert out.batch["input_ids"].shape[1] <= 64
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma2", "gemma3_text", "phi3"])
 def test_grpo_trains_each_architecture_with_the_native_rollout(arithmetic_files, tmp_path, arch):
     """Two GRPO steps through the trainer (local backend): rollout, log-prob passes, update, weight sync. The
     second step's rollout runs on the synced weights, so its log-probs must equal the actor's old log-probs."""

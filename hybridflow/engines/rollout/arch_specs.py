@@ -60,6 +60,7 @@ class ArchSpec:
     activation_key: str = "hidden_act"
     query_scale_key: str | None = None  # Gemma: scores scaled by config.<key> ** -0.5 instead of head_dim ** -0.5
     final_softcap_key: str | None = None  # Gemma: logits = cap * tanh(logits / cap) with cap = config.<key>
+    attn_softcap_key: str | None = None  # Gemma 2: attention scores = cap * tanh(scores / cap), before the mask
     # Which layers slide: "layer_types" (config.layer_types names them), "all" (every layer when
     # config.sliding_window is set), "none".
     sliding: str = "none"
@@ -93,6 +94,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("llama", mlp_bias="mlp_bias"),
         # Mistral: no biases; every layer slides when config.sliding_window is set.
         ArchSpec("mistral", qkv_bias=False, o_bias=False, sliding="all"),
+        # Gemma 2: Gemma's (1 + w) norms, four norms per layer, scaled embeddings, GELU-tanh, query_pre_attn_scalar,
+        # soft-capped attention scores and logits, alternating sliding/global layers.
+        ArchSpec("gemma2", norm_offset=1.0, sandwich_norms=True, scale_embeddings=True,
+                 activation_key="hidden_activation", query_scale_key="query_pre_attn_scalar",
+                 final_softcap_key="final_logit_softcapping", attn_softcap_key="attn_logit_softcapping",
+                 sliding="layer_types"),
         # Gemma 3 (text): (1 + w) norms everywhere, q/k norm, four norms per layer, scaled embeddings, GELU-tanh,
         # query_pre_attn_scalar, final soft-capping, sliding/global layers with their own rope each. Its modeling file
         # never applies attn_logit_softcapping (the attention call gets no softcap), so neither does the decoder.
@@ -142,6 +149,7 @@ class DecoderShape:
     activation: str
     attention_scale: float
     final_softcap: float | None
+    attn_softcap: float | None
     embed_scale: float | None
     layers: tuple[LayerShape, ...] = field(default=())
     num_experts: int = 0
@@ -212,6 +220,7 @@ def resolve(config) -> DecoderShape:
         for i, t in enumerate(types)
     )
     softcap = getattr(config, spec.final_softcap_key, None) if spec.final_softcap_key else None
+    attn_softcap = getattr(config, spec.attn_softcap_key, None) if spec.attn_softcap_key else None
     return DecoderShape(
         arch=arch,
         spec=spec,
@@ -230,6 +239,7 @@ def resolve(config) -> DecoderShape:
         activation=activation,
         attention_scale=scale,
         final_softcap=float(softcap) if softcap else None,
+        attn_softcap=float(attn_softcap) if attn_softcap else None,
         embed_scale=float(config.hidden_size) ** 0.5 if spec.scale_embeddings else None,
         layers=layers,
         num_experts=int(getattr(config, "num_experts", 0) or 0) if sparse else 0,

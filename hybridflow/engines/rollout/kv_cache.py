@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KVCache", "RunningRows", "attention_bias", "decode_attention"]
+__all__ = ["KVCache", "RunningRows", "attention_bias", "decode_attention", "softcap_scores"]
 
 
 class KVCache:
@@ -99,21 +99,26 @@ def _by_row(x: torch.Tensor, rows: RunningRows, G: int) -> torch.Tensor:
     return grouped[rows.prompt_index, :, rows.sample_index]  # advanced indices around a slice: [rows, kv, G, F]
 
 
+def softcap_scores(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's attention soft-capping, cap * tanh(scores / cap); identity when cap is None."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
 def decode_attention(q: torch.Tensor, cache: KVCache, layer: int, rows: RunningRows, bias,
-                     length: int, scale: float) -> torch.Tensor:
+                     length: int, scale: float, softcap: float | None = None) -> torch.Tensor:
     """One decode step of attention over the row's prompt and its first `length` generated tokens.
 
-    q [rows, kv, G, D]; bias: the additive mask from ``attention_bias``. Returns [rows, kv, G, D].
+    q [rows, kv, G, D]; bias: the additive mask from ``attention_bias``; softcap: soft-cap the scaled scores before
+    the mask (Gemma 2). Returns [rows, kv, G, D].
     """
     r, kv, G, D = q.shape
     if not cache.shared:
         end = cache.offset + length
-        scores = torch.baddbmm(
-            bias,
-            q.reshape(r * kv, G, D),
-            cache.keys[layer][:r, :, :end].reshape(r * kv, end, D).transpose(1, 2),  # a view, no copy
-            alpha=scale,
-        )
+        keys = cache.keys[layer][:r, :, :end].reshape(r * kv, end, D).transpose(1, 2)  # a view, no copy
+        if softcap is None:
+            scores = torch.baddbmm(bias, q.reshape(r * kv, G, D), keys, alpha=scale)
+        else:
+            scores = softcap_scores(torch.bmm(q.reshape(r * kv, G, D), keys) * scale, softcap) + bias
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.bmm(probs, cache.values[layer][:r, :, :end].reshape(r * kv, end, D)).view(r, kv, G, D)
     P = cache.prompt_len
@@ -123,7 +128,9 @@ def decode_attention(q: torch.Tensor, cache: KVCache, layer: int, rows: RunningR
     prompt_values = cache.prompt_values[layer][:prompts]
     q = q * scale
     prompt_scores = _by_row(torch.matmul(_by_prompt(q, rows, prompts), prompt_keys.transpose(-1, -2)), rows, G)
+    prompt_scores = softcap_scores(prompt_scores, softcap)
     own_scores = torch.matmul(q, cache.keys[layer][:r, :, :length].transpose(-1, -2))  # every generated key is real
+    own_scores = softcap_scores(own_scores, softcap)
     if own_bias is not None:  # a sliding window that has moved past some generated keys
         own_scores = own_scores + own_bias
     scores = torch.cat((prompt_scores + bias, own_scores), dim=-1)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from hybridflow.engines.rollout.arch_specs import DecoderShape, resolve, supported_architectures
 from hybridflow.engines.rollout.int8_linear import check_int8_supported, int8_linear, pack_int8
-from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows, attention_bias, decode_attention
+from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows, attention_bias, decode_attention, softcap_scores
 from hybridflow.engines.rollout.moe import moe_mlp
 from hybridflow.engines.rollout.onednn_linear import MIN_PACKED_WIDTH, onednn_available, onednn_linear, pack_onednn
 from hybridflow.engines.rollout.rope import rotary_tables
@@ -333,10 +333,13 @@ class NativeDecoder:
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, P, D]
             cache.write_prompts(li, k, v)
-            attn = F.scaled_dot_product_attention(
-                q, k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1),
-                attn_mask=masks[s.layers[li].window], scale=s.attention_scale,
-            )
+            k, v, mask = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), masks[s.layers[li].window]
+            if s.attn_softcap is None:
+                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.attention_scale)
+            else:  # SDPA cannot soft-cap: transformers' eager attention, written out
+                scores = softcap_scores(torch.matmul(q, k.transpose(-1, -2)) * s.attention_scale, s.attn_softcap)
+                probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+                attn = torch.matmul(probs.to(q.dtype), v)
             return attn.transpose(1, 2).reshape(B, P, self.q_size)
 
         return self._logits(self._layers(input_ids, position_ids, attend)[:, -1])
@@ -355,7 +358,8 @@ class NativeDecoder:
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write_token(li, column, k, v)
             q = q.reshape(r, s.num_kv_heads, G, s.head_dim)
-            out = decode_attention(q, cache, li, rows, biases[s.layers[li].window], column + 1, s.attention_scale)
+            out = decode_attention(q, cache, li, rows, biases[s.layers[li].window], column + 1, s.attention_scale,
+                                   s.attn_softcap)
             return out.reshape(r, self.q_size)
 
         return self._logits(self._layers(tokens, positions, attend))
@@ -382,8 +386,13 @@ class NativeDecoder:
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             buf.keys[li].index_copy_(2, buf.column, k.unsqueeze(2))
             buf.values[li].index_copy_(2, buf.column, v.unsqueeze(2))
-            scores = torch.baddbmm(biases[s.layers[li].window], q.reshape(rows * kv, G, D),
-                                   buf.keys[li].view(rows * kv, length, D).transpose(1, 2), alpha=s.attention_scale)
+            keys = buf.keys[li].view(rows * kv, length, D).transpose(1, 2)
+            if s.attn_softcap is None:
+                scores = torch.baddbmm(biases[s.layers[li].window], q.reshape(rows * kv, G, D), keys,
+                                       alpha=s.attention_scale)
+            else:
+                scores = torch.bmm(q.reshape(rows * kv, G, D), keys) * s.attention_scale
+                scores = softcap_scores(scores, s.attn_softcap) + biases[s.layers[li].window]
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             return torch.bmm(probs, buf.values[li].view(rows * kv, length, D)).view(rows, self.q_size)
 
