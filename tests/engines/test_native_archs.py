@@ -40,7 +40,7 @@ def arch_config(arch: str, init: float = 0.3):
     """The unit-size config of `arch` with its distinctive features switched on; a wide weight init (`init` std) so
     that greedy outputs vary instead of repeating one token."""
     tokenizer = build_char_tokenizer()
-    window = WINDOW if arch in ("qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3_text") else None
+    window = WINDOW if arch != "llama" else None  # Llama has no sliding window
     config = make_config(dataclasses.replace(SIZES["unit"], arch=arch, sliding_window=window,
                                              tie_word_embeddings=arch not in ("llama", "phi3")), tokenizer)
     config.initializer_range = init

@@ -3,9 +3,11 @@
 The native decoder (native_model.py) is one forward pass: embed -> N x [norm, attention, residual, norm, gated MLP,
 residual] -> norm -> output head. An architecture is an ``ArchSpec``: which of that pass's options it takes (q/k norm,
 Gemma's (1 + weight) norms and its extra norms around the attention and MLP outputs, embedding scaling, the attention
-scale, logit soft-capping, the MLP activation, which layers use a sliding window) and how its HF parameter names map
-onto the decoder's fused tensors. ``resolve`` reads one checkpoint's config through its spec into the numbers the
-forward pass needs (``DecoderShape``).
+scale, attention-score and logit soft-capping, the MLP activation, dense or routed-expert MLP (moe.py), which layers
+use a sliding window) and how its HF parameter names map onto the decoder's fused tensors. The rotary embedding
+(default, scaled like Llama 3's ``rope_type=llama3``, per layer type, partial, longrope) is read from the config's
+``rope_parameters`` by rope.py for every architecture alike. ``resolve`` reads one checkpoint's config through its
+spec into the numbers the forward pass needs (``DecoderShape``).
 
 Adding an architecture = one ``ArchSpec`` in ``ARCHITECTURES`` (plus its test in tests/engines/test_native_archs.py).
 The values come from transformers' own modeling files (models/<arch>/modeling_<arch>.py); each spec says where it
