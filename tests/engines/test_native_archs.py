@@ -263,7 +263,7 @@ def test_grpo_trains_each_architecture_with_the_native_rollout(arithmetic_files,
     assert cli_main(["make-tiny-model", model, "--arch", arch, "--size", "unit"]) == 0
     run_dir = str(tmp_path / "run")
     cfg = load_config(tiny_run_overrides(arithmetic_files, model, run_dir, "trainer.backend=local",
-                                         "actor_rollout_ref.rollout.name=native"))
+                                         "actor_rollout_ref.rollout.name=native", "trainer.save_freq=2"))
     assert run_training(cfg, progress=False).global_step == 2
     with open(f"{run_dir}/metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
@@ -271,6 +271,17 @@ def test_grpo_trains_each_architecture_with_the_native_rollout(arithmetic_files,
     for row in rows:
         assert math.isfinite(row["actor/pg_loss"]), row
         assert row["rollout/mismatch_max_abs"] <= 1e-5, (arch, row["rollout/mismatch_max_abs"])
+    # `hybridflow export` of the run: a transformers folder of the trained weights, which both engines read alike
+    assert cli_main(["export", run_dir, str(tmp_path / "export")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    initial = AutoModelForCausalLM.from_pretrained(model)
+    assert exported.config.model_type == arch
+    assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), initial.parameters()))
+    prompts = make_prompts(build_char_tokenizer())
+    params = SamplingParams(greedy=True, max_new_tokens=8)
+    native = create_rollout_engine("native", str(tmp_path / "export"), num_threads=1).generate(prompts, params)
+    hf = create_rollout_engine("hf", str(tmp_path / "export"), num_threads=1).generate(prompts, params)
+    assert torch.equal(native.batch["responses"], hf.batch["responses"])
 
 
 def test_an_architecture_the_native_engine_does_not_know_trains_with_the_hf_rollout(arithmetic_files, tmp_path):
