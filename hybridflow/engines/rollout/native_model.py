@@ -178,17 +178,8 @@ class NativeDecoder:
             return self._unknown(name)
         layer, rest = self.layers[int(match.group(1))], match.group(2)
         module, _, kind = rest.rpartition(".")
-        q, kv, inter = self.q_size, self.kv_size, self.shape.intermediate_size
-        if "router" in layer:  # an MoE layer
-            expert = _EXPERT_NAME.fullmatch(rest)
-            if expert is not None and int(expert.group(1)) < self.shape.num_experts:
-                fused, part = _EXPERT_PART[expert.group(2)]
-                target, inter = layer[fused][int(expert.group(1))], self.shape.moe_intermediate_size
-                return target if part is None else target[:inter] if part == "gate" else target[inter:]
-            moe_names = {"mlp.gate.weight": "router", "mlp.experts.gate_up_proj": "experts_gate_up",
-                         "mlp.experts.down_proj": "experts_down"}
-            if rest in moe_names:
-                return layer[moe_names[rest]]
+        if "router" in layer and (expert := self._expert_slot(layer, rest)) is not None:
+            return expert
         if module in self.spec.layer_norms and kind == "weight":
             return layer[module.removeprefix("self_attn.")]
         if module not in self.spec.projections or kind not in ("weight", "bias"):
@@ -199,8 +190,22 @@ class NativeDecoder:
         target = layer[f"{kind[0]}_{fused}"]
         if target is None:
             raise ValueError(f"native rollout: got {name!r} but this {self.shape.arch} config has no such bias")
+        q, kv, inter = self.q_size, self.kv_size, self.shape.intermediate_size
         bounds = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}
         return target if part is None else target[slice(*bounds[part])]
+
+    def _expert_slot(self, layer: dict, rest: str) -> torch.Tensor | None:
+        """An MoE layer's router / expert tensor for layer-relative name `rest`, per-expert or fused; None if not one."""
+        fused = {"mlp.gate.weight": "router", "mlp.experts.gate_up_proj": "experts_gate_up",
+                 "mlp.experts.down_proj": "experts_down"}
+        if rest in fused:
+            return layer[fused[rest]]
+        expert = _EXPERT_NAME.fullmatch(rest)
+        if expert is None or int(expert.group(1)) >= self.shape.num_experts:
+            return None
+        target_name, part = _EXPERT_PART[expert.group(2)]
+        target, inter = layer[target_name][int(expert.group(1))], self.shape.moe_intermediate_size
+        return target if part is None else target[:inter] if part == "gate" else target[inter:]
 
     def _unknown(self, name: str):
         examples = [f"model.layers.0.{m}.weight" for m in list(self.spec.projections)[:2]]
