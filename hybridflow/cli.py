@@ -17,18 +17,29 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from hybridflow.trainer.config import ConfigError, load_config, to_dict
-
-    if args.print_config:
-        import yaml
-
-        print(yaml.safe_dump(to_dict(load_config(args.overrides, preset=args.config, validate=False)), sort_keys=False))
-        return 0
-    from hybridflow.trainer.main import train_main
+    from hybridflow.trainer.config import load_config, to_dict
+    from hybridflow.trainer.main import train_main, train_preset, user_errors
 
     try:
+        if args.print_config:
+            import yaml
+
+            cfg = load_config(args.overrides, preset=train_preset(args.overrides, args.config), validate=False)
+            print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            return 0
+        if args.dry_run:
+            import yaml
+
+            from hybridflow.trainer.dry_run import dry_run
+
+            report = dry_run(load_config(args.overrides, preset=train_preset(args.overrides, args.config)))
+            print(yaml.safe_dump(report["config"], sort_keys=False))
+            print("# plan")
+            print(yaml.safe_dump(report["plan"], sort_keys=False))
+            print("hybridflow train --dry-run: the configuration is valid; nothing was started")
+            return 0
         train_main(args.overrides, preset=args.config)
-    except ConfigError as e:
+    except user_errors() as e:
         print(f"hybridflow train: {e}", file=sys.stderr)
         return 2
     return 0
@@ -87,7 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("overrides", nargs="*", help="key=value overrides")
     train.add_argument("--config", help="a YAML file merged under the overrides")
-    train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    train.add_argument("--print-config", action="store_true", help="print every key with its value and exit")
+    train.add_argument(
+        "--dry-run", action="store_true",
+        help="validate everything a run checks before its first step (keys, types, batch arithmetic, data files, "
+        "model config, reward function) without starting Ray; exit 2 on an error",
+    )
     train.set_defaults(func=_cmd_train)
 
     sft = sub.add_parser("sft", help="supervised fine-tuning on prompt/response data with the same training engine")

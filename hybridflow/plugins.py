@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["PluginError", "Registry", "import_object", "is_import_path"]
+__all__ = ["PluginError", "Registry", "import_file", "import_object", "is_import_path"]
 
 
 class PluginError(ValueError):
@@ -47,7 +47,7 @@ def import_object(path: str, *, what: str = "plugin", advice: str | None = None)
     if not sep or not module_name or not attr:
         raise PluginError(f"{what} {path!r} is not an import path of the form 'package.module:attr'")
     if module_name.endswith(".py") or os.sep in module_name:
-        module = _import_file(os.path.expanduser(module_name), what)
+        module = import_file(os.path.expanduser(module_name), what=what)
     else:
         try:
             module = importlib.import_module(module_name)
@@ -66,7 +66,9 @@ def import_object(path: str, *, what: str = "plugin", advice: str | None = None)
     return obj
 
 
-def _import_file(path: str, what: str):
+def import_file(path: str, *, what: str = "plugin"):
+    """The module of the Python file at `path`, imported once per process under a name unique to the file (two
+    users' files both called reward.py do not clash). PluginError naming the file if it is missing or fails."""
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise PluginError(f"{what}: file {path} does not exist")
@@ -75,14 +77,14 @@ def _import_file(path: str, what: str):
         return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise PluginError(f"{what}: {path} cannot be imported as a Python module")
+        raise PluginError(f"{what}: {path} cannot be imported as a Python module; use a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception:
+    except Exception as e:
         del sys.modules[module_name]
-        raise
+        raise PluginError(f"{what}: {path} failed to import: {type(e).__name__}: {e}") from e
     return module
 
 

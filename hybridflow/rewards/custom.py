@@ -7,12 +7,11 @@ object that worker processes re-load from the same file, so scoring can run in o
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import os
-import sys
 from typing import Any
 
+from hybridflow.plugins import PluginError, import_file
 from hybridflow.rewards.registry import RewardConfigError
 
 __all__ = ["CustomRewardFunction", "load_custom_reward_fn"]
@@ -21,21 +20,10 @@ _REQUIRED_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
 
 
 def _load_module(path: str) -> Any:
-    # A unique name per file, so two custom files both named reward.py do not clash in sys.modules.
-    name = f"hybridflow_custom_reward_{abs(hash(os.path.realpath(path))):x}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise RewardConfigError(f"custom reward file {path!r} cannot be imported as a Python module; use a .py file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[name]
-        raise RewardConfigError(f"custom reward file {path!r} failed to import: {type(e).__name__}: {e}") from e
-    return module
+        return import_file(path, what="custom reward file")
+    except PluginError as e:
+        raise RewardConfigError(str(e)) from e
 
 
 def _check_signature(fn: Any, where: str) -> None:

@@ -14,6 +14,8 @@ can hold fails at once, with the numbers, instead of waiting forever; scheduling
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,9 @@ class RankSlot:
     node_ip: str
 
 
+_POOL_IDS = itertools.count()
+
+
 class ResourcePool:
     def __init__(
         self,
@@ -38,7 +43,7 @@ class ResourcePool:
         num_cpus_per_process: float = 1,
         num_gpus_per_process: float = 1,
         max_colocate_count: int = 1,
-        name: str = "pool",
+        name: str | None = None,
         pg_timeout_s: float = 120.0,
     ) -> None:
         if not process_on_nodes or any(not isinstance(n, int) or n < 1 for n in process_on_nodes):
@@ -54,7 +59,9 @@ class ResourcePool:
         self.num_cpus_per_process = num_cpus_per_process
         self.num_gpus_per_process = num_gpus_per_process if use_gpu else 0
         self.max_colocate_count = max_colocate_count
-        self.name = name
+        # Placement groups are named after the pool and Ray refuses duplicate names: pools without a name get a
+        # unique one, so two of them can live side by side.
+        self.name = name if name is not None else f"pool-{next(_POOL_IDS)}-{os.getpid()}"
         self.pg_timeout_s = pg_timeout_s
         self._slots: list[RankSlot] | None = None
         self._users: set[int] = set()

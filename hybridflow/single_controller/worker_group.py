@@ -218,7 +218,13 @@ class WorkerGroup:
         num_threads: int | None = None,
         env_vars: dict[str, str] | None = None,
         startup_timeout_s: float = 300.0,
+        *,
+        ray_cls_with_init: ClassWithInitArgs | None = None,
     ) -> None:
+        if ray_cls_with_init is not None:  # veRL's keyword for the same thing
+            if cls_with_init is not None:
+                raise ValueError("pass cls_with_init= or ray_cls_with_init= (veRL's name for it), not both")
+            cls_with_init = ray_cls_with_init
         if cls_with_init is None:
             raise ValueError("WorkerGroup needs cls_with_init=ClassWithInitArgs(MyWorker, *args, **kwargs)")
         ranks = _Ranks(resource_pool, backend, name_prefix, num_threads, env_vars, startup_timeout_s)

@@ -445,6 +445,11 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         errors.append("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit)")
     if cfg.reward_model.reward_manager not in ("naive", "batch"):
         errors.append(f"reward_model.reward_manager={cfg.reward_model.reward_manager!r}: hybridflow has one, 'naive'")
+    if cfg.reward_model.model.enable_gradient_checkpointing:
+        errors.append(
+            "reward_model.model.enable_gradient_checkpointing=true: the reward model is never trained here (it only "
+            "scores), so there is no backward pass to checkpoint; remove the key"
+        )
     if actor.recompute_old_log_prob not in ("auto", "always"):
         errors.append("actor_rollout_ref.actor.recompute_old_log_prob: choose auto or always")
     if t.fault_injection:

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.trainer.config import HybridFlowConfig, check_resources, load_config, to_dict
+from hybridflow.trainer.config import ConfigError, HybridFlowConfig, check_resources, load_config, to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +19,7 @@ class TrainResult:
     last_metrics: dict[str, float]
     initial_val: dict[str, float]
     restarts: int
+    max_restarts: int = 0
 
 
 def resolve_defaults(cfg: HybridFlowConfig) -> HybridFlowConfig:
@@ -53,6 +54,9 @@ def _init_ray(cfg: HybridFlowConfig, roles_per_rank: int) -> None:
     import ray
 
     if ray.is_initialized():
+        if cfg.trainer.ray_address:
+            logger.warning("trainer.ray_address=%s is ignored: Ray is already initialized in this process, and the "
+                           "run uses that cluster", cfg.trainer.ray_address)
         return
     if cfg.trainer.ray_address:
         ray.init(address=cfg.trainer.ray_address, include_dashboard=False)
@@ -70,24 +74,23 @@ def _init_ray(cfg: HybridFlowConfig, roles_per_rank: int) -> None:
     )
 
 
-def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult:
-    """Everything `hybridflow train` does after parsing the command line."""
-    from transformers import AutoTokenizer
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean "the input is wrong" (config, data, checkpoint, reward file, plugin): the CLI prints their
+    message and exits with 2 instead of a traceback."""
+    from hybridflow.data.schema import DataConfigError
+    from hybridflow.plugins import PluginError
+    from hybridflow.rewards.registry import RewardConfigError
+    from hybridflow.trainer.checkpoint import CheckpointError
+    from hybridflow.trainer.tracking import TrackingConfigError
 
+    return ConfigError, DataConfigError, CheckpointError, RewardConfigError, TrackingConfigError, PluginError
+
+
+def build_datasets(cfg: HybridFlowConfig, tokenizer):
+    """(train loader, validation loader or None) from the data section; DataConfigError names file/row/column."""
     from hybridflow.data import RLDataLoader, RLDataset
-    from hybridflow.rewards import RewardManager, load_custom_reward_fn
-    from hybridflow.single_controller import WorkerGroupError
-    from hybridflow.trainer.metrics import measure_peak_flops
-    from hybridflow.trainer.placement import build_worker_groups
-    from hybridflow.trainer.progress import ProgressBar
-    from hybridflow.trainer.rl_trainer import RLTrainer
-    from hybridflow.trainer.samples import RolloutSampleWriter
-    from hybridflow.trainer.tracking import Tracking
-    from hybridflow.trainer.validation import Validator
 
-    cfg = resolve_defaults(cfg)
-    d, t = cfg.data, cfg.trainer
-    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
+    d = cfg.data
     ds_kwargs = dict(
         prompt_key=d.prompt_key,
         max_prompt_length=d.max_prompt_length,
@@ -103,19 +106,48 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
         if d.val_max_samples > 0:
             val_ds = val_ds.head(d.val_max_samples)
         val_loader = RLDataLoader(val_ds, d.val_batch_size or len(val_ds), shuffle=False, drop_last=False)
-    steps_per_epoch = len(train_loader)
-    total_steps = t.total_training_steps or steps_per_epoch * t.total_epochs
-    cfg.actor_rollout_ref.actor.optim.total_training_steps = total_steps
-    cfg.critic.optim.total_training_steps = total_steps
+    return train_loader, val_loader
+
+
+def build_reward_fn(cfg: HybridFlowConfig, tokenizer):
+    from hybridflow.rewards import RewardManager, load_custom_reward_fn
 
     custom = None
     if cfg.custom_reward_function.path:
         custom = load_custom_reward_fn(f"{cfg.custom_reward_function.path}:{cfg.custom_reward_function.name}")
     rm = cfg.reward_model
-    reward_fn = RewardManager(
+    return RewardManager(
         tokenizer, custom, num_workers=rm.num_workers, timeout_s=rm.timeout_s, failure_score=rm.failure_score,
-        max_failure_fraction=rm.max_failure_fraction, reward_fn_key=d.reward_fn_key, rm_score_weight=rm.weight,
+        max_failure_fraction=rm.max_failure_fraction, reward_fn_key=cfg.data.reward_fn_key, rm_score_weight=rm.weight,
     )
+
+
+def total_steps_of(cfg: HybridFlowConfig, train_loader) -> int:
+    t = cfg.trainer
+    return t.total_training_steps or len(train_loader) * t.total_epochs
+
+
+def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult:
+    """Everything `hybridflow train` does after parsing the command line."""
+    from transformers import AutoTokenizer
+
+    from hybridflow.single_controller import WorkerGroupError
+    from hybridflow.trainer.metrics import measure_peak_flops
+    from hybridflow.trainer.placement import build_worker_groups
+    from hybridflow.trainer.progress import ProgressBar
+    from hybridflow.trainer.rl_trainer import RLTrainer
+    from hybridflow.trainer.samples import RolloutSampleWriter
+    from hybridflow.trainer.tracking import Tracking
+    from hybridflow.trainer.validation import Validator
+
+    cfg = resolve_defaults(cfg)
+    t, rm = cfg.trainer, cfg.reward_model
+    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
+    train_loader, val_loader = build_datasets(cfg, tokenizer)
+    total_steps = total_steps_of(cfg, train_loader)
+    cfg.actor_rollout_ref.actor.optim.total_training_steps = total_steps
+    cfg.critic.optim.total_training_steps = total_steps
+    reward_fn = build_reward_fn(cfg, tokenizer)
     need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
     roles = 1 + int(bool(cfg.critic.enable)) + int(rm.enable)
     if t.backend == "ray":
@@ -130,11 +162,15 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     run_dir = t.default_local_dir
     os.makedirs(run_dir, exist_ok=True)
     tracker = Tracking(run_dir, list(t.logger), project=t.project_name, experiment=t.experiment_name, config=to_dict(cfg))
-    restarts, initial_val = 0, {}
-    # The driver's matmul peak with all of this node's cores stands for one node; MFU divides by it per node.
+    restarts, initial_val, max_restarts = 0, {}, t.max_restarts
+    # One rank's matmul peak: measured at a rank's thread count; MFU divides the step's FLOPs by ranks * this.
     peak_flops = None
     if t.device != "cuda":
-        peak_flops = measure_peak_flops(dtype=_dtype(cfg.actor_rollout_ref.actor.fsdp_config.param_dtype)) * t.nnodes
+        from hybridflow.trainer.placement import threads_per_rank
+
+        peak_flops = measure_peak_flops(
+            dtype=_dtype(cfg.actor_rollout_ref.actor.fsdp_config.param_dtype), num_threads=threads_per_rank(cfg)
+        )
     try:
         while True:
             groups = build_worker_groups(cfg, need_ref=need_ref, need_critic=bool(cfg.critic.enable), need_rm=rm.enable)
@@ -161,14 +197,14 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
                     cfg.trainer.val_before_train = False  # logged once; fit() must not repeat it
                 last = trainer.fit(total_steps) if not t.val_only else initial_val
                 bar.close()
-                return TrainResult(run_dir, trainer.global_step, last, initial_val, restarts)
+                return TrainResult(run_dir, trainer.global_step, last, initial_val, restarts, max_restarts)
             except WorkerGroupError as err:
                 # A rank that *raised* hit a deterministic error (bad checkpoint, bad data): a restart would repeat it.
-                if restarts >= t.max_restarts or err.kind == "raised":
+                if restarts >= max_restarts or err.kind == "raised":
                     raise
                 restarts += 1
                 logger.error("a worker failed (%s); restart %d/%d from the latest checkpoint", err, restarts,
-                             t.max_restarts)
+                             max_restarts)
             finally:
                 groups.shutdown()
     finally:
@@ -208,13 +244,16 @@ def count_parameters(model_path: str) -> int:
 BUILTIN_PRESET = os.path.join(os.path.dirname(os.path.dirname(__file__)), "config", "arithmetic_grpo.yaml")
 
 
-def train_main(overrides: list[str], preset: str | None = None) -> TrainResult:
-    """`hybridflow train`: with no data and no model given, the built-in task's preset sits under the overrides."""
+def train_preset(overrides: list[str], preset: str | None) -> str | None:
+    """With no data and no model given, the built-in task's preset sits under the overrides."""
     names_data = any(o.split("=", 1)[0].lstrip("+") in ("data.train_files", "actor_rollout_ref.model.path")
                      for o in overrides)
-    if preset is None and not names_data:
-        preset = BUILTIN_PRESET
-    cfg = load_config(overrides, preset=preset)
+    return BUILTIN_PRESET if preset is None and not names_data else preset
+
+
+def train_main(overrides: list[str], preset: str | None = None) -> TrainResult:
+    """`hybridflow train`."""
+    cfg = load_config(overrides, preset=train_preset(overrides, preset))
     result = run_training(cfg)
     _print_summary(result)
     return result
@@ -226,6 +265,7 @@ def _print_summary(result: TrainResult) -> None:
 
     before, after = acc(result.initial_val), acc(result.last_metrics)
     print(f"\nrun directory: {result.run_dir} (metrics.jsonl, samples.jsonl, checkpoints)")
+    print(f"worker restarts: {result.restarts} (trainer.max_restarts={result.max_restarts})")
     for key in sorted(set(before) | set(after)):
         b, a = before.get(key), after.get(key)
         fmt = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731

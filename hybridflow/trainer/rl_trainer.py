@@ -46,6 +46,18 @@ from hybridflow.trainer.validation import Validator
 logger = logging.getLogger(__name__)
 
 
+def is_on_policy(cfg: Any) -> bool:
+    """The update is exactly on-policy when one optimizer step consumes the whole batch once: the log-probs of the
+    first forward in update_actor *are* the old log-probs, so the extra old-log-prob pass is skipped."""
+    actor = cfg.actor_rollout_ref.actor
+    return (
+        actor.recompute_old_log_prob == "auto"
+        and actor.ppo_epochs == 1
+        and actor.ppo_mini_batch_size == cfg.data.train_batch_size
+        and not cfg.algorithm.use_kl_in_reward
+    )
+
+
 class NonFiniteUpdateError(RuntimeError):
     """Too many consecutive updates had a non-finite loss or gradient."""
 
@@ -71,15 +83,7 @@ class RLTrainer:
         self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_ckpt_to_keep)
         self.global_step = 0
         self.nonfinite_in_a_row = 0
-        actor = cfg.actor_rollout_ref.actor
-        # The update is exactly on-policy when one optimizer step consumes the whole batch once: the log-probs of
-        # the first forward in update_actor *are* the old log-probs, so the extra pass is skipped.
-        self.on_policy = (
-            actor.recompute_old_log_prob == "auto"
-            and actor.ppo_epochs == 1
-            and actor.ppo_mini_batch_size == cfg.data.train_batch_size
-            and not alg.use_kl_in_reward
-        )
+        self.on_policy = is_on_policy(cfg)
 
     # ------------------------------------------------------------------------------------------- one step
     def train_step(self, prompts: DataProto) -> tuple[dict[str, float], DataProto]:
@@ -119,9 +123,20 @@ class RLTrainer:
         metrics.update(compute_data_metrics(batch, use_critic=g.critic is not None))
         metrics.update(compute_timing_metrics(timing, num_tokens))
         flops = None
-        if self.num_params:  # forward+backward of the update plus the forward passes this step actually ran
-            passes = 1 + int(not self.on_policy) + int(self.need_ref)
-            flops = dense_transformer_flops(self.num_params, num_tokens, training=True) * (3 + passes) / 3
+        if self.num_params:
+            # The step's model FLOPs (docs/architecture.md, Observability): forward+backward of each update (actor,
+            # critic) on every token, each forward-only pass this step ran, and generation (each prompt prefilled
+            # once for its n samples, one forward per generated token).
+            passes = int(not self.on_policy) + int(self.need_ref) + int(g.critic is not None)
+            updates = 1 + int(g.critic is not None)
+            n = cfg.actor_rollout_ref.rollout.n
+            generated = float(batch.batch["response_mask"].sum())
+            prompt_tokens = float(batch.batch["attention_mask"].sum()) - generated
+            flops = (
+                dense_transformer_flops(self.num_params, num_tokens * updates, training=True)
+                + dense_transformer_flops(self.num_params, num_tokens * passes, training=False)
+                + dense_transformer_flops(self.num_params, int(generated + prompt_tokens / n), training=False)
+            )
         metrics.update(
             compute_throughput_metrics(timing, num_tokens, g.actor_rollout.world_size, flops, self.peak_flops)
         )

@@ -7,38 +7,11 @@ import math
 
 import pytest
 import torch
+from e2e_helpers import make_batch
 
 from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.engines.optim import lr_multiplier
 from hybridflow.protocol import DataProto
-
-
-def make_batch(rows: int, prompt_len: int, response_len: int, seed: int, vocab: int = 250) -> DataProto:
-    """Rollout-layout rows: left-padded prompts (2..P tokens), right-padded responses whose lengths vary 4x."""
-    g = torch.Generator().manual_seed(seed)
-    seq = prompt_len + response_len
-    input_ids = torch.randint(4, vocab, (rows, seq), generator=g)
-    attention_mask = torch.zeros(rows, seq, dtype=torch.long)
-    prompt_lens = torch.randint(2, prompt_len + 1, (rows,), generator=g)
-    resp_lens = torch.randint(max(1, response_len // 4), response_len + 1, (rows,), generator=g)
-    resp_lens[0] = response_len  # R is the longest response, as the rollout makes it
-    for i in range(rows):
-        attention_mask[i, prompt_len - prompt_lens[i] : prompt_len + resp_lens[i]] = 1
-    input_ids = input_ids.masked_fill(attention_mask == 0, 0)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    response_mask = attention_mask[:, prompt_len:]
-    return DataProto.from_dict(
-        {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "responses": input_ids[:, prompt_len:],
-            "response_mask": response_mask,
-            "advantages": torch.randn(rows, response_len, generator=g) * response_mask,
-            "returns": torch.randn(rows, response_len, generator=g) * response_mask,
-        },
-        meta_info={"temperature": 0.7, "calculate_entropy": True},
-    )
 
 
 def pg_loss(micro: DataProto, outputs: dict[str, torch.Tensor]):

@@ -254,6 +254,22 @@ def test_groups_share_a_pool_up_to_max_colocate_count(ray_session):
     assert pool._slots is None  # ... and goes with the last one
 
 
+def test_two_unnamed_pools_live_side_by_side_and_verl_keyword_works(ray_session):
+    ship_by_value()
+    a, b = ResourcePool([1], num_cpus_per_process=0.5), ResourcePool([1], num_cpus_per_process=0.5)
+    assert a.name != b.name
+    first = WorkerGroup(a, ray_cls_with_init=ClassWithInitArgs(EchoWorker), name_prefix="unnamed_a")
+    second = WorkerGroup(b, ClassWithInitArgs(EchoWorker), name_prefix="unnamed_b")
+    try:
+        assert first.whoami()[0]["pid"] != second.whoami()[0]["pid"]
+    finally:
+        first.shutdown()
+        second.shutdown()
+    with pytest.raises(ValueError, match="not both"):
+        WorkerGroup(None, ClassWithInitArgs(EchoWorker), ray_cls_with_init=ClassWithInitArgs(EchoWorker),
+                    backend="local")
+
+
 # ---------------------------------------------------------------------------------------------- local backend
 def test_local_backend_runs_the_same_worker_class_in_the_driver():
     wg = WorkerGroup(None, ClassWithInitArgs(EchoWorker, offset=0.5), name_prefix="local_echo", backend="local")
