@@ -24,6 +24,7 @@ from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.engines.mismatch import logprob_mismatch
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.engines.rollout.arch_specs import resolve, supported_architectures
+from hybridflow.engines.rollout.native_model import NativeDecoder
 from hybridflow.engines.tiny import SIZES, TINY_ARCHITECTURES, build_char_tokenizer, make_config
 from hybridflow.single_controller.errors import WorkerGroupError
 from hybridflow.trainer.config import load_config
@@ -44,8 +45,10 @@ def arch_config(arch: str, init: float = 0.3):
     config = make_config(dataclasses.replace(SIZES["unit"], arch=arch, sliding_window=window,
                                              tie_word_embeddings=arch not in ("llama", "phi3")), tokenizer)
     config.initializer_range = init
-    if arch == "qwen3":
+    if arch == "qwen3":  # long-context Qwen3 checkpoints ship YaRN scaling
         config.attention_bias = True
+        config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 32}
     if arch == "qwen3_moe":
         config.mlp_only_layers = [0]  # a dense layer, then a routed one
     if arch == "llama":
@@ -240,6 +243,13 @@ def test_unknown_architecture_names_the_supported_ones_and_the_hf_fallback(tmp_p
     out = create_rollout_engine("hf", str(tmp_path)).generate(make_prompts(tokenizer),
                                                               SamplingParams(greedy=True, max_new_tokens=3))
     assert out.batch["responses"].shape[0] == 6
+
+
+def test_dynamic_rope_is_refused_with_the_fallback_named():
+    config, _ = arch_config("llama")
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ValueError, match=r"dynamic.*rollout\.name=hf"):
+        NativeDecoder(config, torch.float32, torch.device("cpu"), 64)
 
 
 def test_moe_refuses_cuda_graphs_and_longrope_stays_in_its_short_range(tmp_path):
