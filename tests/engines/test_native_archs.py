@@ -169,14 +169,20 @@ def test_native_log_probs_match_the_training_engine_before_and_after_an_update(a
     assert torch.equal(static.generate(prompts, params).batch["responses"], after.batch["responses"])
 
 
+@pytest.fixture(scope="module")
+def mild_models(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """Per architecture, a model at a milder init and a different model of the same config."""
+    root = tmp_path_factory.mktemp("mild")
+    return {arch: (write_arch_model(root / arch, arch, seed=0, init=0.1),
+                   write_arch_model(root / f"{arch}-other", arch, seed=5, init=0.1)) for arch in ARCHS}
+
+
 @pytest.mark.parametrize("dtype", ["int8", "bf16"])
-def test_low_precision_rollout_drifts_little(tmp_path, dtype):
+def test_low_precision_rollout_drifts_little(mild_models, dtype):
     """int8 (per-channel int8 weights, 7-bit dynamic activations) and bf16 are not exact, and on the wide-init test
     models their error is of order 1; at a milder init they drift by a few 1e-2. A weight in the wrong place, or a
     low-precision branch of the arithmetic gone wrong, would drift like a different model, which here is off by ~1."""
-    for arch in ARCHS:
-        path = write_arch_model(tmp_path / arch, arch, seed=0, init=0.1)
-        other = write_arch_model(tmp_path / f"{arch}-other", arch, seed=5, init=0.1)
+    for arch, (path, other) in mild_models.items():
         engine = create_rollout_engine("native", path, num_threads=1, dtype=dtype)
         out = engine.generate(make_prompts(engine.tokenizer), SamplingParams(n=2, max_new_tokens=12, seed=2))
         drift = {name: logprob_mismatch(out.batch["rollout_log_probs"],
