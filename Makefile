@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU wheel first: a plain `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,tracking,plot,math]'
+	$(BIN)/pip install -q -e '.[test,tracking,plot,math,agents]'
 	touch $(STAMP)
 
 setup: $(STAMP)

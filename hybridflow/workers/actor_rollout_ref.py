@@ -138,6 +138,8 @@ class ActorRolloutRefWorker(Worker):
         # One response width per call, whatever this rank's longest response: the driver gathers every rank's rows
         # into one batch, which needs one width.
         out = pad_responses(out, params.max_new_tokens, getattr(self.rollout, "pad_token_id", 0))
+        if not self.config.actor_rollout_ref.rollout.calculate_log_probs:
+            out.batch.pop("rollout_log_probs", None)
         self.rollout.release_memory()
         out.meta_info = {"generate_time_s": time.perf_counter() - start, "temperature": params.temperature}
         return out
