@@ -11,8 +11,8 @@ from hybridflow import __version__
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from hybridflow.engines.tiny import write_tiny_model
 
-    path = write_tiny_model(args.path, spec=args.size, seed=args.seed)
-    print(f"wrote a random-init {args.size} model and character tokenizer to {path}")
+    path = write_tiny_model(args.path, spec=args.size, seed=args.seed, arch=args.arch)
+    print(f"wrote a random-init {args.size} {args.arch or 'qwen2'} model and character tokenizer to {path}")
     return 0
 
 
@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("path")
     tiny.add_argument("--size", default="tiny", help="unit | tiny | small | mid")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--arch", default=None, help="qwen2 (default) | qwen3 | qwen3_moe | llama | mistral | gemma2 | gemma3_text | phi3")
     tiny.set_defaults(func=_cmd_make_tiny_model)
     return parser
 
