@@ -15,7 +15,14 @@ from hybridflow.engines.gguf_import import GGUFImportError, gguf_architecture, i
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.protocol import DataProto
 
-PROMPTS = ["What is 7 plus 5?", "Name a colour of the sky.", "Spell the word cat backwards."]
+PROMPTS = [
+    "What is 7 plus 5?", "Name a colour of the sky.", "Spell the word cat backwards.", "How many legs has a spider?",
+    "Write one word that rhymes with moon.", "What is the capital of Italy?", "Count from one to five.",
+    "Is ice colder than steam?", "Give me a synonym for happy.", "What comes after Monday?",
+    "Translate 'thank you' into French.", "What is 12 minus 4?", "Name a fruit that is yellow.",
+    "How many days are in a week?", "What do bees make?", "Reverse the letters of 'dog'.",
+    "Which is bigger, 9 or 11?", "What is water made of?", "Say hello in Spanish.", "What is 3 times 3?",
+]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +87,8 @@ def test_one_grpo_step_with_the_real_model(smollm2, arithmetic_files, tmp_path):
     result = run_training(cfg, progress=False)
     assert result.global_step == 1
     row = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][-1]
-    assert math.isfinite(row["actor/pg_loss"]) and row["rollout/mismatch_max_abs"] < 1e-3
+    print("rollout/mismatch_max_abs", row["rollout/mismatch_max_abs"], "mean", row["rollout/mismatch_mean_abs"])
+    assert math.isfinite(row["actor/pg_loss"]) and row["rollout/mismatch_max_abs"] < 1e-4
 
 
 def test_bad_gguf_files_are_named(tmp_path):
