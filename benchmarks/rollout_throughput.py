@@ -1,4 +1,5 @@
-"""New tokens per second of the rollout engines on the ~21M-parameter "mid" model; prints one JSON document.
+"""New tokens per second of the rollout engines on the ~21M-parameter "mid" model (any --arch of make-tiny-model);
+prints one JSON document.
 
     .venv/bin/python benchmarks/rollout_throughput.py                 # batch 1/16/64/256, fp32 and bf16, hf + native
     .venv/bin/python benchmarks/rollout_throughput.py --quick         # batch 16/64 only, one repeat
@@ -7,6 +8,7 @@
     .venv/bin/python benchmarks/rollout_throughput.py --n 8 --prompt-len 240,256 --batch-sizes 64   # GRPO-like
     python benchmarks/rollout_throughput.py --backends hf,native,native:eager   # GPU: CUDA graphs vs eager decode
     .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,native:prepack=false   # CPU: oneDNN packing
+    .venv/bin/python benchmarks/rollout_throughput.py --arch gemma3_text --dtypes fp32 --batch-sizes 64   # one arch
 
 Sampling at temperature 1 with the model's eos active: tokens/s counts the tokens actually generated (response_mask),
 and each configuration reports the best of --repeats runs after one warm-up call.
@@ -30,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridflow import device
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.engines.rollout.onednn_linear import onednn_available, onednn_linear, pack_onednn
-from hybridflow.engines.tiny import SIZES, write_tiny_model
+from hybridflow.engines.tiny import SIZES, TINY_ARCHITECTURES, write_tiny_model
 from hybridflow.protocol import DataProto
 
 
@@ -135,6 +137,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", default="16,32", help="min,max prompt length in tokens")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt: each batch is batch/n prompts x n samples")
     parser.add_argument("--size", default="mid", choices=sorted(SIZES))
+    parser.add_argument("--arch", default="qwen2", choices=TINY_ARCHITECTURES, help="architecture of the model")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="batch 16 and 64, one repeat")
@@ -149,7 +152,7 @@ def main() -> None:
 
     results, errors = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_tiny_model(os.path.join(tmp, args.size), args.size, seed=0)
+        path = write_tiny_model(os.path.join(tmp, args.size), args.size, seed=0, arch=args.arch)
         for backend in backends:
             for dtype in dtypes:
                 name, *options = backend.split(":")
@@ -171,7 +174,8 @@ def main() -> None:
                     print(json.dumps(row), file=sys.stderr)
                 del engine
 
-    floors = [
+    # the floor is a dense model's matmuls; a routed-expert model's depend on the routing, so it gets none
+    floors = [] if args.arch.endswith("_moe") else [
         {"dtype": dtype, "batch": batch, "matmul_floor_new_tokens_per_s": matmul_floor(args.size, dtype, batch)}
         for dtype in dtypes
         for batch in batch_sizes
@@ -206,6 +210,7 @@ def main() -> None:
         "git_commit": git_commit(),
         "config": {
             "size": args.size,
+            "arch": args.arch,
             "backends": backends,
             "dtypes": dtypes,
             "batch_sizes": batch_sizes,

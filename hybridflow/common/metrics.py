@@ -1,9 +1,12 @@
-"""Reducing metric dicts (per micro-batch, per rank) to one dict of floats."""
+"""Reducing metric dicts (per micro-batch, per rank) to one dict of floats; a device's measured matmul peak."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+import torch
 
 
 def reduce_metrics(metrics: Iterable[Mapping[str, Any]]) -> dict[str, float]:
@@ -16,3 +19,42 @@ def reduce_metrics(metrics: Iterable[Mapping[str, Any]]) -> dict[str, float]:
         for k, v in m.items():
             sums.setdefault(k, []).append(float(v.item() if hasattr(v, "item") else v))
     return {k: sum(vs) / len(vs) for k, vs in sums.items()}
+
+
+def measure_peak_flops(
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    size: int | Sequence[int] = (512, 1024, 2048),
+    repeats: int = 5,
+    num_threads: int | None = None,
+) -> float:
+    """Measured FLOP/s of square matmuls on `device` (default: this process's device): the best over `repeats`
+    runs of each size in `size`, with `num_threads` torch threads (a rank's thread count; None: as set).
+
+    A measured peak is what the hardware really reaches for this dtype; it makes MFU honest on CPUs and GPUs whose
+    datasheet number is unknown or unreachable. The best of several sizes and repeats keeps a busy moment (another
+    process on the core) from lowering the peak, which would inflate the MFU.
+    """
+    from hybridflow import device as hf_device
+
+    dev = torch.device(device) if device is not None else hf_device.current_device()
+    previous = torch.get_num_threads()
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    try:
+        best_rate = 0.0
+        for n in [size] if isinstance(size, int) else size:
+            a = torch.randn(n, n, device=dev, dtype=dtype)
+            b = torch.randn(n, n, device=dev, dtype=dtype)
+            a @ b  # warm-up: kernel selection, allocation
+            for _ in range(repeats):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                start = time.perf_counter()
+                a @ b
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                best_rate = max(best_rate, 2.0 * n**3 / max(time.perf_counter() - start, 1e-9))
+        return best_rate
+    finally:
+        torch.set_num_threads(previous)

@@ -16,6 +16,7 @@ __all__ = [
     "HF_PREFIX",
     "HeadOnPositions",
     "entropy_from_logits",
+    "from_pretrained",
     "hf_name",
     "load_model",
     "load_tokenizer",
@@ -41,6 +42,17 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
+def from_pretrained(auto_class, path: str, attn_implementation: str = "sdpa", **kwargs) -> nn.Module:
+    """``auto_class.from_pretrained`` with ``attn_implementation``; falls back to "eager" for a model whose
+    transformers class has no SDPA path (Gemma 2: SDPA cannot soft-cap attention scores)."""
+    try:
+        return auto_class.from_pretrained(path, attn_implementation=attn_implementation, **kwargs)
+    except ValueError as err:
+        if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(err):
+            raise
+        return auto_class.from_pretrained(path, attn_implementation="eager", **kwargs)
+
+
 def load_model(path: str, role: str, attn_implementation: str = "sdpa") -> nn.Module:
     """The transformers model for `role` ("actor" | "ref" -> causal LM, "critic" -> one-label token classifier), fp32.
 
@@ -51,9 +63,9 @@ def load_model(path: str, role: str, attn_implementation: str = "sdpa") -> nn.Mo
     kwargs = {"dtype": torch.float32, "attn_implementation": attn_implementation}
     try:
         if role == "critic":
-            model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, **kwargs)
+            model = from_pretrained(AutoModelForTokenClassification, path, num_labels=1, **kwargs)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            model = from_pretrained(AutoModelForCausalLM, path, **kwargs)
     except OSError as err:
         raise OSError(
             f"could not load a {role} model from {path!r}: {err}. Pass a local save_pretrained directory"
@@ -114,9 +126,14 @@ class HeadOnPositions(nn.Module):
         if self.is_critic:
             return {"values": head(selected).squeeze(-1).float()}
         log_probs, entropies = [], []
+        # the CausalLM forward we bypass soft-caps its logits (Gemma 2/3): cap * tanh(logits / cap)
+        cap = getattr(self.hf.config, "final_logit_softcapping", None)
         # Chunks bound the [chunk, V] logits held at once (V is ~150k for real vocabularies).
         for lo in range(0, selected.shape[0], max(1, chunk_size)):
-            logits = head(selected[lo : lo + chunk_size]).float() / temperature
+            logits = head(selected[lo : lo + chunk_size])
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+            logits = logits.float() / temperature
             log_probs.append(log_probs_from_logits(logits, target_ids[lo : lo + chunk_size]))
             if calculate_entropy:
                 entropies.append(entropy_from_logits(logits))

@@ -6,6 +6,7 @@ code under test is the code a user runs on a real checkpoint. No hub downloads.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import string
 from dataclasses import dataclass
@@ -81,11 +82,15 @@ def build_char_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
     return hf_tok
 
 
+# Architectures a tiny model can be written in (transformers model_type names; all run on the native rollout).
+TINY_ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma2", "gemma3_text", "phi3")
+
+
 @dataclass
 class TinyModelSpec:
     """Shape of a small decoder-only model. The defaults give a ~0.4M-parameter model for unit tests."""
 
-    arch: str = "qwen2"  # qwen2 | llama
+    arch: str = "qwen2"  # one of TINY_ARCHITECTURES
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
@@ -94,6 +99,9 @@ class TinyModelSpec:
     vocab_size: int = 288
     max_position_embeddings: int = 1024
     tie_word_embeddings: bool = True
+    # Sliding-window attention, where the architecture has it (qwen2/qwen3: on the layers from max_window_layers
+    # up; mistral/phi3: every layer). Gemma 3 always has it (default 64 here) on its sliding layers.
+    sliding_window: int | None = None
 
 
 # Named sizes used across tests and benchmarks.
@@ -107,9 +115,11 @@ SIZES = {
 
 
 def make_config(spec: TinyModelSpec, tokenizer=None):
-    from transformers import LlamaConfig, Qwen2Config
+    """The transformers config class of ``spec.arch`` with the spec's shape (random-init models are built from it)."""
+    import transformers
 
     inter = spec.intermediate_size or 4 * spec.hidden_size
+    head_dim = spec.hidden_size // spec.num_heads
     common = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -120,17 +130,52 @@ def make_config(spec: TinyModelSpec, tokenizer=None):
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
         rms_norm_eps=1e-6,
-        rope_theta=10000.0,
     )
-    if tokenizer is not None:
-        common.update(
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id
+    # Phi-3's config defaults name token ids past a tiny vocabulary: always set them
+    ids = (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id) if tokenizer is not None else (
+        None, None, None)
+    common.update(pad_token_id=ids[0], eos_token_id=ids[1], bos_token_id=ids[2])
+    window = spec.sliding_window
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if spec.arch in ("qwen2", "qwen3"):
+        extra = dict(rope_parameters=rope, use_sliding_window=window is not None, sliding_window=window,
+                     max_window_layers=spec.num_layers // 2)
+        if spec.arch == "qwen3":
+            extra["head_dim"] = head_dim  # Qwen3's config default is 128
+        cls = transformers.Qwen2Config if spec.arch == "qwen2" else transformers.Qwen3Config
+        return cls(**common, **extra)
+    if spec.arch == "qwen3_moe":
+        # 4 experts, 2 per token, renormalised router weights (as Qwen3-30B-A3B), experts half the dense width
+        return transformers.Qwen3MoeConfig(
+            **common, head_dim=head_dim, rope_parameters=rope, use_sliding_window=window is not None,
+            sliding_window=window, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=inter // 2,
+            norm_topk_prob=True,
         )
-    if spec.arch == "qwen2":
-        return Qwen2Config(**common)
     if spec.arch == "llama":
-        return LlamaConfig(**common)
-    raise ValueError(f"unknown tiny-model architecture {spec.arch!r}; choose 'qwen2' or 'llama'")
+        return transformers.LlamaConfig(**common, rope_parameters=rope)
+    if spec.arch == "mistral":
+        return transformers.MistralConfig(**common, rope_parameters=rope, sliding_window=window)
+    if spec.arch == "phi3":
+        return transformers.Phi3Config(**common, rope_parameters=rope, sliding_window=window,
+                                       original_max_position_embeddings=spec.max_position_embeddings)
+    if spec.arch == "gemma2":
+        # alternating sliding/global layers; attention and logit soft-capping at Gemma 2's 50 and 30
+        return transformers.Gemma2Config(
+            **common, head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=window or 64,
+            hidden_activation="gelu_pytorch_tanh", rope_parameters=rope,
+        )
+    if spec.arch == "gemma3_text":
+        # Gemma 3's pattern: five sliding layers, then a global one; the last layer is global here so that a
+        # two-layer model has one of each.
+        types = ["full_attention" if (spec.num_layers - 1 - i) % 6 == 0 else "sliding_attention"
+                 for i in range(spec.num_layers)]
+        return transformers.Gemma3TextConfig(
+            **common, head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=window or 64,
+            layer_types=types, hidden_activation="gelu_pytorch_tanh",
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        )
+    raise ValueError(f"unknown tiny-model architecture {spec.arch!r}; choose one of {list(TINY_ARCHITECTURES)}")
 
 
 def write_tiny_model(
@@ -138,10 +183,11 @@ def write_tiny_model(
     spec: TinyModelSpec | str = "unit",
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    arch: str | None = None,
 ) -> str:
     """Write a random-init causal LM plus the character tokenizer to `path`; returns the path.
 
-    `spec` is a TinyModelSpec or one of the names in SIZES.
+    `spec` is a TinyModelSpec or one of the names in SIZES; `arch` (one of TINY_ARCHITECTURES) replaces its arch.
     """
     from transformers import AutoModelForCausalLM
 
@@ -149,6 +195,10 @@ def write_tiny_model(
         if spec not in SIZES:
             raise ValueError(f"unknown tiny-model size {spec!r}; choose one of {sorted(SIZES)}")
         spec = SIZES[spec]
+    if arch is not None:
+        if arch not in TINY_ARCHITECTURES:
+            raise ValueError(f"unknown tiny-model architecture {arch!r}; choose one of {list(TINY_ARCHITECTURES)}")
+        spec = dataclasses.replace(spec, arch=arch)
     tokenizer = build_char_tokenizer()
     if len(tokenizer) > spec.vocab_size:
         raise ValueError(f"vocab_size {spec.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")

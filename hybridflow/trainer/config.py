@@ -134,7 +134,11 @@ class RolloutConfig:
     enforce_eager: bool | None = None
     free_cache_engine: bool | None = None
     gpu_memory_utilization: float | None = None  # vllm on GPUs
+    tensor_model_parallel_size: int = 1  # veRL's key; 1 only for now (tensor-parallel rollout: issue #20)
+    calculate_log_probs: bool = True  # False: generated rows carry no rollout_log_probs (no mismatch metrics)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    # Options for the engine's constructor: ``engine_kwargs.<option>`` for the chosen engine, or veRL's
+    # per-engine ``engine_kwargs.<engine name>.<option>``, applied only when that engine is the chosen one.
     engine_kwargs: dict = field(default_factory=dict)
 
 
@@ -314,7 +318,10 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
     free_form = tuple(
         k + "." for k in known if OmegaConf.is_dict(v := OmegaConf.select(base, k)) and OmegaConf.get_type(v) is dict
     )
+    from hybridflow.trainer.verl_keys import alias_of, refusal
+
     layers = []
+    refused: list[str] = []
     if preset:
         if not os.path.exists(preset):
             raise ConfigError(f"config file {preset} does not exist")
@@ -322,6 +329,13 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
             layers.append(OmegaConf.create(yaml.safe_load(f) or {}))
     for item in overrides or []:
         key, value = _parse_override(item)
+        if key not in known and not key.startswith(free_form) and alias_of(key):
+            key = alias_of(key)  # veRL's name for a hybridflow key
+        if key not in known and (why := refusal(key)):
+            refused.append(why)
+            continue
+        if key == "trainer.logger" and isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]  # veRL scripts pass trainer.logger=console
         if key not in known and not key.startswith(free_form):
             close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.5)
             hint = f" Did you mean {' or '.join(close)}?" if close else ""
@@ -329,6 +343,8 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
         layer = OmegaConf.create()
         OmegaConf.update(layer, key, value, force_add=True)
         layers.append(layer)
+    if refused:
+        raise ConfigError(f"{what} keys hybridflow does not take (veRL names them):\n  - " + "\n  - ".join(refused))
     try:
         return OmegaConf.to_object(OmegaConf.merge(base, *layers))
     except (ConfigKeyError, ConfigAttributeError) as e:
@@ -412,6 +428,12 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         )
     if t.placement not in ("colocate", "split"):
         errors.append(f"trainer.placement={t.placement!r}: choose 'colocate' or 'split'")
+    if rollout.tensor_model_parallel_size != 1:
+        errors.append(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: "
+            "tensor-parallel rollout is not in hybridflow yet (issue #20); set it to 1 (each rank generates with "
+            "the whole model)"
+        )
     if rollout.gpu_memory_utilization is not None and not 0 < rollout.gpu_memory_utilization <= 1:
         errors.append(
             f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]"

@@ -202,8 +202,10 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
         while True:
             groups = build_worker_groups(cfg, need_ref=need_ref, need_critic=bool(cfg.critic.enable), need_rm=rm.enable)
             try:
-                for group in groups.all():
-                    group.init_model()
+                rank_infos = [group.init_model() for group in groups.all()]
+                rank_infos = rank_infos[0]  # the actor's ranks (groups.all() lists the actor first)
+                if peak_flops is not None:  # the best measurement: one taken at a busy moment must not inflate MFU
+                    peak_flops = max([peak_flops, *(i.get("peak_flops") or 0.0 for i in rank_infos)])
                 validator = Validator(cfg, groups.actor_rollout, val_loader, reward_fn) if val_loader else None
                 bar = ProgressBar(total_steps, disable=not (progress and t.progress_bar))
                 trainer = RLTrainer(

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridflow.common.metrics import reduce_metrics
+from hybridflow.common.metrics import measure_peak_flops, reduce_metrics
 from hybridflow.protocol import DataProto
 
 __all__ = [
@@ -194,45 +194,6 @@ def dense_transformer_flops(num_params: int, num_tokens: int, *, training: bool)
     It counts the matmuls with the weights only (attention's score/value products and elementwise work are left
     out), so MFU from it is a lower bound of the hardware's real utilisation."""
     return (6.0 if training else 2.0) * num_params * num_tokens
-
-
-def measure_peak_flops(
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-    size: int | Sequence[int] = (512, 1024, 2048),
-    repeats: int = 5,
-    num_threads: int | None = None,
-) -> float:
-    """Measured FLOP/s of square matmuls on `device` (default: this process's device): the best over `repeats`
-    runs of each size in `size`, with `num_threads` torch threads (a rank's thread count; None: as set).
-
-    A measured peak is what the hardware really reaches for this dtype; it makes MFU honest on CPUs and GPUs whose
-    datasheet number is unknown or unreachable. The best of several sizes and repeats keeps a busy moment (another
-    process on the core) from lowering the peak, which would inflate the MFU.
-    """
-    from hybridflow import device as hf_device
-
-    dev = torch.device(device) if device is not None else hf_device.current_device()
-    previous = torch.get_num_threads()
-    if num_threads:
-        torch.set_num_threads(num_threads)
-    try:
-        best_rate = 0.0
-        for n in [size] if isinstance(size, int) else size:
-            a = torch.randn(n, n, device=dev, dtype=dtype)
-            b = torch.randn(n, n, device=dev, dtype=dtype)
-            a @ b  # warm-up: kernel selection, allocation
-            for _ in range(repeats):
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                start = time.perf_counter()
-                a @ b
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                best_rate = max(best_rate, 2.0 * n**3 / max(time.perf_counter() - start, 1e-9))
-        return best_rate
-    finally:
-        torch.set_num_threads(previous)
 
 
 # ---------------------------------------------------------------------------------------------------- validation

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from hybridflow.algorithms.objective import ActorLossConfig, LossContext, build_actor_objective
-from hybridflow.common.metrics import reduce_metrics
+from hybridflow.common.metrics import measure_peak_flops, reduce_metrics
 from hybridflow.common.seeds import derive_seed
 from hybridflow.engines.fsdp_engine import FSDPEngine
 from hybridflow.engines.mismatch import logprob_mismatch
@@ -116,7 +116,12 @@ class ActorRolloutRefWorker(Worker):
                 max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
                 **rollout_engine_kwargs(r),
             )
-        return {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads()}
+        info = {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads()}
+        if self.actor is not None and self.actor.device.type == "cpu":
+            # This rank's own matmul peak at its thread count, measured where the training runs (the driver's
+            # measurement alone is taken in another process, and may land on a busy moment); MFU uses the best.
+            info["peak_flops"] = measure_peak_flops(self.actor.device, dtype=self.actor.compute_dtype)
+        return info
 
     # ------------------------------------------------------------------ rollout
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -138,6 +143,8 @@ class ActorRolloutRefWorker(Worker):
         # One response width per call, whatever this rank's longest response: the driver gathers every rank's rows
         # into one batch, which needs one width.
         out = pad_responses(out, params.max_new_tokens, getattr(self.rollout, "pad_token_id", 0))
+        if not self.config.actor_rollout_ref.rollout.calculate_log_probs:
+            out.batch.pop("rollout_log_probs", None)
         self.rollout.release_memory()
         out.meta_info = {"generate_time_s": time.perf_counter() - start, "temperature": params.temperature}
         return out

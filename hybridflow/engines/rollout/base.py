@@ -104,7 +104,9 @@ class RolloutEngine(ABC):
                 )
         accepted = cls.accepted_options()
         if accepted is not None:
-            given = set(cls.options_from_config(rollout)) | set(rollout.engine_kwargs)
+            from hybridflow.engines.rollout.registry import rollout_engine_kwargs
+
+            given = set(rollout_engine_kwargs(rollout))
             for key in sorted(given - accepted):
                 errors.append(
                     f"actor_rollout_ref.rollout.engine_kwargs.{key}: {where} has no option {key!r}; "

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from hybridflow import device as hf_device
+from hybridflow.engines.hf_model import from_pretrained
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
 from hybridflow.engines.rollout.layout import (
     assemble_output,
@@ -44,8 +45,8 @@ class HFRollout(RolloutEngine):
         hf_device.set_num_threads(num_threads)
         self.device = hf_device.current_device()
         warn_if_slow_bf16(resolve_dtype(dtype), self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
+        self.model = from_pretrained(  # sdpa, or eager where the model has no sdpa path
+            AutoModelForCausalLM, model_path, attn_implementation, dtype=resolve_dtype(dtype)
         ).to(self.device)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)

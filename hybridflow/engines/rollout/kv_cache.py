@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["KVCache", "RunningRows", "attention_bias", "decode_attention"]
+__all__ = ["KVCache", "RunningRows", "attention_bias", "decode_attention", "softcap_scores"]
 
 
 class KVCache:
@@ -99,30 +99,40 @@ def _by_row(x: torch.Tensor, rows: RunningRows, G: int) -> torch.Tensor:
     return grouped[rows.prompt_index, :, rows.sample_index]  # advanced indices around a slice: [rows, kv, G, F]
 
 
-def decode_attention(q: torch.Tensor, cache: KVCache, layer: int, rows: RunningRows, bias: torch.Tensor,
-                     length: int, scale: float) -> torch.Tensor:
+def softcap_scores(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's attention soft-capping, cap * tanh(scores / cap); identity when cap is None."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
+def decode_attention(q: torch.Tensor, cache: KVCache, layer: int, rows: RunningRows, bias,
+                     length: int, scale: float, softcap: float | None = None) -> torch.Tensor:
     """One decode step of attention over the row's prompt and its first `length` generated tokens.
 
-    q [rows, kv, G, D]; bias: the additive mask from ``attention_bias``. Returns [rows, kv, G, D].
+    q [rows, kv, G, D]; bias: the additive mask from ``attention_bias``; softcap: soft-cap the scaled scores before
+    the mask (Gemma 2). Returns [rows, kv, G, D].
     """
     r, kv, G, D = q.shape
     if not cache.shared:
         end = cache.offset + length
-        scores = torch.baddbmm(
-            bias,
-            q.reshape(r * kv, G, D),
-            cache.keys[layer][:r, :, :end].reshape(r * kv, end, D).transpose(1, 2),  # a view, no copy
-            alpha=scale,
-        )
+        keys = cache.keys[layer][:r, :, :end].reshape(r * kv, end, D).transpose(1, 2)  # a view, no copy
+        if softcap is None:
+            scores = torch.baddbmm(bias, q.reshape(r * kv, G, D), keys, alpha=scale)
+        else:
+            scores = softcap_scores(torch.bmm(q.reshape(r * kv, G, D), keys) * scale, softcap) + bias
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.bmm(probs, cache.values[layer][:r, :, :end].reshape(r * kv, end, D)).view(r, kv, G, D)
     P = cache.prompt_len
+    bias, own_bias = bias
     prompts = r // rows.n if rows.grouped else cache.prompt_keys[layer].shape[0]
     prompt_keys = cache.prompt_keys[layer][:prompts]
     prompt_values = cache.prompt_values[layer][:prompts]
     q = q * scale
     prompt_scores = _by_row(torch.matmul(_by_prompt(q, rows, prompts), prompt_keys.transpose(-1, -2)), rows, G)
+    prompt_scores = softcap_scores(prompt_scores, softcap)
     own_scores = torch.matmul(q, cache.keys[layer][:r, :, :length].transpose(-1, -2))  # every generated key is real
+    own_scores = softcap_scores(own_scores, softcap)
+    if own_bias is not None:  # a sliding window that has moved past some generated keys
+        own_scores = own_scores + own_bias
     scores = torch.cat((prompt_scores + bias, own_scores), dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     prompt_probs, own_probs = probs.split((P, length), dim=-1)
@@ -130,14 +140,27 @@ def decode_attention(q: torch.Tensor, cache: KVCache, layer: int, rows: RunningR
     return out + _by_row(torch.matmul(_by_prompt(prompt_probs, rows, prompts), prompt_values), rows, G)
 
 
-def attention_bias(cache: KVCache, prompt_bias: torch.Tensor, length: int) -> torch.Tensor:
+def attention_bias(cache: KVCache, prompt_bias: torch.Tensor, length: int, window: int | None = None):
     """decode_attention's additive mask from the rows' prompt masks [rows, P] (0, or -inf at left padding).
 
-    Shared layout: [rows, 1, 1, P] over the prompt keys. Otherwise [rows * kv_heads, 1, P + length] over prompt and
-    generated keys (generated keys are always real). Built once per decode step and shared by the layers.
+    Shared layout: ([rows, 1, 1, P] over the prompt keys, [1, 1, 1, length] over the generated keys or None).
+    Otherwise [rows * kv_heads, 1, P + length] over prompt and generated keys (generated keys are always real).
+    ``window``: a sliding-window layer's size; the query (generated token length - 1, column P + length - 1) sees
+    only keys less than `window` columns back, as transformers' sliding-window mask does. Built once per decode step
+    and window, shared by the layers.
     """
+    P = cache.prompt_len
+    outside = None  # [P + length] bool: columns the window has left behind
+    if window is not None and P + length > window:
+        outside = torch.arange(P + length, device=prompt_bias.device) <= P + length - 1 - window
     if cache.shared:
-        return prompt_bias[:, None, None, :]
+        if outside is None:
+            return prompt_bias[:, None, None, :], None
+        mask = torch.zeros(P + length, dtype=prompt_bias.dtype, device=prompt_bias.device)
+        mask.masked_fill_(outside, float("-inf"))
+        return (prompt_bias + mask[:P])[:, None, None, :], mask[P:][None, None, None, :]
     rows = prompt_bias.shape[0]
     bias = torch.nn.functional.pad(prompt_bias, (0, length))
+    if outside is not None:
+        bias = bias.masked_fill(outside[None], float("-inf"))
     return bias[:, None, :].expand(rows, cache.kv_heads, bias.shape[1]).reshape(rows * cache.kv_heads, 1, -1)

@@ -1,7 +1,10 @@
-"""The decoder the native rollout runs: Qwen2 / Llama forward passes written for generation, on HF checkpoint weights.
+"""The decoder the native rollout runs: one pre-norm decoder forward pass for every architecture in arch_specs.py.
 
-Same arithmetic as transformers' modeling_qwen2 / modeling_llama (RMSNorm in fp32, rotate-half rotary embeddings,
-grouped-query attention, SwiGLU MLP) so fp32 greedy decoding picks the same tokens. Differences are for speed:
+An architecture is data (arch_specs.ArchSpec): which norms (q/k norm, Gemma's (1 + weight) RMSNorm and its norms
+around the attention and MLP outputs), which rope (rope.py), which layers slide, the attention scale, the MLP
+activation, soft-capping, embedding scaling and how its HF names map onto the fused tensors below. The arithmetic
+follows transformers' modeling files (RMSNorm in fp32, rotate-half rotary embeddings, grouped-query attention, gated
+MLP) so fp32 greedy decoding picks the same tokens. Differences are for speed:
   * q/k/v projections are one fused matrix ``w_qkv`` and gate/up one ``w_gate_up``; incoming HF tensors are copied
     into slices of them (``load``), so a weight update never rebuilds anything;
   * the KV cache is pre-allocated and written in place, each prompt's part stored once for its n samples
@@ -19,112 +22,65 @@ grouped-query attention, SwiGLU MLP) so fp32 greedy decoding picks the same toke
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from hybridflow.engines.rollout.arch_specs import DecoderShape, resolve, supported_architectures
 from hybridflow.engines.rollout.int8_linear import check_int8_supported, int8_linear, pack_int8
-from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows, attention_bias, decode_attention
+from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows, attention_bias, decode_attention, softcap_scores
+from hybridflow.engines.rollout.moe import moe_mlp
 from hybridflow.engines.rollout.onednn_linear import MIN_PACKED_WIDTH, onednn_available, onednn_linear, pack_onednn
+from hybridflow.engines.rollout.rope import rotary_tables
 
-__all__ = ["DecoderShape", "NativeDecoder"]
+__all__ = ["DecoderShape", "NativeDecoder", "supported_architectures"]
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "llama")
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# MoE layers: the per-expert names save_pretrained writes -> (fused tensor, part); in memory transformers holds the
+# fused [E, 2I, H] "mlp.experts.gate_up_proj" and [E, H, I] "mlp.experts.down_proj" (the names weight sync sends)
+_EXPERT_NAME = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_PART = {"gate_proj": ("experts_gate_up", "gate"), "up_proj": ("experts_gate_up", "up"),
+                "down_proj": ("experts_down", None)}
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
 
 
-@dataclass(frozen=True)
-class DecoderShape:
-    """The numbers of a checkpoint's config that the forward pass needs."""
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    """transformers' RMSNorm: normalise in fp32, then scale; ``weight`` already holds Gemma's (1 + w) when offset.
 
-    arch: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-
-    @classmethod
-    def from_config(cls, config) -> DecoderShape:
-        arch = getattr(config, "model_type", None)
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"the native rollout supports {list(SUPPORTED_ARCHITECTURES)} checkpoints, got model_type={arch!r}; "
-                "use the 'hf' rollout engine for other architectures"
-            )
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"native rollout: hidden_act={config.hidden_act!r} is not supported (only 'silu')")
-        if "sliding_attention" in (getattr(config, "layer_types", None) or []):
-            raise ValueError("native rollout: sliding-window attention layers are not supported; use the 'hf' engine")
-        num_heads = int(config.num_attention_heads)
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        return cls(
-            arch=arch,
-            vocab_size=int(config.vocab_size),
-            hidden_size=int(config.hidden_size),
-            intermediate_size=int(config.intermediate_size),
-            num_layers=int(config.num_hidden_layers),
-            num_heads=num_heads,
-            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or num_heads),
-            head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // num_heads),
-            rms_norm_eps=float(config.rms_norm_eps),
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=True if arch == "qwen2" else attention_bias,  # Qwen2 always has q/k/v biases
-            o_bias=False if arch == "qwen2" else attention_bias,
-            mlp_bias=False if arch == "qwen2" else bool(getattr(config, "mlp_bias", False)),
-        )
-
-
-def rotary_tables(config, head_dim: int, max_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_positions, head_dim] in fp32, computed exactly as transformers' rotary embedding does."""
-    params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        scaling = 1.0
-    elif rope_type in ("dynamic", "longrope"):
-        raise ValueError(f"native rollout: rope_type={rope_type!r} depends on the sequence length; use the 'hf' engine")
-    else:  # static scalings (linear, llama3, yarn, ...) come from transformers' own table
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    positions = torch.arange(max_positions, dtype=torch.int64).float()
-    freqs = positions[:, None] * inv_freq.float()[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(device), (emb.sin() * scaling).to(device)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalise in fp32, cast back, then scale. torch's fused rms_norm gave bitwise-equal
-    fp32 results and ran 1.3x faster than the four-op form (measured at [64, 512])."""
+    torch's fused rms_norm gave bitwise-equal fp32 results and ran 1.3x faster than the four-op form (measured at
+    [64, 512]). In low precision Llama casts before scaling, Gemma after.
+    """
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
+    if offset:
+        return (F.rms_norm(x.float(), weight.shape, None, eps) * weight.float()).to(x.dtype)
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, x*cos + rotate_half(x)*sin, with rotate_half(x) = roll(x)*sign folded into signed_sin.
+    """Rotary embedding on the first cos.shape[-1] features of x: x*cos + rotate_half(x)*sin, the rest unchanged.
 
-    Bitwise equal to transformers' form: (-a)*b == a*(-b) in IEEE arithmetic.
+    rotate_half(x) = roll(x)*sign with the sign folded into signed_sin: bitwise equal to transformers' form, since
+    (-a)*b == a*(-b) in IEEE arithmetic.
     """
-    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), signed_sin)
+    dim = cos.shape[-1]
+    if dim == x.shape[-1]:
+        return torch.addcmul(x * cos, torch.roll(x, dim // 2, dims=-1), signed_sin)
+    rot = x[..., :dim]
+    return torch.cat((torch.addcmul(rot * cos, torch.roll(rot, dim // 2, dims=-1), signed_sin), x[..., dim:]), -1)
 
 
 class NativeDecoder:
-    """Weights of one Qwen2/Llama checkpoint in fused, generation-friendly tensors, plus prefill and decode steps."""
+    """Weights of one checkpoint in fused, generation-friendly tensors, plus prefill and decode steps."""
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device, max_positions: int, int8: bool = False,
                  prepack: bool | None = None):
-        self.shape = s = DecoderShape.from_config(config)
+        self.shape = s = resolve(config)
+        self.spec = s.spec
         if prepack is None:  # auto: where it was measured to pay (onednn_linear.MIN_PACKED_WIDTH)
             prepack = s.hidden_size >= MIN_PACKED_WIDTH
         if int8:
@@ -138,6 +94,8 @@ class NativeDecoder:
         self.dtype, self.device = dtype, device
         self.q_size = s.num_heads * s.head_dim
         self.kv_size = s.num_kv_heads * s.head_dim
+        self.act = _ACTIVATIONS[s.activation]
+        self.offset_norm = self.spec.norm_offset != 0.0
 
         def empty(*size: int) -> torch.Tensor:
             return torch.zeros(size, dtype=dtype, device=device)
@@ -145,27 +103,33 @@ class NativeDecoder:
         self.embed = empty(s.vocab_size, s.hidden_size)
         self.norm = empty(s.hidden_size)
         self.lm_head = self.embed if s.tie_word_embeddings else empty(s.vocab_size, s.hidden_size)
+        # HF multiplies by a 0-d tensor of the weights' dtype (Gemma3TextScaledWordEmbedding): the same rounding here
+        self.embed_scale = None if s.embed_scale is None else torch.tensor(s.embed_scale).to(dtype=dtype, device=device)
         self.layers: list[dict[str, torch.Tensor | None]] = []
-        for _ in range(s.num_layers):
-            self.layers.append(
-                {
-                    "input_layernorm": empty(s.hidden_size),
-                    "post_attention_layernorm": empty(s.hidden_size),
-                    "w_qkv": empty(self.q_size + 2 * self.kv_size, s.hidden_size),
-                    "b_qkv": empty(self.q_size + 2 * self.kv_size) if s.qkv_bias else None,
-                    "w_o": empty(s.hidden_size, self.q_size),
-                    "b_o": empty(s.hidden_size) if s.o_bias else None,
+        for shape in s.layers:
+            layer = {
+                "w_qkv": empty(self.q_size + 2 * self.kv_size, s.hidden_size),
+                "b_qkv": empty(self.q_size + 2 * self.kv_size) if s.qkv_bias else None,
+                "w_o": empty(s.hidden_size, self.q_size),
+                "b_o": empty(s.hidden_size) if s.o_bias else None,
+            }
+            if shape.moe:
+                E, inter = s.num_experts, s.moe_intermediate_size
+                layer |= {"router": empty(E, s.hidden_size), "experts_gate_up": empty(E, 2 * inter, s.hidden_size),
+                          "experts_down": empty(E, s.hidden_size, inter)}
+            else:
+                layer |= {
                     "w_gate_up": empty(2 * s.intermediate_size, s.hidden_size),
                     "b_gate_up": empty(2 * s.intermediate_size) if s.mlp_bias else None,
                     "w_down": empty(s.hidden_size, s.intermediate_size),
                     "b_down": empty(s.hidden_size) if s.mlp_bias else None,
                 }
-            )
-        cos, sin = rotary_tables(config, s.head_dim, max_positions, device)
-        half = s.head_dim // 2
-        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        self.cos, self.sin = cos.to(dtype), signed_sin.to(dtype)  # HF casts cos/sin to the activation dtype
-        self.max_positions = max_positions
+            for name in self.spec.layer_norms:
+                width = s.head_dim if name.startswith("self_attn.") else s.hidden_size
+                layer[name.removeprefix("self_attn.")] = empty(width)
+            self.layers.append(layer)
+        self.rope = rotary_tables(config, {layer.rope for layer in s.layers}, s.head_dim, max_positions, dtype, device)
+        self.max_positions = max_positions if self.rope.limit is None else min(max_positions, self.rope.limit)
 
     # ------------------------------------------------------------------ weights
     def expected_names(self) -> set[str]:
@@ -174,20 +138,30 @@ class NativeDecoder:
         names = {"model.embed_tokens.weight", "model.norm.weight"}
         if not s.tie_word_embeddings:
             names.add("lm_head.weight")
+        bias = {"qkv": s.qkv_bias, "o": s.o_bias, "gate_up": s.mlp_bias, "down": s.mlp_bias}
         for i in range(s.num_layers):
             p = f"model.layers.{i}."
-            names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                names.add(f"{p}self_attn.{proj}.weight")
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                names.add(f"{p}mlp.{proj}.weight")
-            if s.qkv_bias:
-                names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
-            if s.o_bias:
-                names.add(f"{p}self_attn.o_proj.bias")
-            if s.mlp_bias:
-                names |= {f"{p}mlp.{x}_proj.bias" for x in ("gate", "up", "down")}
+            names |= {f"{p}{norm}.weight" for norm in self.spec.layer_norms}
+            if s.layers[i].moe:
+                names.add(f"{p}mlp.gate.weight")
+                names |= {f"{p}mlp.experts.{e}.{m}.weight" for e in range(s.num_experts) for m in _EXPERT_PART}
+            for module, (fused, _) in self.spec.projections.items():
+                if s.layers[i].moe and fused in ("gate_up", "down"):
+                    continue
+                names.add(f"{p}{module}.weight")
+                if bias[fused]:
+                    names.add(f"{p}{module}.bias")
         return names
+
+    def missing_names(self, loaded: set[str]) -> list[str]:
+        """expected_names() not in `loaded`, where a fused experts tensor stands for its per-expert names."""
+        missing = self.expected_names() - loaded
+        for name in loaded:
+            prefix, fused, _ = name.rpartition("mlp.experts.")
+            if fused in ("gate_up_proj", "down_proj"):
+                parts = ("gate_proj", "up_proj") if fused == "gate_up_proj" else ("down_proj",)
+                missing -= {f"{prefix}mlp.experts.{e}.{m}.weight" for e in range(self.shape.num_experts) for m in parts}
+        return sorted(missing)
 
     def _slot(self, name: str) -> torch.Tensor | None:
         """The tensor (or slice of a fused tensor) that HF parameter `name` lives in; None for ignored buffers."""
@@ -197,38 +171,47 @@ class NativeDecoder:
             return self.norm
         if name == "lm_head.weight":
             return self.lm_head  # the embedding itself when tied: an update carries equal values under both names
-        if name.endswith("rotary_emb.inv_freq"):
-            return None
+        if name.endswith("inv_freq") or name.endswith("embed_scale"):
+            return None  # buffers the decoder computes itself (rope.py, embed_scale)
         match = _LAYER_NAME.fullmatch(name)
         if match is None or int(match.group(1)) >= self.shape.num_layers:
             return self._unknown(name)
         layer, rest = self.layers[int(match.group(1))], match.group(2)
-        kind = "w" if rest.endswith(".weight") else "b"
-        q, kv, inter = self.q_size, self.kv_size, self.shape.intermediate_size
-        slices = {
-            "self_attn.q_proj": ("qkv", 0, q),
-            "self_attn.k_proj": ("qkv", q, q + kv),
-            "self_attn.v_proj": ("qkv", q + kv, q + 2 * kv),
-            "self_attn.o_proj": ("o", None, None),
-            "mlp.gate_proj": ("gate_up", 0, inter),
-            "mlp.up_proj": ("gate_up", inter, 2 * inter),
-            "mlp.down_proj": ("down", None, None),
-        }
-        if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-            return layer[rest.removesuffix(".weight")]
-        module = rest.rsplit(".", 1)[0]
-        if module not in slices:
+        module, _, kind = rest.rpartition(".")
+        if "router" in layer and (expert := self._expert_slot(layer, rest)) is not None:
+            return expert
+        if module in self.spec.layer_norms and kind == "weight":
+            return layer[module.removeprefix("self_attn.")]
+        if module not in self.spec.projections or kind not in ("weight", "bias"):
             return self._unknown(name)
-        fused, start, stop = slices[module]
-        target = layer[f"{kind}_{fused}"]
+        fused, part = self.spec.projections[module]
+        if f"w_{fused}" not in layer:  # a dense MLP name on an MoE layer
+            return self._unknown(name)
+        target = layer[f"{kind[0]}_{fused}"]
         if target is None:
             raise ValueError(f"native rollout: got {name!r} but this {self.shape.arch} config has no such bias")
-        return target if start is None else target[start:stop]
+        q, kv, inter = self.q_size, self.kv_size, self.shape.intermediate_size
+        bounds = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (0, inter), "up": (inter, 2 * inter)}
+        return target if part is None else target[slice(*bounds[part])]
+
+    def _expert_slot(self, layer: dict, rest: str) -> torch.Tensor | None:
+        """An MoE layer's router / expert tensor for layer-relative name `rest`, per-expert or fused; None if not one."""
+        fused = {"mlp.gate.weight": "router", "mlp.experts.gate_up_proj": "experts_gate_up",
+                 "mlp.experts.down_proj": "experts_down"}
+        if rest in fused:
+            return layer[fused[rest]]
+        expert = _EXPERT_NAME.fullmatch(rest)
+        if expert is None or int(expert.group(1)) >= self.shape.num_experts:
+            return None
+        target_name, part = _EXPERT_PART[expert.group(2)]
+        target, inter = layer[target_name][int(expert.group(1))], self.shape.moe_intermediate_size
+        return target if part is None else target[:inter] if part == "gate" else target[inter:]
 
     def _unknown(self, name: str):
+        examples = [f"model.layers.0.{m}.weight" for m in list(self.spec.projections)[:2]]
         raise KeyError(
-            f"native rollout: unknown parameter {name!r}; expected HF names such as 'model.layers.0.self_attn.q_proj"
-            ".weight' (strip wrapper prefixes like '_orig_mod.' or '_fsdp_wrapped_module.' before sending)"
+            f"native rollout: unknown parameter {name!r} for a {self.shape.arch} checkpoint; expected HF names such "
+            f"as {examples} (strip wrapper prefixes like '_orig_mod.' or '_fsdp_wrapped_module.' before sending)"
         )
 
     @torch.no_grad()
@@ -242,16 +225,20 @@ class NativeDecoder:
                 f"native rollout: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(slot.shape)} "
                 "(is the update from a different model size?)"
             )
+        if self.offset_norm and name.endswith("norm.weight"):
+            tensor = tensor.detach().float() + self.spec.norm_offset  # Gemma: HF computes 1.0 + weight.float()
         slot.copy_(tensor.detach())
         self._packed = None
         return True
 
     def _pack_all(self) -> dict:
+        # the projections; routed experts stay in dtype and run as plain matmuls (moe.py)
         names = ("qkv", "o", "gate_up", "down")
         if self.matmul == "int8":  # the output head stays in fp32
-            layers = [{n: pack_int8(layer[f"w_{n}"], layer[f"b_{n}"]) for n in names} for layer in self.layers]
+            layers = [{n: pack_int8(layer[f"w_{n}"], layer[f"b_{n}"]) for n in names if f"w_{n}" in layer}
+                      for layer in self.layers]
             return {"layers": layers, "lm_head": None}
-        layers = [{n: pack_onednn(layer[f"w_{n}"]) for n in names} for layer in self.layers]
+        layers = [{n: pack_onednn(layer[f"w_{n}"]) for n in names if f"w_{n}" in layer} for layer in self.layers]
         return {"layers": layers, "lm_head": pack_onednn(self.lm_head)}
 
     def _packed_weights(self) -> dict:
@@ -270,15 +257,63 @@ class NativeDecoder:
         return onednn_linear(x, packed, layer[f"b_{name}"])
 
     # ------------------------------------------------------------------ forward
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, weight, self.shape.rms_norm_eps, self.offset_norm)
+
     def _mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
+        layer, s = self.layers[li], self.shape
+        if s.layers[li].moe:
+            return moe_mlp(x, layer["router"], layer["experts_gate_up"], layer["experts_down"], s.experts_per_token,
+                           s.norm_topk_prob, self.act)
         gate, up = self._linear(li, "gate_up", x).chunk(2, dim=-1)
-        return self._linear(li, "down", F.silu(gate).mul_(up))
+        return self._linear(li, "down", self.act(gate).mul_(up))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = _rms_norm(h, self.norm, self.shape.rms_norm_eps)
+        h = self._rms(h, self.norm)
         if self.matmul == "onednn":
-            return onednn_linear(h, self._packed_weights()["lm_head"], None)
-        return F.linear(h, self.lm_head).float()
+            logits = onednn_linear(h, self._packed_weights()["lm_head"], None)
+        else:
+            logits = F.linear(h, self.lm_head).float()
+        cap = self.shape.final_softcap
+        if cap is not None:  # Gemma: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """Embed tokens [...] at positions [...] and run every layer; returns the last hidden states [..., hidden].
+
+        ``attend(layer, q [..., heads, D], k [..., kv, D], v [..., kv, D]) -> [..., heads * D]`` (rotated q/k) stores
+        the new K/V and attends: the only part in which the prefill, the eager and the fixed-shape step differ.
+        """
+        s, spec = self.shape, self.spec
+        lead = tokens.shape
+        x = F.embedding(tokens, self.embed)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        tables = {key: (cos[positions].unsqueeze(-2), self.rope.sin[key][positions].unsqueeze(-2))
+                  for key, cos in self.rope.cos.items()}  # [..., 1, rotary_dim]
+        H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
+        for li, layer in enumerate(self.layers):
+            cos, sin = tables[s.layers[li].rope]
+            qkv = self._linear(li, "qkv", self._rms(x, layer["input_layernorm"]))
+            v = qkv[..., self.q_size + self.kv_size :].view(*lead, KV, D)
+            if spec.qk_norm:
+                q = _rotate(self._rms(qkv[..., : self.q_size].view(*lead, H, D), layer["q_norm"]), cos, sin)
+                k = _rotate(self._rms(qkv[..., self.q_size : self.q_size + self.kv_size].view(*lead, KV, D),
+                                      layer["k_norm"]), cos, sin)
+            else:  # q and k heads rotated together
+                qk = _rotate(qkv[..., : self.q_size + self.kv_size].view(*lead, H + KV, D), cos, sin)
+                q, k = qk[..., :H, :], qk[..., H:, :]
+            out = self._linear(li, "o", attend(li, q, k, v))
+            if spec.sandwich_norms:
+                out = self._rms(out, layer["post_attention_layernorm"])
+                x = x + out
+                mlp = self._mlp(li, self._rms(x, layer["pre_feedforward_layernorm"]))
+                x = x + self._rms(mlp, layer["post_feedforward_layernorm"])
+            else:
+                x = x + out
+                x = x + self._mlp(li, self._rms(x, layer["post_attention_layernorm"]))
+        return x
 
     def prefill(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache: KVCache
@@ -291,50 +326,28 @@ class NativeDecoder:
         B, P = input_ids.shape
         G = s.num_heads // s.num_kv_heads
         key_valid = attention_mask.bool()
-        causal = torch.ones(P, P, dtype=torch.bool, device=input_ids.device).tril()
+        index = torch.arange(P, device=input_ids.device)
+        distance = index[:, None] - index[None, :]  # query column - key column
         # A padding query attends to itself so that its (unused) output stays finite instead of NaN.
         eye = torch.eye(P, dtype=torch.bool, device=input_ids.device)
-        mask = ((causal[None] & key_valid[:, None, :]) | eye[None])[:, None]  # [B, 1, P, P]
-        cos, sin = self.cos[position_ids][:, None], self.sin[position_ids][:, None]  # [B, 1, P, D]
-        x = F.embedding(input_ids, self.embed)
-        for li, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer["input_layernorm"], s.rms_norm_eps)
-            qkv = self._linear(li, "qkv", h)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = _rotate(q.view(B, P, s.num_heads, s.head_dim).transpose(1, 2), cos, sin)
-            k = _rotate(k.view(B, P, s.num_kv_heads, s.head_dim).transpose(1, 2), cos, sin)
-            v = v.view(B, P, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        masks = {}
+        for window in s.windows:  # sliding layers see keys less than `window` columns back, as HF's mask does
+            allowed = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
+            masks[window] = ((allowed[None] & key_valid[:, None, :]) | eye[None])[:, None]  # [B, 1, P, P]
+
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, P, D]
             cache.write_prompts(li, k, v)
-            attn = F.scaled_dot_product_attention(
-                q, k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), attn_mask=mask, scale=s.head_dim**-0.5
-            )
-            attn = attn.transpose(1, 2).reshape(B, P, self.q_size)
-            x = x + self._linear(li, "o", attn)
-            x = x + self._mlp(li, _rms_norm(x, layer["post_attention_layernorm"], s.rms_norm_eps))
-        return self._logits(x[:, -1])
+            k, v, mask = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), masks[s.layers[li].window]
+            if s.attn_softcap is None:
+                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.attention_scale)
+            else:  # SDPA cannot soft-cap: transformers' eager attention, written out
+                scores = softcap_scores(torch.matmul(q, k.transpose(-1, -2)) * s.attention_scale, s.attn_softcap)
+                probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+                attn = torch.matmul(probs.to(q.dtype), v)
+            return attn.transpose(1, 2).reshape(B, P, self.q_size)
 
-    def _decode_layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """The layers of one decode step for rows [r]; returns fp32 logits [r, V].
-
-        ``attend(layer, q [r, kv, G, D], k [r, kv, D], v [r, kv, D]) -> [r, kv, G, D]`` stores the new K/V and
-        attends: the only part in which the eager and the fixed-shape step differ.
-        """
-        s = self.shape
-        r = tokens.shape[0]
-        G = s.num_heads // s.num_kv_heads
-        heads = s.num_heads + s.num_kv_heads  # q and k heads, rotated together
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [r, 1, D]
-        x = F.embedding(tokens, self.embed)
-        for li, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer["input_layernorm"], s.rms_norm_eps)
-            qkv = self._linear(li, "qkv", h)
-            qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(r, heads, s.head_dim), cos, sin)
-            v = qkv[:, self.q_size + self.kv_size :].view(r, s.num_kv_heads, s.head_dim)
-            q = qk[:, : s.num_heads].view(r, s.num_kv_heads, G, s.head_dim)
-            attn = attend(li, q, qk[:, s.num_heads :], v)
-            x = x + self._linear(li, "o", attn.reshape(r, self.q_size))
-            x = x + self._mlp(li, _rms_norm(x, layer["post_attention_layernorm"], s.rms_norm_eps))
-        return self._logits(x)
+        return self._logits(self._layers(input_ids, position_ids, attend)[:, -1])
 
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: RunningRows,
@@ -343,14 +356,18 @@ class NativeDecoder:
         """One step for the running rows. tokens, positions [rows]; prompt_bias [rows, P] (0, or -inf at the prompt's
         left padding). Writes the K/V of generated token `column` and returns fp32 logits [rows, V].
         """
-        bias = attention_bias(cache, prompt_bias, column + 1)
-        scale = self.shape.head_dim**-0.5
+        s = self.shape
+        biases = {w: attention_bias(cache, prompt_bias, column + 1, window=w) for w in s.windows}
+        r, G = tokens.shape[0], s.num_heads // s.num_kv_heads
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write_token(li, column, k, v)
-            return decode_attention(q, cache, li, rows, bias, column + 1, scale)
+            q = q.reshape(r, s.num_kv_heads, G, s.head_dim)
+            out = decode_attention(q, cache, li, rows, biases[s.layers[li].window], column + 1, s.attention_scale,
+                                   s.attn_softcap)
+            return out.reshape(r, self.q_size)
 
-        return self._decode_layers(tokens, positions, attend)
+        return self._logits(self._layers(tokens, positions, attend))
 
     def decode_static(self, buf) -> None:
         """decode() on fixed-shape buffers (static_decode.StepBuffers), capturable as a CUDA graph.
@@ -359,19 +376,29 @@ class NativeDecoder:
         in ``buf.key_valid``), attends over the whole cache length under that mask and writes fp32 logits into
         ``buf.logits``. Shapes and addresses never change between calls; the values in the buffers do.
         """
+        s = self.shape
         rows, length = buf.key_valid.shape
-        kv, D = self.shape.num_kv_heads, self.shape.head_dim
+        kv, D, G = s.num_kv_heads, s.head_dim, s.num_heads // s.num_kv_heads
         buf.key_valid.index_fill_(1, buf.column, True)
-        bias = torch.zeros(rows, length, dtype=self.dtype, device=self.device).masked_fill_(~buf.key_valid, float("-inf"))
-        bias = bias[:, None, :].expand(rows, kv, length).reshape(rows * kv, 1, length)
+        biases = {}
+        for window in s.windows:
+            valid = buf.key_valid
+            if window is not None:  # keys less than `window` columns before the one written now
+                valid = valid & (torch.arange(length, device=self.device) > buf.column - window)[None]
+            bias = torch.zeros(rows, length, dtype=self.dtype, device=self.device).masked_fill_(~valid, float("-inf"))
+            biases[window] = bias[:, None, :].expand(rows, kv, length).reshape(rows * kv, 1, length)
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             buf.keys[li].index_copy_(2, buf.column, k.unsqueeze(2))
             buf.values[li].index_copy_(2, buf.column, v.unsqueeze(2))
-            G = q.shape[2]
-            scores = torch.baddbmm(bias, q.reshape(rows * kv, G, D),
-                                   buf.keys[li].view(rows * kv, length, D).transpose(1, 2), alpha=D**-0.5)
+            keys = buf.keys[li].view(rows * kv, length, D).transpose(1, 2)
+            if s.attn_softcap is None:
+                scores = torch.baddbmm(biases[s.layers[li].window], q.reshape(rows * kv, G, D), keys,
+                                       alpha=s.attention_scale)
+            else:
+                scores = torch.bmm(q.reshape(rows * kv, G, D), keys) * s.attention_scale
+                scores = softcap_scores(scores, s.attn_softcap) + biases[s.layers[li].window]
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            return torch.bmm(probs, buf.values[li].view(rows * kv, length, D))
+            return torch.bmm(probs, buf.values[li].view(rows * kv, length, D)).view(rows, self.q_size)
 
-        buf.logits.copy_(self._decode_layers(buf.tokens, buf.positions, attend))
+        buf.logits.copy_(self._logits(self._layers(buf.tokens, buf.positions, attend)))

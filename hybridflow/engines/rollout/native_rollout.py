@@ -1,4 +1,4 @@
-"""The native rollout engine: our own batched decoder loop around NativeDecoder (Qwen2 / Llama checkpoints).
+"""The native rollout engine: our own batched decoder loop around NativeDecoder (the architectures of arch_specs.py).
 
 One ``generate`` call:
   1. prefill the B unique prompts once; their K/V are stored once, shared by their n samples (kv_cache.py);
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections.abc import Iterable
 
@@ -38,6 +39,8 @@ from hybridflow.protocol import DataProto
 
 __all__ = ["NativeRollout", "resolve_dtype"]
 
+logger = logging.getLogger(__name__)
+
 def iter_checkpoint_tensors(model_path: str):
     """(name, tensor) pairs from the checkpoint's safetensors files, one tensor in memory at a time."""
     from safetensors import safe_open
@@ -59,7 +62,8 @@ def iter_checkpoint_tensors(model_path: str):
 
 
 class NativeRollout(RolloutEngine):
-    """Batched generation for Qwen2 / Llama checkpoints with a pre-allocated KV cache; see the module docstring."""
+    """Batched generation with a pre-allocated KV cache for the architectures in arch_specs.py; see the module
+    docstring."""
 
     DTYPES = ("fp32", "bf16", "int8")
     SWITCHES = ("enforce_eager", "free_cache_engine")
@@ -112,18 +116,27 @@ class NativeRollout(RolloutEngine):
         self.model = NativeDecoder(
             self.config, self.dtype, self.device, self.max_model_len, int8=self.int8, prepack=prepack
         )
+        if self.model.max_positions < self.max_model_len:  # longrope: its short factors only (rope.py)
+            logger.warning("native rollout: %s's rope switches factors past %d positions; generating within "
+                           "max_model_len=%d instead of %d", self.config.model_type, self.model.max_positions,
+                           self.model.max_positions, self.max_model_len)
+            self.max_model_len = self.model.max_positions
         loaded = {name for name, tensor in iter_checkpoint_tensors(model_path) if self.model.load(name, tensor)}
         if decode not in DECODE_MODES:
             raise ValueError(f"native rollout: decode={decode!r}; choose one of {list(DECODE_MODES)}")
-        if decode == "auto":
-            decode = "cuda_graph" if self.device.type == "cuda" else "eager"
+        if decode == "auto":  # MoE expert dispatch has data-dependent shapes, which a CUDA graph cannot replay
+            decode = "cuda_graph" if self.device.type == "cuda" and not self.model.shape.moe else "eager"
+        if decode == "cuda_graph" and self.model.shape.moe:
+            raise ValueError("native rollout: decode='cuda_graph' cannot capture the expert dispatch of a "
+                             f"{self.config.model_type} checkpoint (data-dependent group sizes); use decode='eager' "
+                             "(actor_rollout_ref.rollout.enforce_eager=true)")
         if decode == "cuda_graph" and self.device.type != "cuda":
             raise ValueError(f"native rollout: decode='cuda_graph' needs a CUDA device, this worker computes on "
                              f"{self.device.type}; use decode='eager' (or 'static' to test the fixed-shape step)")
         self.decode = decode
         self.free_cache_engine = bool(free_cache_engine)  # fixed-shape decode: drop its buffers after each call
         self._graphs = GraphDecoder(self.model, capture=decode == "cuda_graph") if decode != "eager" else None
-        missing = sorted(self.model.expected_names() - loaded)
+        missing = self.model.missing_names(loaded)
         if missing:
             raise ValueError(f"checkpoint {model_path} lacks {len(missing)} tensors the decoder needs: {missing[:6]}")
 

@@ -69,11 +69,20 @@ def get_rollout_engine(name: str) -> type[RolloutEngine]:
         raise
 
 
+# veRL namespaces engine options by engine (engine_kwargs.vllm.*, engine_kwargs.sglang.*): these keys are sub-dicts
+ENGINE_NAMESPACES = ("vllm", "sglang", "trtllm", "native", "hf")
+
+
 def rollout_engine_kwargs(rollout: Any) -> dict[str, Any]:
-    """The rollout config section as the chosen engine's constructor kwargs (veRL switches, then engine_kwargs)."""
+    """The rollout config section as the chosen engine's constructor kwargs: veRL's switches, then
+    ``engine_kwargs.<option>``, then ``engine_kwargs.<this engine's name>.<option>`` (veRL's per-engine form; the
+    other engines' sub-dicts are theirs and are not passed to this one)."""
     engine = get_rollout_engine(rollout.name)
     kwargs = dict(engine.options_from_config(rollout))
-    kwargs.update(dict(rollout.engine_kwargs))
+    given = dict(rollout.engine_kwargs)
+    own = given.pop(rollout.name, None) or {}
+    kwargs.update({k: v for k, v in given.items() if k not in ENGINE_NAMESPACES})
+    kwargs.update(dict(own))
     return kwargs
 
 

@@ -1,0 +1,51 @@
+"""Routed-expert MLP for the native decoder (Qwen3-MoE): top-k routing and batched expert dispatch.
+
+The arithmetic is transformers' Qwen3MoeTopKRouter + Qwen3MoeExperts: router softmax in fp32, top-k, optional
+renormalisation of the k weights, each chosen expert's gated MLP scaled by its weight and summed per token in expert
+order. Dispatch groups the token-expert assignments by expert with one stable sort, so each expert runs one matmul
+over all of its tokens; the only Python loop is over experts (a few dozen), never over tokens.
+
+The group sizes are read on the host (``tolist``) to slice the sorted rows, which a CUDA graph cannot capture:
+the native engine decodes MoE checkpoints eagerly or with the uncaptured fixed-shape step (native_rollout.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["moe_mlp", "route"]
+
+
+def route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], router [E, H] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
+    logits = F.linear(x, router)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+def moe_mlp(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, k: int,
+            normalize: bool, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x [..., H]; router [E, H]; gate_up [E, 2I, H] (rows [gate | up]); down [E, H, I] -> [..., H]."""
+    lead, hidden = x.shape[:-1], x.shape[-1]
+    x = x.reshape(-1, hidden)
+    weights, experts = route(x, router, k, normalize)
+    flat = experts.reshape(-1)  # [T * k] assignment -> expert
+    order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens ascending within each group
+    token = order // k
+    rows = x[token]
+    counts = torch.bincount(flat, minlength=router.shape[0]).tolist()
+    outputs, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            gate, up = F.linear(rows[start : start + count], gate_up[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(act(gate) * up, down[expert]))
+        start += count
+    y = torch.cat(outputs) * weights.reshape(-1)[order, None]
+    # index_add_ in assignment order: each token's k contributions are summed in expert order, as transformers does
+    return torch.zeros_like(x).index_add_(0, token, y).view(*lead, hidden)

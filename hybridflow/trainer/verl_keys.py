@@ -1,0 +1,136 @@
+"""veRL's config keys that hybridflow names differently, and the ones it refuses, each with the reason.
+
+A veRL user's dotted overrides reach `merge_overrides` unchanged. A key hybridflow has is taken as it is; a key in
+`ALIASES` is renamed to hybridflow's (``critic.model.fsdp_config.param_offload`` -> ``critic.fsdp_config.
+param_offload``); a key under a prefix of `UNSUPPORTED` is refused with one line that says which feature it belongs
+to and what to use instead. Nothing is accepted and dropped. `PLANNED` lists features that hybridflow does not have
+*yet*, so their refusal names the work that will add them.
+"""
+
+from __future__ import annotations
+
+# veRL key (or prefix ending in ".") -> hybridflow key (or prefix)
+ALIASES: dict[str, str] = {
+    "critic.model.fsdp_config.": "critic.fsdp_config.",
+    "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+    "trainer.max_critic_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+    "actor_rollout_ref.actor.optim.clip_grad": "actor_rollout_ref.actor.grad_clip",
+}
+
+_MEGATRON = "Megatron-LM training is not supported: hybridflow trains with FSDP2 (remove the megatron keys)"
+_PROFILER = (
+    "veRL's profiler hooks (nsys / npu / torch memory) are not supported; use benchmarks/rollout_profile.py or "
+    "torch.profiler around a step (remove the profiler keys)"
+)
+_VISION = "vision-language models and image data are not supported (text models only)"
+_SGLANG = "the SGLang / TensorRT-LLM rollouts are not supported; use rollout.name=vllm, native or hf"
+_NPU = "Ascend NPUs are not supported (cpu and cuda devices)"
+
+# prefix -> why the feature does not exist here
+UNSUPPORTED: dict[str, str] = {
+    "actor_rollout_ref.actor.megatron.": _MEGATRON,
+    "actor_rollout_ref.ref.megatron.": _MEGATRON,
+    "critic.megatron.": _MEGATRON,
+    "actor_rollout_ref.actor.optim.override_optimizer_config.": _MEGATRON,
+    "global_profiler.": _PROFILER,
+    "actor_rollout_ref.actor.profiler.": _PROFILER,
+    "actor_rollout_ref.ref.profiler.": _PROFILER,
+    "actor_rollout_ref.rollout.profiler.": _PROFILER,
+    "critic.profiler.": _PROFILER,
+    "data.image_key": _VISION,
+    "data.video_key": _VISION,
+    "actor_rollout_ref.actor.freeze_vision_tower": _VISION,
+    "actor_rollout_ref.rollout.engine_kwargs.sglang.": _SGLANG,
+    "actor_rollout_ref.rollout.engine_kwargs.trtllm.": _SGLANG,
+    "actor_rollout_ref.actor.profiler.tool_config.npu.": _NPU,
+    "trainer.use_legacy_worker_impl": "hybridflow has one worker implementation; remove the key",
+    "actor_rollout_ref.rollout.prometheus.": "vLLM's Prometheus server is not started by hybridflow; metrics go to "
+    "trainer.logger (console, jsonl, tensorboard, wandb, mlflow)",
+    "actor_rollout_ref.rollout.disable_log_stats": "hybridflow runs vLLM in-process and logs its own rollout metrics",
+    "reward_model.sandbox_fusion.": "the remote SandboxFusion service is not used; code rewards run in hybridflow's "
+    "local sandbox (data_source 'code', hybridflow/rewards/sandbox.py)",
+    "reward_model.use_reward_loop": "veRL's asynchronous reward loop is not supported; rewards are scored in "
+    "hybridflow's reward worker processes (reward_model.num_workers)",
+    "algorithm.use_pf_ppo": "PF-PPO's sample reweighting is not implemented; remove the algorithm.pf_ppo keys",
+    "algorithm.pf_ppo.": "PF-PPO's sample reweighting is not implemented; remove the algorithm.pf_ppo keys",
+    "actor_rollout_ref.model.use_shm": "loading the model through /dev/shm is not supported; models load by path",
+    "actor_rollout_ref.actor.calculate_sum_pi_squared": "the sum-of-pi-squared diagnostic is not computed",
+    "data.custom_cls.": "custom dataset classes are not loaded; give parquet/JSONL files in veRL's schema",
+    "model.use_liger": "Liger kernels are not used; hybridflow's chunked log-prob/entropy keeps [tokens, vocab] "
+    "small without them",
+}
+
+# prefix -> the open issue whose work adds the feature (refused until it lands)
+PLANNED: dict[str, str] = {
+    "actor_rollout_ref.rollout.enable_chunked_prefill": "chunked prefill (issue #21/#22)",
+    "actor_rollout_ref.rollout.max_num_batched_tokens": "a prefill token budget (issue #21/#22)",
+    "actor_rollout_ref.rollout.max_num_seqs": "a decode batch cap (issue #21/#22)",
+    "actor_rollout_ref.rollout.mode": "veRL's async server rollout mode (issue #19)",
+    "actor_rollout_ref.rollout.load_format": "skipping the rollout's own weight load (issue #21)",
+    "actor_rollout_ref.rollout.layered_summon": "layered FSDP weight gathering for sync (issue #20)",
+    "actor_rollout_ref.rollout.multi_turn.": "multi-turn agent rollouts (issue #18)",
+    "actor_rollout_ref.rollout.multi_stage_wake_up": "staged vLLM wake-up (issue #19)",
+    "actor_rollout_ref.rollout.checkpoint_engine.": "bucketed weight streaming to a separate rollout (issue #19)",
+    "actor_rollout_ref.rollout.expert_parallel_size": "expert-parallel rollout (issue #17/#20)",
+    "actor_rollout_ref.rollout.data_parallel_size": "rollout data parallelism apart from training (issue #19)",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "Ulysses sequence parallelism (issue #20)",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "Ulysses sequence parallelism (issue #20)",
+    "critic.ulysses_sequence_parallel_size": "Ulysses sequence parallelism (issue #20)",
+    "actor_rollout_ref.actor.use_torch_compile": "a torch.compile'd training step (issue #22)",
+    "actor_rollout_ref.ref.use_torch_compile": "a torch.compile'd training step (issue #22)",
+    "actor_rollout_ref.model.use_fused_kernels": "fused log-prob kernels (issue #22)",
+    "actor_rollout_ref.model.fused_kernel_options.": "fused log-prob kernels (issue #22)",
+    "actor_rollout_ref.model.lora_": "LoRA (issue #17)",
+    "actor_rollout_ref.model.target_modules": "LoRA (issue #17)",
+    "actor_rollout_ref.model.exclude_modules": "LoRA (issue #17)",
+    "model.lora_": "LoRA in SFT (issue #17)",
+    "model.target_modules": "LoRA in SFT (issue #17)",
+    "actor_rollout_ref.model.override_config.": "model config overrides (issue #21)",
+    "actor_rollout_ref.model.trust_remote_code": "trust_remote_code model loading (issue #21)",
+    "actor_rollout_ref.model.torch_dtype": "a model load dtype apart from fsdp_config.param_dtype (issue #21)",
+    "critic.model.trust_remote_code": "trust_remote_code model loading (issue #21)",
+    "data.trust_remote_code": "trust_remote_code tokenizer loading (issue #21)",
+    "data.return_raw_chat": "raw chat prompts for multi-turn rollouts (issue #18)",
+    "data.filter_overlong_prompts_workers": "parallel prompt filtering (issue #21)",
+    "trainer.log_val_generations": "validation generations in samples.jsonl (issue #21)",
+    "trainer.resume_from_path": "veRL's resume path key; use trainer.resume_mode=<checkpoint path> (issue #21)",
+    "actor_rollout_ref.actor.checkpoint.": "choosing checkpoint contents (issue #21)",
+    "actor_rollout_ref.actor.fsdp_config.": "this FSDP option (issue #21)",
+    "actor_rollout_ref.ref.fsdp_config.": "this FSDP option (issue #21)",
+    "actor_rollout_ref.actor.entropy_from_logits_with_chunking": "always on here: entropy is computed in chunks",
+    "actor_rollout_ref.ref.entropy_from_logits_with_chunking": "always on here: entropy is computed in chunks",
+    "actor_rollout_ref.actor.entropy_checkpointing": "entropy recomputation in backward (issue #22)",
+    "actor_rollout_ref.actor.optim.lr_decay_style": "veRL Megatron's scheduler key; use optim.lr_scheduler_type",
+    "actor_rollout_ref.ref.strategy": "the reference uses the actor's engine (FSDP2); remove the key",
+    "actor_rollout_ref.nccl_timeout": "a process-group timeout key (issue #23); trainer.call_timeout_s bounds calls",
+    "algorithm.rollout_correction.": "rollout importance-sampling corrections (issue #19)",
+    "reward_model.reward_kwargs.": "veRL's DAPO reward-manager options (issue #21)",
+    "reward_model.rollout.": "generative reward models (issue #21)",
+    "reward_model.model.fsdp_config.": "the reward model runs unsharded, one copy per rank (issue #21)",
+    "data.prompt_dict_keys": "SFT's dict-valued prompt column (issue #21)",
+    "data.response_dict_keys": "SFT's dict-valued response column (issue #21)",
+    "data.multiturn.": "multi-turn SFT data (issue #18)",
+    "model.partial_pretrain": "SFT's model key (issue #21); use model.path",
+    "model.strategy": "SFT's strategy key; hybridflow's SFT uses FSDP2",
+    # SFT config keys of veRL's fsdp_sft_trainer that hybridflow's SFT schema does not have yet
+    "trainer.project_name": "SFT run naming (issue #21)",
+    "trainer.experiment_name": "SFT run naming (issue #21)",
+    "data.micro_batch_size": "veRL SFT's deprecated global micro-batch key (issue #21)",
+}
+
+
+def alias_of(key: str) -> str | None:
+    """hybridflow's name for a veRL key, or None."""
+    for verl, ours in ALIASES.items():
+        if key == verl or (verl.endswith(".") and key.startswith(verl)):
+            return ours + key[len(verl):] if verl.endswith(".") else ours
+    return None
+
+
+def refusal(key: str) -> str | None:
+    """Why a veRL key is refused here (one line), or None when it is not one of the known refused ones."""
+    for table, lead in ((UNSUPPORTED, ""), (PLANNED, "not in hybridflow yet: ")):
+        for prefix, reason in table.items():
+            if key == prefix or (prefix.endswith((".", "_")) and key.startswith(prefix)):
+                return f"{key}: {lead}{reason}"
+    return None

@@ -1,0 +1,362 @@
+"""The agent loop over a real tiny model: tool episodes, limits, and every bad input ending as a counted error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import pytest
+from agent_helpers import QWEN_STYLE_TEMPLATE, ScriptedGenerator, assistant_turns, tokenizer_with
+
+from hybridflow.agents import AgentFailureError, AgentLoop, AgentLoopConfig, Tool, ToolResult
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def first_user(context: str) -> str:
+    return context.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+
+
+def tool_responses(context: str) -> list[str]:
+    return re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context, re.DOTALL)
+
+
+def scripted(task_scripts: dict):
+    """Script keyed by the row's user message: a list of replies (str or callable(context) -> str) per turn."""
+    def script(context: str) -> str:
+        replies = task_scripts[first_user(context)]
+        reply = replies[min(assistant_turns(context), len(replies) - 1)]
+        return reply(context) if callable(reply) else reply
+    return script
+
+
+def row(task: str, **extra) -> dict:
+    return {"prompt": [{"role": "user", "content": task}], **extra}
+
+
+@pytest.fixture()
+def qwen_tok(tiny_model_path):
+    return tokenizer_with(tiny_model_path, QWEN_STYLE_TEMPLATE)
+
+
+def test_tool_episode_tokens_masks_records_and_score(tiny_lm, qwen_tok):
+    model, _ = tiny_lm
+    seen = {}
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info):
+        seen.update(extra_info)
+        return float(solution_str.strip().endswith(str(ground_truth)))
+
+    gen = ScriptedGenerator(model, qwen_tok, scripted({
+        "123*45?": [call("multiply", a=123, b=45), lambda c: f"It is {tool_responses(c)[-1]}"]}))
+    loop = AgentLoop(gen, qwen_tok, AgentLoopConfig(), tools=[multiply], compute_score=compute_score)
+    (ep,) = loop.run_sync([row("123*45?", data_source="calc", reward_model={"ground_truth": 5535},
+                               extra_info={"index": 7})])
+    assert ep.termination == "stop" and ep.reward == 1.0 and ep.num_turns == 3
+    traj = ep.trajectory
+    obs = traj.turns[1]
+    assert obs.kind == "observation" and obs.role == "tool"
+    assert qwen_tok.decode(traj.response_ids[obs.start:obs.end]) == (
+        "\n<|im_start|>user\n<tool_response>\n5535\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert traj.response_mask == [1] * obs.start + [0] * (obs.end - obs.start) + [1] * (len(traj.response_ids) - obs.end)
+    assert all(lp == 0.0 for lp in traj.log_probs[obs.start:obs.end])
+    assert all(lp < 0.0 for lp in traj.log_probs[:obs.start])
+    assert [(c["name"], c["arguments"], c["error"], c["output"]) for c in ep.tool_calls] == [
+        ("multiply", {"a": 123, "b": 45}, None, "5535")]
+    assert seen["index"] == 7 and seen["num_turns"] == 3 and seen["tool_calls"][0]["output"] == "5535"
+    assert [m["role"] for m in seen["turns"]] == ["user", "assistant", "tool", "assistant"]
+    with pytest.raises(RuntimeError, match=r"compute_score raised on row 0 \(data_source 'calc'\): KeyError"):
+        AgentLoop(gen, qwen_tok, tools=[multiply], compute_score=lambda **kw: {}["x"]).run_sync(
+            [row("123*45?", data_source="calc")])
+    m = ep.metrics()
+    assert m["tool_calls"] == 1 and m["assistant_turns"] == 2 and 0 < m["observation_token_share"] < 1
+
+
+def test_model_mistakes_become_error_observations(tiny_lm, qwen_tok):
+    model, _ = tiny_lm
+    gen = ScriptedGenerator(model, qwen_tok, scripted({
+        "json": ['<tool_call>{"name": "multiply", "arguments": {"a": 1,</tool_call>', "done"],
+        "unknown": [call("divide", a=1, b=2), "done"],
+        "types": [call("multiply", a="12", b=3), "done"],
+        "missing": [call("multiply", a=2), "done"],
+    }))
+    loop = AgentLoop(gen, qwen_tok, AgentLoopConfig(), tools=[multiply])
+    eps = loop.run_sync([row("json"), row("unknown"), row("types"), row("missing")])
+    kinds = [dict(e.tool_errors) for e in eps]
+    assert kinds == [{"malformed_json": 1}, {"unknown_tool": 1}, {"bad_arguments": 1}, {"bad_arguments": 1}]
+    outputs = [e.tool_calls[0]["output"] for e in eps]
+    assert outputs[0].startswith("Error: could not read the tool call: invalid JSON")
+    assert outputs[1] == "Error: unknown tool 'divide'; available tools: ['multiply']."
+    assert "argument 'a' must be integer, got str" in outputs[2]
+    assert "missing required argument(s) ['b']" in outputs[3]
+    for e in eps:  # the model was told, and answered
+        assert e.termination == "stop" and e.failure is None and e.trajectory.num_assistant_turns == 2
+        assert e.tool_calls[0]["output"] in gen.tokenizer.decode(e.trajectory.response_ids)
+
+
+class Flaky(Tool):
+    """Stateful tool: counts create/release per episode; misbehaves on request."""
+
+    def __init__(self):
+        super().__init__("flaky", "Does what it is told.", {
+            "type": "object", "properties": {"mode": {"type": "string"}}, "required": ["mode"]})
+        self.created, self.released = 0, []
+
+    def create(self, **kwargs):
+        self.created += 1
+        return {"calls": 0, **kwargs}
+
+    def execute(self, state, arguments):
+        state["calls"] += 1
+        mode = arguments["mode"]
+        if mode == "raise":
+            raise ValueError("boom")
+        if mode == "hang":
+            time.sleep(1.5)  # a sync tool stuck in a thread
+        if mode == "huge":
+            return "7" * 3_000_000
+        return ToolResult(f"ok {state['calls']} {state.get('tag')}", reward=0.5, metrics={"m": 1.0})
+
+    def release(self, state):
+        self.released.append(state["calls"])
+
+
+class AsyncHang(Tool):
+    def __init__(self):
+        super().__init__("slow", "Never answers.", {"type": "object", "properties": {}})
+
+    async def execute(self, state, arguments):
+        await asyncio.sleep(30)
+
+
+def test_tool_failures_cost_their_episode_not_the_batch(tiny_lm, qwen_tok):
+    model, _ = tiny_lm
+    flaky = Flaky()
+    gen = ScriptedGenerator(model, qwen_tok, scripted({
+        "raise": [call("flaky", mode="raise"), "done"],
+        "hang": [call("flaky", mode="hang"), "done"],
+        "ahang": [call("slow"), "done"],
+        "huge": [call("flaky", mode="huge"), "done"],
+        "ok": [call("flaky", mode="ok"), call("flaky", mode="ok"), "done"],
+    }))
+    cfg = AgentLoopConfig(tool_timeout_s=0.3, max_observation_tokens=32, add_tool_rewards=True,
+                          max_failure_fraction=1.0)
+    loop = AgentLoop(gen, qwen_tok, cfg, tools=[flaky, AsyncHang()])
+    start = time.monotonic()
+    rows = [row("raise"), row("hang"), row("ahang"), row("huge"),
+            row("ok", tools_kwargs={"flaky": {"create_kwargs": {"tag": "T"}}})]
+    eps = loop.run_sync(rows)
+    assert time.monotonic() - start < 1.4  # the hung tools cost their 0.3 s timeout, concurrently
+    by = {r["prompt"][0]["content"]: e for r, e in zip(rows, eps)}
+    assert dict(by["raise"].tool_errors) == {"raised": 1}
+    assert by["raise"].tool_calls[0]["output"] == "Error: tool 'flaky' failed: ValueError: boom"
+    assert by["raise"].failure == "tool 'flaky': raised: ValueError: boom"
+    assert dict(by["hang"].tool_errors) == {"timeout": 1} and dict(by["ahang"].tool_errors) == {"timeout": 1}
+    assert "timed out after 0.3 s" in by["ahang"].tool_calls[0]["output"]
+    huge = by["huge"].tool_calls[0]
+    assert huge["error"] is None and huge["truncated"] and huge["output"] == "7" * 32 + "...(truncated)"
+    assert by["huge"].observations_truncated == 1 and by["huge"].failure is None
+    ok = by["ok"]
+    assert [c["output"] for c in ok.tool_calls] == ["ok 1 T", "ok 2 T"] and ok.reward == 1.0
+    assert ok.tool_calls[0]["metrics"] == {"m": 1.0}
+    assert all(e.termination == "stop" for e in eps)
+    # one create per episode that called the tool, one release each, with that episode's state
+    assert flaky.created == 4 and sorted(flaky.released) == [1, 1, 1, 2]
+
+
+def test_failure_fraction_stops_naming_the_tool_and_first_sample(tiny_lm, qwen_tok):
+    model, _ = tiny_lm
+    gen = ScriptedGenerator(model, qwen_tok, scripted({
+        "raise": [call("flaky", mode="raise"), "done"], "ok": [call("flaky", mode="ok"), "done"]}))
+    loop = AgentLoop(gen, qwen_tok, AgentLoopConfig(max_failure_fraction=0.5), tools=[Flaky()])
+    with pytest.raises(AgentFailureError, match=r"2 of 3 episodes.*first failing sample: row 1: tool 'flaky': "
+                                                r"raised: ValueError: boom"):
+        loop.run_sync([row("ok"), row("raise"), row("raise")])
+    assert len(loop.run_sync([row("ok"), row("raise")])) == 2  # 50% is tolerated
+
+
+class GuessEnv:
+    def __init__(self, fail_in=None, bad_return=False):
+        self.fail_in, self.bad_return, self.steps = fail_in, bad_return, 0
+
+    def reset(self, **row):
+        if self.fail_in == "reset":
+            raise RuntimeError("no game today")
+        if self.fail_in == "reset_hang":
+            time.sleep(1.0)
+        return f" Guess {row['extra_info']['secret'] % 3}."
+
+    def step(self, action):
+        self.steps += 1
+        if self.fail_in == "step":
+            raise KeyError("lost state")
+        if self.fail_in == "step_hang":
+            time.sleep(1.0)
+        if self.bad_return:
+            return "only text"
+        return ("right" if "[2]" in action else "wrong"), 0.25, "[2]" in action, {}
+
+    def get_reward(self):
+        if self.fail_in == "reward":
+            raise ZeroDivisionError("no reward")
+        return 1.0
+
+
+def test_environment_failures_end_the_episode_with_the_failure_reward(tiny_lm):
+    model, tok = tiny_lm
+    gen = ScriptedGenerator(model, tok, lambda c: ["[1]", "[2]"][min(assistant_turns(c), 1)])
+    cfg = AgentLoopConfig(failure_reward=-1.0, max_failure_fraction=1.0, env_timeout_s=0.2)
+    rows = [row("go", extra_info={"secret": 5})]
+    ok = AgentLoop(gen, tok, cfg, env_factory=GuessEnv).run_sync(rows)[0]
+    assert ok.termination == "env_done" and ok.env_rewards == [0.25, 0.25] and ok.reward == 1.5
+    assert ok.conversation[0]["content"] == "go Guess 2."  # reset's text joins the last user message
+    results = {}
+    cases = {"reset": lambda: GuessEnv("reset"), "step": lambda: GuessEnv("step"),
+             "bad": lambda: GuessEnv(bad_return=True), "ctor": lambda: 1 / 0, "reward": lambda: GuessEnv("reward"),
+             "reset_hang": lambda: GuessEnv("reset_hang"), "step_hang": lambda: GuessEnv("step_hang")}
+    for name, factory in cases.items():
+        (ep,) = AgentLoop(gen, tok, cfg, env_factory=factory).run_sync(rows)
+        results[name] = ep
+        assert ep.termination == "env_error" and ep.reward == -1.0
+    assert dict(results["reset"].env_errors) == {"reset_raised": 1}
+    assert results["reset"].trajectory.response_ids == []  # nothing was generated
+    assert results["reset"].failure == "environment GuessEnv: reset_raised: RuntimeError: no game today"
+    assert dict(results["step"].env_errors) == {"step_raised": 1}
+    assert dict(results["bad"].env_errors) == {"bad_step_return": 1}
+    assert "must return (observation, reward | None, done, info)" in results["bad"].failure
+    assert dict(results["ctor"].env_errors) == {"construct_raised": 1}
+    assert dict(results["reward"].env_errors) == {"reward_raised": 1}
+    assert dict(results["reset_hang"].env_errors) == {"reset_timeout": 1}
+    assert dict(results["step_hang"].env_errors) == {"step_timeout": 1}
+    assert results["step_hang"].env_time_s < 0.5
+    closed = []
+
+    class Closing(GuessEnv):
+
+        def close(self):
+            closed.append(self.fail_in)
+
+    for fail_in in ("reset", "step", None):
+        AgentLoop(gen, tok, cfg, env_factory=lambda f=fail_in: Closing(f)).run_sync(rows)
+    assert closed == ["reset", "step", None]  # closed however the episode ended
+    with pytest.raises(AgentFailureError, match="environment GuessEnv: step_raised"):
+        AgentLoop(gen, tok, AgentLoopConfig(max_failure_fraction=0.0),
+                  env_factory=lambda: GuessEnv("step")).run_sync(rows)
+
+
+def test_limits(tiny_lm, qwen_tok):
+    model, _ = tiny_lm
+    always = ScriptedGenerator(model, qwen_tok, lambda c: call("multiply", a=2, b=3))
+    rows = [row("x")]
+
+    def run(**cfg):
+        return AgentLoop(always, qwen_tok, AgentLoopConfig(**cfg), tools=[multiply]).run_sync(rows)[0]
+
+    ep = run(max_assistant_turns=3, max_tool_calls=None)
+    assert ep.termination == "max_assistant_turns" and ep.trajectory.num_assistant_turns == 3
+    ep = run(max_tool_calls=2, max_assistant_turns=None)
+    assert ep.termination == "max_tool_calls" and len(ep.tool_calls) == 2
+    ep = run(max_user_turns=1, max_tool_calls=None)
+    assert ep.termination == "max_user_turns" and sum(t.kind == "observation" for t in ep.trajectory.turns) == 1
+    ep = run(max_response_tokens=200, max_tool_calls=None, max_assistant_turns=None)
+    assert ep.termination == "response_budget" and len(ep.trajectory.response_ids) <= 200
+    assert ep.trajectory.turns[-1].kind == "assistant"  # an episode ends on the model's turn
+    ep = run(max_tokens_per_turn=10, max_assistant_turns=1)
+    assert ep.trajectory.turns[0].finish_reason == "length" and len(ep.trajectory.response_ids) == 10
+    two = ScriptedGenerator(model, qwen_tok, scripted({"x": [call("multiply", a=1, b=1) * 3, "done"]}))
+    cfg = AgentLoopConfig(max_parallel_calls=2, max_tokens_per_turn=256)
+    ep = AgentLoop(two, qwen_tok, cfg, tools=[multiply]).run_sync(rows)[0]
+    assert [c["error"] for c in ep.tool_calls] == [None, None, "call_limit"]
+    with pytest.raises(ValueError, match="max_tokens_per_turn must be >= 1"):
+        AgentLoopConfig(max_tokens_per_turn=0).validate()
+    with pytest.raises(ValueError, match="two tools are named 'multiply'"):
+        AgentLoop(always, qwen_tok, tools=[multiply, multiply])
+    with pytest.raises(ValueError, match="row 0: 'raw_prompt' / 'prompt' must be a list of chat messages"):
+        AgentLoop(always, qwen_tok, tools=[multiply]).run_sync([{"prompt": "hi"}])
+
+
+def test_tool_calls_of_many_episodes_overlap(tiny_lm, qwen_tok):
+    model, _ = tiny_lm
+
+    async def wait(seconds: float) -> str:
+        """Wait a while.
+
+        Args:
+            seconds: how long
+        """
+        await asyncio.sleep(seconds)
+        return "waited"
+
+    gen = ScriptedGenerator(model, qwen_tok, scripted({"w": [call("wait", seconds=0.4), "done"]}))
+    start = time.monotonic()
+    eps = AgentLoop(gen, qwen_tok, tools=[wait]).run_sync([row("w")] * 6)
+    assert time.monotonic() - start < 6 * 0.4 * 0.6
+    assert all(e.tool_calls[0]["output"] == "waited" for e in eps)
+    start = time.monotonic()
+    AgentLoop(gen, qwen_tok, AgentLoopConfig(max_concurrent_episodes=1), tools=[wait]).run_sync([row("w")] * 3)
+    assert time.monotonic() - start >= 3 * 0.4  # one episode at a time
+
+
+def test_a_generator_error_stops_the_batch_without_orphans(tiny_lm, qwen_tok):
+    model, _ = tiny_lm
+
+    async def nap(seconds: float) -> str:
+        """Sleep.
+
+        Args:
+            seconds: how long
+        """
+        await asyncio.sleep(seconds)
+        return "rested"
+
+    inner = ScriptedGenerator(model, qwen_tok, scripted({"nap": [call("nap", seconds=30), "done"], "bad": ["x"]}))
+
+    class Broken:
+        async def generate(self, prompt_token_ids, max_new_tokens, sampling):
+            if "bad" in qwen_tok.decode(prompt_token_ids):
+                await asyncio.sleep(0.1)
+                raise RuntimeError("engine crashed")
+            return await inner.generate(prompt_token_ids, max_new_tokens, sampling)
+
+    loop = AgentLoop(Broken(), qwen_tok, AgentLoopConfig(tool_timeout_s=60), tools=[nap])
+
+    async def main():
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="engine crashed"):
+            await loop.run([row("nap"), row("bad")])
+        assert time.monotonic() - start < 5
+        assert asyncio.all_tasks() == {asyncio.current_task()}  # the napping episode was cancelled, not orphaned
+
+    asyncio.run(main())
+
+
+def test_release_and_close_failures_are_counted(tiny_lm, qwen_tok):
+    model, _ = tiny_lm
+
+    class BadRelease(Flaky):
+        def release(self, state):
+            raise OSError("disk gone")
+
+    class BadClose(GuessEnv):
+        def close(self):
+            raise OSError("socket gone")
+
+    gen = ScriptedGenerator(model, qwen_tok, scripted({"ok Guess 1.": [call("flaky", mode="ok"), "[2]"]}))
+    loop = AgentLoop(gen, qwen_tok, tools=[BadRelease()], env_factory=BadClose)
+    (ep,) = loop.run_sync([row("ok", extra_info={"secret": 1})])
+    assert ep.termination == "env_done" and ep.failure is None and ep.reward == 1.25
+    assert dict(ep.tool_errors) == {"release_raised": 1} and dict(ep.env_errors) == {"close_raised": 1}

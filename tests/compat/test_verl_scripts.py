@@ -1,0 +1,96 @@
+"""veRL's own example scripts, key by key: each key is taken as it is, renamed to hybridflow's, or refused with a
+one-line reason. None is unknown, none is accepted and dropped.
+
+The override lists are the key=value arguments of every script's command line in veRL's examples (stored in
+verl_script_overrides.json with the commit they came from). Values are not checked here (they are the scripts' paths
+and shell variables); each key goes through the same `merge_overrides` a run uses, one at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from hybridflow.trainer.config import ConfigError, HybridFlowConfig, _all_keys, _parse_override
+from hybridflow.trainer.sft_trainer import SFTConfig
+from hybridflow.trainer.verl_keys import alias_of, refusal
+
+SCRIPTS = json.loads((Path(__file__).parent / "verl_script_overrides.json").read_text())["scripts"]
+
+
+@functools.cache
+def schema_keys(schema: type) -> tuple[frozenset[str], tuple[str, ...]]:
+    base = OmegaConf.structured(schema)
+    known = set(_all_keys(base))
+    free_form = tuple(k + "." for k in known if OmegaConf.get_type(OmegaConf.select(base, k)) is dict)
+    return frozenset(known), free_form
+
+
+def classify(schema: type, key: str) -> str:
+    known, free_form = schema_keys(schema)
+    if refusal(key) and key not in known:
+        return "refused"
+    if key in known or key.startswith(free_form):
+        return "as-is"
+    if alias_of(key) in known:
+        return "renamed"
+    return "unknown"
+
+
+def test_every_key_of_every_verl_script_is_taken_renamed_or_refused_with_a_reason():
+    counts: Counter[str] = Counter()
+    unknown: dict[str, list[str]] = {}
+    fully_accepted = 0
+    for script, overrides in SCRIPTS.items():
+        schema = SFTConfig if script.startswith("examples/sft/") else HybridFlowConfig
+        kinds = [classify(schema, _parse_override(o)[0]) for o in overrides]
+        counts.update(kinds)
+        fully_accepted += "refused" not in kinds and "unknown" not in kinds
+        for o, kind in zip(overrides, kinds):
+            if kind == "unknown":
+                unknown.setdefault(_parse_override(o)[0], []).append(script)
+    print(f"\nveRL scripts: {len(SCRIPTS)}, keys {dict(counts)}, scripts with no refused key: {fully_accepted}")
+    assert not unknown, "keys neither taken, renamed nor refused with a reason:\n" + "\n".join(
+        f"  {k} ({len(v)} scripts, e.g. {v[0]})" for k, v in sorted(unknown.items())
+    )
+
+
+@pytest.mark.parametrize("override, match", [
+    ("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", r"Megatron-LM training is not supported"),
+    ("actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=fa3", r"SGLang"),
+    ("data.image_key=images", r"vision-language"),
+    ("actor_rollout_ref.rollout.enable_chunked_prefill=True", r"not in hybridflow yet: chunked prefill"),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", r"tensor-parallel rollout is not in hybridflow yet"),
+])
+def test_refusals_are_one_line_each_and_name_the_key(override, match):
+    from hybridflow.trainer.config import load_config
+
+    with pytest.raises(ConfigError, match=match) as err:
+        load_config([override])
+    assert override.split("=")[0] in str(err.value)
+
+
+def test_renamed_keys_reach_hybridflows_keys():
+    from hybridflow.trainer.config import load_config
+
+    cfg = load_config(["critic.model.fsdp_config.param_offload=True", "trainer.max_actor_ckpt_to_keep=5",
+                       "trainer.logger=console", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+                       "actor_rollout_ref.actor.optim.clip_grad=0.5"])
+    assert cfg.critic.fsdp_config.param_offload is True and cfg.trainer.max_ckpt_to_keep == 5
+    assert cfg.trainer.logger == ["console"] and cfg.actor_rollout_ref.actor.grad_clip == 0.5
+
+
+def test_per_engine_kwargs_reach_only_their_engine():
+    from hybridflow.engines.rollout.registry import rollout_engine_kwargs
+    from hybridflow.trainer.config import load_config
+
+    rollout = load_config(["+actor_rollout_ref.rollout.engine_kwargs.native.decode=eager",
+                           "+actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True"]
+                          ).actor_rollout_ref.rollout
+    assert rollout_engine_kwargs(rollout) == {"decode": "eager"}
+    assert _parse_override("x.y=1") == ("x.y", 1)

