@@ -353,27 +353,8 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
         raise ConfigError(f"invalid {what} value: {e}") from None
 
 
-# Newer veRL (its top-level `reward:` section) names the reward keys differently; they mean the same thing here.
-VERL_REWARD_SECTION = {
-    "reward.reward_manager.name": "reward_model.reward_manager",
-    "reward.reward_kwargs.": "reward_model.reward_kwargs.",
-    "reward.custom_reward_function.": "custom_reward_function.",
-    "reward.num_workers": "reward_model.num_workers",
-}
-
-
-def _rename_reward_section(item: str) -> str:
-    plus = item[: len(item) - len(item.lstrip("+"))]
-    key, sep, value = item[len(plus):].partition("=")
-    for old, new in VERL_REWARD_SECTION.items():
-        if key == old or (old.endswith(".") and key.startswith(old)):
-            return f"{plus}{new}{key[len(old):]}{sep}{value}"
-    return item
-
-
 def load_config(overrides: list[str] | None = None, preset: str | None = None, validate: bool = True) -> HybridFlowConfig:
     """Defaults <- optional YAML preset file <- dotted command-line overrides; then validated."""
-    overrides = [_rename_reward_section(o) for o in overrides or []]
     cfg = merge_overrides(HybridFlowConfig, overrides, preset)
     if validate:
         validate_config(cfg)

@@ -15,6 +15,11 @@ ALIASES: dict[str, str] = {
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
     "trainer.max_critic_ckpt_to_keep": "trainer.max_ckpt_to_keep",
     "actor_rollout_ref.actor.optim.clip_grad": "actor_rollout_ref.actor.grad_clip",
+    # newer veRL's top-level `reward:` section
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    "reward.reward_kwargs.": "reward_model.reward_kwargs.",
+    "reward.custom_reward_function.": "custom_reward_function.",
+    "reward.num_workers": "reward_model.num_workers",
 }
 
 _MEGATRON = "Megatron-LM training is not supported: hybridflow trains with FSDP2 (remove the megatron keys)"
@@ -104,7 +109,6 @@ PLANNED: dict[str, str] = {
     "actor_rollout_ref.ref.strategy": "the reference uses the actor's engine (FSDP2); remove the key",
     "actor_rollout_ref.nccl_timeout": "a process-group timeout key (issue #23); trainer.call_timeout_s bounds calls",
     "algorithm.rollout_correction.": "rollout importance-sampling corrections (issue #19)",
-    "reward_model.reward_kwargs.": "veRL's DAPO reward-manager options (issue #21)",
     "reward_model.rollout.": "generative reward models (issue #21)",
     "reward_model.model.fsdp_config.": "the reward model runs unsharded, one copy per rank (issue #21)",
     "data.prompt_dict_keys": "SFT's dict-valued prompt column (issue #21)",
