@@ -250,7 +250,7 @@ class TrainerConfig:
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
     resume_mode: str = "auto"  # auto | disable | <checkpoint path>
     max_ckpt_to_keep: int | None = 2
-    max_restarts: int = 0
+    max_restarts: int = 3  # worker deaths survived by rebuilding the groups and resuming (0: fail at once)
     fault_injection: str | None = None  # tests: "method:rank:step" kills that worker once (see workers/fault.py)
     call_timeout_s: float = 1800.0
     log_samples_freq: int = 10

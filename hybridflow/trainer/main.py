@@ -148,6 +148,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
                     sample_writer=RolloutSampleWriter(run_dir, every_n_steps=t.log_samples_freq),
                     num_params=count_parameters(cfg.actor_rollout_ref.model.path), peak_flops=peak_flops,
                 )
+                trainer.restarts = restarts
                 resume_from = trainer.ckpt.resolve("auto" if restarts else t.resume_mode)
                 if resume_from:
                     logger.warning("resuming from %s", resume_from)
@@ -164,8 +165,16 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
                 return TrainResult(run_dir, trainer.global_step, last, initial_val, restarts)
             except WorkerGroupError as err:
                 # A rank that *raised* hit a deterministic error (bad checkpoint, bad data): a restart would repeat it.
-                if restarts >= t.max_restarts or err.kind == "raised":
+                # A rank whose collective failed because a peer died is classified "died" by the group (errors.py).
+                if err.kind == "raised":
                     raise
+                if restarts >= t.max_restarts:
+                    raise WorkerGroupError(
+                        f"{err}\n\nGave up after {restarts} restart(s) (trainer.max_restarts={t.max_restarts}); raise "
+                        "trainer.max_restarts to survive more worker deaths",
+                        group=err.group, method=err.method, rank=err.rank, node_ip=err.node_ip, pid=err.pid,
+                        kind=err.kind,
+                    ) from err
                 restarts += 1
                 logger.error("a worker failed (%s); restart %d/%d from the latest checkpoint", err, restarts,
                              t.max_restarts)
@@ -226,6 +235,7 @@ def _print_summary(result: TrainResult) -> None:
 
     before, after = acc(result.initial_val), acc(result.last_metrics)
     print(f"\nrun directory: {result.run_dir} (metrics.jsonl, samples.jsonl, checkpoints)")
+    print(f"restarts: {result.restarts}" + (" (worker deaths recovered from the latest checkpoint)" if result.restarts else ""))
     for key in sorted(set(before) | set(after)):
         b, a = before.get(key), after.get(key)
         fmt = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731

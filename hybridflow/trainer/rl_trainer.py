@@ -70,6 +70,7 @@ class RLTrainer:
         self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_ckpt_to_keep)
         self.global_step = 0
         self.nonfinite_in_a_row = 0
+        self.restarts = 0  # worker deaths this run has recovered from (set by run_training), logged every step
         actor = cfg.actor_rollout_ref.actor
         # The update is exactly on-policy when one optimizer step consumes the whole batch once: the log-probs of
         # the first forward in update_actor *are* the old log-probs, so the extra pass is skipped.
@@ -148,6 +149,7 @@ class RLTrainer:
             "max_new_tokens": self.cfg.data.max_response_length,
             "stop_token_ids": list(r.stop_token_ids),
             "seed": derive_seed(self.cfg.trainer.seed, self.global_step, salt),
+            "global_step": self.global_step + 1,  # the step being computed (fault points key on it)
         }
 
     def rollout_and_score(self, prompts: DataProto, timing: dict) -> tuple[DataProto, dict]:
@@ -290,6 +292,7 @@ class RLTrainer:
             metrics = self.train_step(prompts)
             self.global_step += 1
             metrics["training/global_step"] = self.global_step
+            metrics["training/restarts"] = self.restarts
             metrics["training/epoch"] = float(self.loader.state_dict().get("epoch", 0))
             is_last = self.global_step == total_steps
             if self.validator is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or is_last):

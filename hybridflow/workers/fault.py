@@ -1,6 +1,6 @@
 """Fault injection for tests of automatic restart: kill this worker process at a chosen (method, rank, step).
 
-Configured with ``trainer.fault_injection="update_actor:1:3"`` (method, rank, global step). The kill happens once per
+Configured with ``trainer.fault_injection="update_actor:1:3"`` (method, rank, global step; see FAULT_POINTS). The kill happens once per
 run folder: a marker file written just before the SIGKILL stops the restarted workers from dying again at the same
 step, which is what a real one-off fault (an OOM kill, a lost node) looks like.
 
@@ -11,10 +11,23 @@ step, which is what a real one-off fault (an OOM kill, a lost node) looks like.
 from __future__ import annotations
 
 import os
+import re
 import signal
+from typing import Any
 
-# The worker methods that call maybe_inject_fault (ActorRolloutRefWorker._fault_point).
-FAULT_POINTS = ("compute_log_prob", "update_actor")
+# The worker methods that call maybe_inject_fault (ActorRolloutRefWorker._fault_point): the kill lands in
+# generation, in a log-prob pass, right before update_actor's collectives, and half way through writing a checkpoint.
+FAULT_POINTS = ("generate_sequences", "compute_log_prob", "update_actor", "save_checkpoint")
+_STEP_DIR = re.compile(r"global_step_(\d+)$")
+
+
+def step_of(where: Any) -> int:
+    """The global step a fault point is at: a DataProto's meta_info["global_step"], or the N of a checkpoint folder
+    path ending in ``global_step_N`` (also ``.tmp-global_step_N`` while it is written); -1 when unknown."""
+    if isinstance(where, str):
+        m = _STEP_DIR.search(where.rstrip("/"))
+        return int(m.group(1)) if m else -1
+    return int(getattr(where, "meta_info", {}).get("global_step", -1))
 
 
 def parse_fault_spec(spec: str) -> tuple[str, int, int]:
