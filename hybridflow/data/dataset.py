@@ -73,7 +73,13 @@ class RLDataset:
         rows: list[dict[str, Any]] = []
         origins: list[tuple[str, int]] = []
         for path in self.files:
-            for i, raw in enumerate(read_rows(path, required_columns=["data_source", prompt_key])):
+            raw_rows = read_rows(path, required_columns=["data_source", prompt_key])
+            if not raw_rows:
+                raise DataConfigError(
+                    f"{name} dataset: data file {path!r} has no rows (its columns are there, its rows are not); "
+                    f"write the prompts into it, or leave it out of data.{name}_files"
+                )
+            for i, raw in enumerate(raw_rows):
                 rows.append(check_row(raw, path, i, prompt_key=prompt_key, require_ground_truth=require_ground_truth))
                 origins.append((path, i))
 

@@ -249,6 +249,7 @@ class TrainerConfig:
     val_only: bool = False
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
     resume_mode: str = "auto"  # auto | disable | <checkpoint path>
+    overwrite: bool = False  # a fresh start into a folder holding a run: archive that run beside it (else refused)
     max_ckpt_to_keep: int | None = 2
     max_restarts: int = 3  # worker deaths survived by rebuilding the groups and resuming (0: fail at once)
     fault_injection: str | None = None  # tests: "method:rank:step" kills that worker once (see workers/fault.py)

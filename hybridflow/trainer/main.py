@@ -25,6 +25,7 @@ def resolve_defaults(cfg: HybridFlowConfig) -> HybridFlowConfig:
     """Fill what the user left empty: the built-in task's data and base model, the critic switch, step counts."""
     from hybridflow.algorithms import get_advantage_estimator
     from hybridflow.data.builtin import builtin_base_model_path, ensure_builtin_task_files
+    from hybridflow.engines.checkpoint_io import check_safetensors_files
 
     if cfg.data.train_files is None or cfg.data.val_files is None:
         train, val = ensure_builtin_task_files()
@@ -40,6 +41,7 @@ def resolve_defaults(cfg: HybridFlowConfig) -> HybridFlowConfig:
             "`hybridflow make-tiny-model DIR`"
         )
     cfg.actor_rollout_ref.model.path = path
+    check_safetensors_files(path, "actor_rollout_ref.model.path")  # a cut-off weights file fails here, named
     if cfg.trainer.device == "auto":
         from hybridflow.device import device_name
 
@@ -81,6 +83,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     from hybridflow.trainer.placement import build_worker_groups
     from hybridflow.trainer.progress import ProgressBar
     from hybridflow.trainer.rl_trainer import RLTrainer
+    from hybridflow.trainer.run_dir import prepare_run_dir
     from hybridflow.trainer.samples import RolloutSampleWriter
     from hybridflow.trainer.tracking import Tracking
     from hybridflow.trainer.validation import Validator
@@ -107,6 +110,10 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     total_steps = t.total_training_steps or steps_per_epoch * t.total_epochs
     cfg.actor_rollout_ref.actor.optim.total_training_steps = total_steps
     cfg.critic.optim.total_training_steps = total_steps
+    run_dir = t.default_local_dir
+    # One folder, one history: refuse (or, with trainer.overwrite, archive) an old run before anything is written.
+    prepare_run_dir(run_dir, resume_mode=t.resume_mode, overwrite=t.overwrite, total_steps=total_steps,
+                    save_freq=t.save_freq)
 
     custom = None
     if cfg.custom_reward_function.path:
@@ -127,8 +134,6 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
         res = ray.cluster_resources()
         check_resources(cfg, res.get("CPU", 0), res.get("GPU", 0))
 
-    run_dir = t.default_local_dir
-    os.makedirs(run_dir, exist_ok=True)
     tracker = Tracking(run_dir, list(t.logger), project=t.project_name, experiment=t.experiment_name, config=to_dict(cfg))
     restarts, initial_val = 0, {}
     # The driver's matmul peak with all of this node's cores stands for one node; MFU divides by it per node.
