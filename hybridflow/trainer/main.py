@@ -106,6 +106,11 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
         if d.val_max_samples > 0:
             val_ds = val_ds.head(d.val_max_samples)
         val_loader = RLDataLoader(val_ds, d.val_batch_size or len(val_ds), shuffle=False, drop_last=False)
+    data_metrics = train_ds.count_metrics()
+    print(train_ds.describe(), flush=True)  # on the console, not in an INFO log
+    if val_loader is not None:
+        data_metrics.update(val_ds.count_metrics())
+        print(val_ds.describe(), flush=True)
     steps_per_epoch = len(train_loader)
     total_steps = t.total_training_steps or steps_per_epoch * t.total_epochs
     cfg.actor_rollout_ref.actor.optim.total_training_steps = total_steps
@@ -153,7 +158,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
                     sample_writer=RolloutSampleWriter(run_dir, every_n_steps=t.log_samples_freq),
                     num_params=count_parameters(cfg.actor_rollout_ref.model.path), peak_flops=peak_flops,
                 )
-                trainer.restarts = restarts
+                trainer.run_metrics = {"training/restarts": restarts, **data_metrics}
                 resume_from = trainer.ckpt.resolve("auto" if restarts else t.resume_mode)
                 if resume_from:
                     logger.warning("resuming from %s", resume_from)

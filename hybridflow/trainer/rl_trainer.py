@@ -70,7 +70,8 @@ class RLTrainer:
         self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_ckpt_to_keep)
         self.global_step = 0
         self.nonfinite_in_a_row = 0
-        self.restarts = 0  # worker deaths this run has recovered from (set by run_training), logged every step
+        # Facts about the run logged in every step row (run_training sets them): training/restarts, data filter counts
+        self.run_metrics: dict[str, float] = {}
         actor = cfg.actor_rollout_ref.actor
         # The update is exactly on-policy when one optimizer step consumes the whole batch once: the log-probs of
         # the first forward in update_actor *are* the old log-probs, so the extra pass is skipped.
@@ -292,7 +293,7 @@ class RLTrainer:
             metrics = self.train_step(prompts)
             self.global_step += 1
             metrics["training/global_step"] = self.global_step
-            metrics["training/restarts"] = self.restarts
+            metrics.update(self.run_metrics)
             metrics["training/epoch"] = float(self.loader.state_dict().get("epoch", 0))
             is_last = self.global_step == total_steps
             if self.validator is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or is_last):
