@@ -151,12 +151,17 @@ class Worker:
             )
         if device.is_cuda_available():
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self.rank == 0:
+            # The rendezvous store listens on the master address only (torch's own TCPStore server binds every
+            # interface): on a loopback-only run nothing here is reachable from the network.
+            self._store_socket = socket.create_server((self.master_addr, self.master_port), backlog=128)
+            store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, True, timeout,
+                                  master_listen_fd=self._store_socket.fileno())
+        else:
+            store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, False, timeout)
         dist.init_process_group(
-            backend=device.dist_backend(),
-            init_method=f"tcp://{self.master_addr}:{self.master_port}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            backend=device.dist_backend(), store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
         self._owns_process_group = True
 
@@ -165,6 +170,9 @@ class Worker:
         if getattr(self, "_owns_process_group", False) and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
+        if getattr(self, "_store_socket", None) is not None:
+            self._store_socket.close()
+            self._store_socket = None
 
     def set_num_threads(self, num_threads: int) -> int:
         """Set torch's intra-op thread count in this process; returns the count now in force."""

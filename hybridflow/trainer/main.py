@@ -54,6 +54,8 @@ def resolve_defaults(cfg: HybridFlowConfig) -> HybridFlowConfig:
 def _init_ray(cfg: HybridFlowConfig, roles_per_rank: int) -> None:
     import ray
 
+    from hybridflow.single_controller.local_ray import start_local_ray
+
     if ray.is_initialized():
         return
     if cfg.trainer.ray_address:
@@ -64,7 +66,8 @@ def _init_ray(cfg: HybridFlowConfig, roles_per_rank: int) -> None:
     # (even the reward scorers) would take their cores. The raylet reads this when it starts.
     os.environ.setdefault("RAY_worker_niceness", "0")
     # Logical CPUs: one per rank and role, so colocated and split placements both fit on a small machine.
-    ray.init(
+    # A cluster started here serves this run only: its servers listen on loopback (see local_ray.py).
+    start_local_ray(
         num_cpus=max(os.cpu_count() or 1, world * roles_per_rank),
         include_dashboard=False,
         log_to_driver=True,
