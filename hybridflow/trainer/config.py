@@ -192,6 +192,7 @@ class RewardModelConfig:
     timeout_s: float = 10.0
     failure_score: float = 0.0
     max_failure_fraction: float = 0.5
+    sandbox: bool = False  # run custom_reward_function in the sandbox (no network, limits, no secrets; see docs)
 
 
 @dataclass
@@ -425,6 +426,11 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         errors.append(f"reward_model.reward_manager={cfg.reward_model.reward_manager!r}: hybridflow has one, 'naive'")
     if actor.recompute_old_log_prob not in ("auto", "always"):
         errors.append("actor_rollout_ref.actor.recompute_old_log_prob: choose auto or always")
+    if cfg.reward_model.sandbox and not cfg.custom_reward_function.path:
+        errors.append(
+            "reward_model.sandbox=true boxes a custom reward function, but custom_reward_function.path is not set; "
+            "set it, or drop reward_model.sandbox (the built-in scorers are hybridflow's own code)"
+        )
     if t.fault_injection:
         from hybridflow.workers.fault import parse_fault_spec  # a pure parser; no worker state
 

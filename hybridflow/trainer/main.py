@@ -124,9 +124,14 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
                     save_freq=t.save_freq)
 
     custom = None
-    if cfg.custom_reward_function.path:
-        custom = load_custom_reward_fn(f"{cfg.custom_reward_function.path}:{cfg.custom_reward_function.name}")
     rm = cfg.reward_model
+    if cfg.custom_reward_function.path and rm.sandbox:  # never imported here: each call runs boxed
+        from hybridflow.rewards.sandboxed_custom import load_sandboxed_reward_fn
+
+        custom = load_sandboxed_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
+                                          time_limit_s=max(0.5, 0.8 * rm.timeout_s))
+    elif cfg.custom_reward_function.path:  # the user's own code, with the driver's rights (docs/reliability.md)
+        custom = load_custom_reward_fn(f"{cfg.custom_reward_function.path}:{cfg.custom_reward_function.name}")
     reward_fn = RewardManager(
         tokenizer, custom, num_workers=rm.num_workers, timeout_s=rm.timeout_s, failure_score=rm.failure_score,
         max_failure_fraction=rm.max_failure_fraction, reward_fn_key=d.reward_fn_key, rm_score_weight=rm.weight,
