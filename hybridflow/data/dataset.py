@@ -187,6 +187,14 @@ class RLDataset:
             return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
+    def data_source_counts(self, key: str = "data_source") -> dict[str, int]:
+        """Rows per value of column `key` (the reward function chooser, data.reward_fn_key)."""
+        counts: dict[str, int] = {}
+        for row in self._rows:
+            value = str(row.get(key))
+            counts[value] = counts.get(value, 0) + 1
+        return counts
+
     def count_metrics(self) -> dict[str, float]:
         """What building the dataset dropped or noticed, as metrics (``data/<name>_...``): logged with every step."""
         st = self.stats

@@ -431,6 +431,7 @@ def validate_config(cfg: HybridFlowConfig) -> None:
             "reward_model.sandbox=true boxes a custom reward function, but custom_reward_function.path is not set; "
             "set it, or drop reward_model.sandbox (the built-in scorers are hybridflow's own code)"
         )
+    errors += _pre_step_config_errors(cfg)
     if t.fault_injection:
         from hybridflow.workers.fault import parse_fault_spec  # a pure parser; no worker state
 
@@ -442,6 +443,30 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 
 
+def _pre_step_config_errors(cfg: HybridFlowConfig) -> list[str]:
+    """Settings that would fail (or silently learn nothing) only after workers started: found here instead."""
+    from hybridflow.algorithms import available_advantage_estimators, get_advantage_estimator
+
+    errors: list[str] = []
+    t, alg = cfg.trainer, cfg.algorithm
+    estimator = get_advantage_estimator(alg.adv_estimator) if alg.adv_estimator in available_advantage_estimators() else None
+    if cfg.actor_rollout_ref.actor.optim.lr <= 0:
+        errors.append(f"actor_rollout_ref.actor.optim.lr={cfg.actor_rollout_ref.actor.optim.lr:g} must be > 0 "
+                      "(e.g. 1e-6); the actor would not learn")
+    critic_on = cfg.critic.enable if cfg.critic.enable is not None else bool(getattr(estimator, "needs_critic", False))
+    if critic_on and cfg.critic.optim.lr <= 0:
+        errors.append(f"critic.optim.lr={cfg.critic.optim.lr:g} must be > 0 (e.g. 1e-5)")
+    if t.total_training_steps is not None and t.total_training_steps <= 0:
+        errors.append(f"trainer.total_training_steps={t.total_training_steps} must be >= 1, or unset (null) to train "
+                      "trainer.total_epochs epochs")
+    if t.total_epochs < 1 and t.total_training_steps is None:
+        errors.append(f"trainer.total_epochs={t.total_epochs} must be >= 1 (or set trainer.total_training_steps)")
+    if t.n_gpus_per_node < 1 or t.nnodes < 1:
+        errors.append(f"trainer.nnodes={t.nnodes} and trainer.n_gpus_per_node={t.n_gpus_per_node} must be >= 1 "
+                      "(on CPU, n_gpus_per_node is the number of rank processes per node)")
+    return errors
+
+
 def resolve_policy_loss_name(name: str) -> str:
     """veRL calls the PPO clip loss 'vanilla'."""
     return "ppo" if name == "vanilla" else name
@@ -451,9 +476,10 @@ def check_resources(cfg: HybridFlowConfig, available_cpus: float, available_gpus
     """More ranks than devices is a configuration error, found before placement groups wait forever."""
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     if cfg.trainer.device == "cuda" and world > available_gpus:
+        fix = "set trainer.device=cpu (or auto)" if available_gpus == 0 else "lower trainer.n_gpus_per_node"
         raise ConfigError(
             f"the run asks for {world} GPU ranks (trainer.nnodes*trainer.n_gpus_per_node) but the cluster has "
-            f"{available_gpus:g} GPUs; lower trainer.n_gpus_per_node"
+            f"{available_gpus:g} GPUs; {fix}"
         )
     if world > max(available_cpus, 1) * 4:
         raise ConfigError(

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.trainer.config import HybridFlowConfig, check_resources, load_config, to_dict
+from hybridflow.trainer.config import ConfigError, HybridFlowConfig, check_resources, load_config, to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     from hybridflow.single_controller import WorkerGroupError
     from hybridflow.trainer.metrics import measure_peak_flops
     from hybridflow.trainer.placement import build_worker_groups
+    from hybridflow.trainer.preflight import preflight_errors
     from hybridflow.trainer.progress import ProgressBar
     from hybridflow.trainer.rl_trainer import RLTrainer
     from hybridflow.trainer.run_dir import prepare_run_dir
@@ -103,7 +104,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     )
     train_ds = RLDataset(d.train_files, tokenizer, name="train", **ds_kwargs)
     train_loader = RLDataLoader(train_ds, d.train_batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=True)
-    val_loader = None
+    val_loader = val_ds = None
     if d.val_files:
         val_ds = RLDataset(d.val_files, tokenizer, name="val", **ds_kwargs)
         if d.val_max_samples > 0:
@@ -138,6 +139,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     )
     need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
     roles = 1 + int(bool(cfg.critic.enable)) + int(rm.enable)
+    _raise_preflight(preflight_errors(cfg, train_ds=train_ds, val_ds=val_ds))  # before any process starts
     if t.backend == "ray":
         import ray
 
@@ -145,6 +147,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
             check_resources(cfg, os.cpu_count() or 1, _local_gpu_count())
         _init_ray(cfg, roles)
         res = ray.cluster_resources()
+        _raise_preflight(preflight_errors(cfg, cluster_resources=res))
         check_resources(cfg, res.get("CPU", 0), res.get("GPU", 0))
 
     tracker = Tracking(run_dir, list(t.logger), project=t.project_name, experiment=t.experiment_name, config=to_dict(cfg))
@@ -201,6 +204,11 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     finally:
         tracker.finish()
         reward_fn.close()
+
+
+def _raise_preflight(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError("cannot start the run:\n  - " + "\n  - ".join(problems))
 
 
 def _local_gpu_count() -> int:
