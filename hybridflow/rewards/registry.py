@@ -100,7 +100,7 @@ def unknown_data_source(data_source: str, known: Iterable[str]) -> RewardConfigE
     return RewardConfigError(
         f"no reward function for data_source {data_source!r}; known: {sorted(known)}. Either write a function "
         "fn(data_source, solution_str, ground_truth, extra_info=None) -> float and pass it as "
-        "reward.custom_reward_function='path/to/file.py:fn', or call "
+        "custom_reward_function.path=path/to/file.py custom_reward_function.name=fn, or call "
         "hybridflow.rewards.register_scorer(data_source, fn) before training"
     )
 

@@ -103,7 +103,7 @@ def wait_for(
             raise WorkerGroupError(
                 f"{group}.{method} did not finish within {timeout_s:.1f} s on "
                 f"{', '.join(where(rank_info, r) for r in late)}. The rank(s) may hang in a collective or be stuck; "
-                f"raise trainer.call_timeout_s if the work is just slow. The group is unusable now: call shutdown().",
+                f"raise the group's call_timeout_s (trainer.call_timeout_s in `hybridflow train`) if the work is just slow. The group is unusable now: call shutdown().",
                 group=group,
                 method=method,
                 rank=late[0] if len(late) == 1 else None,

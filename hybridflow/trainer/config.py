@@ -375,7 +375,7 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         errors.append(f"actor_rollout_ref.rollout.name={rollout.name!r}: choose native, hf or vllm")
     if rollout.dtype == "int8" and rollout.name != "native":
         errors.append(
-            f"actor_rollout_ref.rollout.dtype=int8 is the native engine's (CPU); with rollout.name={rollout.name} "
+            f"actor_rollout_ref.rollout.dtype=int8 is the native engine's (CPU); with actor_rollout_ref.rollout.name={rollout.name} "
             "choose fp32 or bf16, or set actor_rollout_ref.rollout.name=native"
         )
     if rollout.gpu_memory_utilization is not None and not 0 < rollout.gpu_memory_utilization <= 1:
@@ -403,9 +403,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         mini_rows = actor.ppo_mini_batch_size * n
         if world > 0 and mini_rows % world:
             errors.append(
-                f"a mini-batch holds ppo_mini_batch_size*rollout.n = {actor.ppo_mini_batch_size}*{n} = {mini_rows} "
+                f"a mini-batch holds ppo_mini_batch_size*n = {actor.ppo_mini_batch_size}*{n} = {mini_rows} "
                 f"responses, which does not split evenly over {world} ranks (trainer.nnodes*trainer.n_gpus_per_node); "
-                "change ppo_mini_batch_size, rollout.n or the number of ranks"
+                "change actor_rollout_ref.actor.ppo_mini_batch_size, actor_rollout_ref.rollout.n or the number of ranks"
             )
         elif not actor.use_dynamic_bsz and (mini_rows // max(world, 1)) % actor.ppo_micro_batch_size_per_gpu:
             per_rank = mini_rows // max(world, 1)

@@ -35,7 +35,7 @@ def _estimator_errors(cfg: Any) -> list[str]:
         return []  # validate_config names it
     if getattr(get_advantage_estimator(alg.adv_estimator), "needs_group_index", False) and n == 1:
         return [
-            f"algorithm.adv_estimator={alg.adv_estimator} compares the rollout.n responses to each prompt; with "
+            f"algorithm.adv_estimator={alg.adv_estimator} compares the responses to each prompt with each other; with "
             "actor_rollout_ref.rollout.n=1 every advantage is 0 and nothing is learned: set "
             "actor_rollout_ref.rollout.n >= 2, or choose a critic-based estimator (algorithm.adv_estimator=gae)"
         ]
