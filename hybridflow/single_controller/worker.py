@@ -155,9 +155,13 @@ class Worker:
         if self.rank == 0:
             # The rendezvous store listens on the master address only (torch's own TCPStore server binds every
             # interface): on a loopback-only run nothing here is reachable from the network.
-            self._store_socket = socket.create_server((self.master_addr, self.master_port), backlog=128)
-            store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, True, timeout,
-                                  master_listen_fd=self._store_socket.fileno())
+            fd = socket.create_server((self.master_addr, self.master_port), backlog=128).detach()
+            try:  # the store owns the listening socket from here on (and closes it)
+                store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, True, timeout,
+                                      master_listen_fd=fd)
+            except BaseException:
+                os.close(fd)
+                raise
         else:
             store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, False, timeout)
         dist.init_process_group(
@@ -170,9 +174,6 @@ class Worker:
         if getattr(self, "_owns_process_group", False) and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
-        if getattr(self, "_store_socket", None) is not None:
-            self._store_socket.close()
-            self._store_socket = None
 
     def set_num_threads(self, num_threads: int) -> int:
         """Set torch's intra-op thread count in this process; returns the count now in force."""
