@@ -119,13 +119,16 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     total_steps = t.total_training_steps or steps_per_epoch * t.total_epochs
     cfg.actor_rollout_ref.actor.optim.total_training_steps = total_steps
     cfg.critic.optim.total_training_steps = total_steps
+    _raise_preflight(preflight_errors(cfg, train_ds=train_ds, val_ds=val_ds))  # before any process starts
     run_dir = t.default_local_dir
     # One folder, one history: refuse (or, with trainer.overwrite, archive) an old run before anything is written.
     prepare_run_dir(run_dir, resume_mode=t.resume_mode, overwrite=t.overwrite, total_steps=total_steps,
                     save_freq=t.save_freq)
 
-    custom = None
     rm = cfg.reward_model
+    need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
+    roles = 1 + int(bool(cfg.critic.enable)) + int(rm.enable)
+    custom = None
     if cfg.custom_reward_function.path and rm.sandbox:  # never imported here: each call runs boxed
         from hybridflow.rewards.sandboxed_custom import load_sandboxed_reward_fn
 
@@ -133,13 +136,6 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
                                           time_limit_s=max(0.5, 0.8 * rm.timeout_s))
     elif cfg.custom_reward_function.path:  # the user's own code, with the driver's rights (docs/reliability.md)
         custom = load_custom_reward_fn(f"{cfg.custom_reward_function.path}:{cfg.custom_reward_function.name}")
-    reward_fn = RewardManager(
-        tokenizer, custom, num_workers=rm.num_workers, timeout_s=rm.timeout_s, failure_score=rm.failure_score,
-        max_failure_fraction=rm.max_failure_fraction, reward_fn_key=d.reward_fn_key, rm_score_weight=rm.weight,
-    )
-    need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
-    roles = 1 + int(bool(cfg.critic.enable)) + int(rm.enable)
-    _raise_preflight(preflight_errors(cfg, train_ds=train_ds, val_ds=val_ds))  # before any process starts
     if t.backend == "ray":
         import ray
 
@@ -150,6 +146,10 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
         _raise_preflight(preflight_errors(cfg, cluster_resources=res))
         check_resources(cfg, res.get("CPU", 0), res.get("GPU", 0))
 
+    reward_fn = RewardManager(
+        tokenizer, custom, num_workers=rm.num_workers, timeout_s=rm.timeout_s, failure_score=rm.failure_score,
+        max_failure_fraction=rm.max_failure_fraction, reward_fn_key=d.reward_fn_key, rm_score_weight=rm.weight,
+    )
     tracker = Tracking(run_dir, list(t.logger), project=t.project_name, experiment=t.experiment_name, config=to_dict(cfg))
     restarts, initial_val = 0, {}
     # The driver's matmul peak with all of this node's cores stands for one node; MFU divides by it per node.
