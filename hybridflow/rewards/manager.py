@@ -222,7 +222,7 @@ class RewardManager:
             f"{num_failed} of {len(tasks)} samples could not be scored ({detail}), more than "
             f"max_failure_fraction={self.max_failure_fraction}. First: row {first}, data_source "
             f"{tasks[first]['data_source']!r}: {outcomes[first].kind} - {outcomes[first].message}. Fix the reward "
-            "function, raise reward.timeout_s if it is just slow, or raise reward.max_failure_fraction"
+            "function, raise reward_model.timeout_s if it is just slow, or raise reward_model.max_failure_fraction"
         )
 
     # ------------------------------------------------------------------ lifecycle

@@ -114,7 +114,14 @@ class CheckpointManager:
             raise
         final = os.path.join(self.root, f"global_step_{step}")
         if os.path.exists(final):
-            shutil.rmtree(final)
+            if not os.path.exists(os.path.join(final, COMPLETE_MARKER)):
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(
+                    f"{final} exists and was not written by hybridflow (no {COMPLETE_MARKER} marker; e.g. a veRL "
+                    "checkpoint); it is left untouched and this save is refused. Move it away or choose another "
+                    "trainer.default_local_dir"
+                )
+            shutil.rmtree(final)  # our own older save of the same step (a rerun after a restart)
         os.rename(tmp, final)
         _fsync_dir(self.root)
         _atomic_write_text(os.path.join(self.root, LATEST_FILE), str(step))
@@ -141,7 +148,14 @@ class CheckpointManager:
     def verify(path: str) -> str | None:
         """None if `path` is a complete checkpoint whose files match its manifest, else what is wrong with it."""
         if not os.path.exists(os.path.join(path, COMPLETE_MARKER)):
-            return f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker): it was cut off"
+            if os.path.exists(os.path.join(path, LATEST_FILE)) or any(
+                STEP_DIR.match(n) for n in (os.listdir(path) if os.path.isdir(path) else [])
+            ):
+                return (
+                    f"{path} is a run folder, not a checkpoint: name one of its global_step_N folders, or set "
+                    f"trainer.default_local_dir={path} trainer.resume_mode=auto to take its newest checkpoint"
+                )
+            return f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker): it was cut off or is not one"
         manifest = os.path.join(path, MANIFEST_FILE)
         if not os.path.exists(manifest):
             return None  # written before manifests existed: only the marker can be checked
@@ -165,12 +179,11 @@ class CheckpointManager:
         candidates: list[str] = []
         pointer = os.path.join(self.root, LATEST_FILE)
         if os.path.exists(pointer):
-            with open(pointer) as f:
-                text = f.read().strip()
-            if text.isdigit():
-                candidates.append(os.path.join(self.root, f"global_step_{text}"))
+            text = self._read_pointer(pointer)
+            candidates.append(os.path.join(self.root, f"global_step_{text}"))
         candidates += [os.path.join(self.root, f"global_step_{s}") for s in reversed(self._complete_steps())]
         seen: set[str] = set()
+        damaged: list[str] = []
         for path in candidates:
             if path in seen or not os.path.exists(os.path.join(path, COMPLETE_MARKER)):
                 continue
@@ -178,8 +191,34 @@ class CheckpointManager:
             problem = self.verify(path)
             if problem is None:
                 return path
+            damaged.append(problem)
             logger.warning("skipping checkpoint %s: %s; trying an older one", path, problem)
+        if damaged:
+            # Starting at step 0 beside the old run's rows would mix two histories and hide the damage.
+            raise CheckpointError(
+                f"every checkpoint in {self.root} is damaged, so there is nothing to resume from:\n  - "
+                + "\n  - ".join(damaged)
+                + "\nRestore them from a copy, name an intact checkpoint elsewhere (trainer.resume_mode=<path>), or "
+                "start afresh with trainer.resume_mode=disable trainer.overwrite=true (the old run is archived)"
+            )
         return None
+
+    @staticmethod
+    def _read_pointer(pointer: str) -> str:
+        """The step number in the latest pointer; CheckpointError naming the file if it holds anything else."""
+        try:
+            with open(pointer, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise CheckpointError(f"{pointer} is unreadable ({e})") from e
+        text = raw.decode("ascii", errors="replace").strip()
+        if not text.isdigit():
+            raise CheckpointError(
+                f"{pointer} should hold the step of the newest checkpoint but holds {raw[:40]!r}: it is damaged or "
+                "not hybridflow's. Delete it (resume then takes the newest intact global_step_N folder), or start "
+                "afresh with trainer.resume_mode=disable"
+            )
+        return text
 
     @classmethod
     def read_trainer_state(cls, path: str) -> dict[str, Any]:
