@@ -13,13 +13,16 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray cluster shared by every test of the session (dashboard off)."""
+    """A local Ray cluster shared by every test of the session (dashboard off, listening on loopback only)."""
     import ray
+
+    from hybridflow.single_controller.local_ray import start_local_ray
 
     if not ray.is_initialized():
         os.environ.setdefault("RAY_worker_niceness", "0")  # as hybridflow.trainer.main does: workers do the compute
         # Logical CPUs are accounting only: 8 lets several small groups coexist on a 2-core machine.
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True, namespace="hybridflow-tests")
+        # Loopback only, as a run's own cluster is (hybridflow/single_controller/local_ray.py).
+        start_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=True, namespace="hybridflow-tests")
     yield ray
     ray.shutdown()
 

@@ -7,8 +7,9 @@ hybridflow/workers/fault.py's.
 
 from __future__ import annotations
 
-# The worker methods that call maybe_inject_fault (ActorRolloutRefWorker._fault_point).
-FAULT_POINTS = ("compute_log_prob", "update_actor")
+# The worker methods that call maybe_inject_fault (ActorRolloutRefWorker._fault_point): the kill lands in
+# generation, in a log-prob pass, right before update_actor's collectives, and half way through writing a checkpoint.
+FAULT_POINTS = ("generate_sequences", "compute_log_prob", "update_actor", "save_checkpoint")
 
 
 def parse_fault_spec(spec: str) -> tuple[str, int, int]:

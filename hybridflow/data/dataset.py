@@ -3,7 +3,10 @@
 All rows are read, checked (see ``schema.py``) and tokenized when the dataset is built, so every bad row is reported
 before training starts, and the overlong-prompt filter can be counted up front.
 
-Prompt length handling (``max_prompt_length`` tokens, after the chat template):
+Prompt length handling (``max_prompt_length`` tokens, after the chat template). A text longer than
+``(max_prompt_length + 2) * chars_per_token`` characters is overlong whatever its tokens are (``chars_per_token``
+bounds the characters one token can stand for, from the vocabulary), so it is judged on its length alone and never
+tokenized whole:
   * ``filter_overlong_prompts=True`` (default): longer rows are dropped, counted in ``stats["num_filtered_overlong"]``
     and reported in one log line;
   * otherwise ``truncation`` decides: ``"left"`` keeps the last tokens, ``"right"`` keeps the first ones,
@@ -74,16 +77,49 @@ class RLDataset:
         rows: list[dict[str, Any]] = []
         origins: list[tuple[str, int]] = []
         for path in self.files:
-            for i, raw in enumerate(read_source(path, required_columns=["data_source", prompt_key])):
+            raw_rows = read_source(path, required_columns=["data_source", prompt_key])
+            if not raw_rows:
+                raise DataConfigError(
+                    f"{name} dataset: data file {path!r} has no rows (its columns are there, its rows are not); "
+                    f"write the prompts into it, or leave it out of data.{name}_files"
+                )
+            for i, raw in enumerate(raw_rows):
                 rows.append(check_row(raw, path, i, prompt_key=prompt_key, require_ground_truth=require_ground_truth))
                 origins.append((path, i))
 
-        token_ids = self._tokenize([r["raw_prompt"] for r in rows], origins)
+        texts = self._render([r["raw_prompt"] for r in rows], origins)
+        # Cheap length bound before tokenizing: one token covers at most `chars_per_token` characters, so a text
+        # longer than max_prompt_length * chars_per_token characters is overlong for sure. Such rows are dropped (or
+        # cut to the kept side) without tokenizing them whole: a 10 MB row costs its own size, not the tokenizer's
+        # per-token bookkeeping for millions of tokens.
+        self.chars_per_token = _max_chars_per_token(tokenizer)
+        limit_chars = (max_prompt_length + 2) * self.chars_per_token
+        sure_overlong = [len(t) > limit_chars for t in texts]
+        to_encode = []
+        for text, over, (path, i) in zip(texts, sure_overlong, origins):
+            if not over:
+                to_encode.append(text)
+            elif filter_overlong_prompts:
+                to_encode.append("")  # counted as filtered below, never tokenized
+            elif truncation == "error":
+                raise DataConfigError(
+                    f"data file {path!r}, row {i}, column {prompt_key!r}: the prompt is {len(text)} characters after "
+                    f"the chat template, at least {len(text) // self.chars_per_token} tokens, longer than "
+                    f"max_prompt_length={max_prompt_length}; raise max_prompt_length, set filter_overlong_prompts=True, "
+                    "or truncation='left'/'right'"
+                )
+            else:  # tokenize only the side that is kept; the cut lies beyond the tokens kept
+                to_encode.append(text[-limit_chars:] if truncation == "left" else text[:limit_chars])
+        token_ids = self._encode(to_encode)
         self._rows: list[dict[str, Any]] = []
         self._input_ids: list[torch.Tensor] = []
-        filtered = truncated = duplicates = 0
+        filtered = truncated = duplicates = prefiltered = 0
         seen: set[str] = set()
-        for row, ids, (path, i) in zip(rows, token_ids, origins):
+        for row, ids, over, (path, i) in zip(rows, token_ids, sure_overlong, origins):
+            if over and filter_overlong_prompts:
+                filtered += 1
+                prefiltered += 1
+                continue
             if len(ids) > max_prompt_length:
                 if filter_overlong_prompts:
                     filtered += 1
@@ -119,13 +155,15 @@ class RLDataset:
             "num_rows_read": len(rows),
             "num_rows": len(self._rows),
             "num_filtered_overlong": filtered,
+            "num_filtered_by_length_bound": prefiltered,  # of those, dropped on their character count alone
             "num_truncated": truncated,
             "num_duplicate_prompts": duplicates,
             "max_prompt_tokens": max(lengths),
             "mean_prompt_tokens": sum(lengths) / len(lengths),
         }
 
-    def _tokenize(self, chats: list[list[dict[str, str]]], origins: list[tuple[str, int]]) -> list[list[int]]:
+    def _render(self, chats: list[list[dict[str, str]]], origins: list[tuple[str, int]]) -> list[str]:
+        """Each prompt's chat as the text the model reads (the chat template applied, or the contents joined)."""
         texts = []
         for chat, (path, i) in zip(chats, origins):
             if self.apply_chat_template:
@@ -141,11 +179,42 @@ class RLDataset:
                 # Without a template the messages' contents are joined; the model sees plain text.
                 text = "\n".join(m["content"] for m in chat)
             texts.append(text)
+        return texts
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
         # The template already wrote any special tokens as text; do not let the tokenizer add a second BOS.
         backend = getattr(self.tokenizer, "_tokenizer", None)
         if hasattr(backend, "encode_batch"):  # the Rust tokenizer directly: half the time of the Python wrapper
             return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def data_source_counts(self, key: str = "data_source") -> dict[str, int]:
+        """Rows per value of column `key` (the reward function chooser, data.reward_fn_key)."""
+        counts: dict[str, int] = {}
+        for row in self._rows:
+            value = str(row.get(key))
+            counts[value] = counts.get(value, 0) + 1
+        return counts
+
+    def count_metrics(self) -> dict[str, float]:
+        """What building the dataset dropped or noticed, as metrics (``data/<name>_...``): logged with every step."""
+        st = self.stats
+        return {
+            f"data/{self.name}_rows": float(len(self)),
+            f"data/{self.name}_filtered_overlong": float(st["num_filtered_overlong"]),
+            f"data/{self.name}_truncated": float(st["num_truncated"]),
+            f"data/{self.name}_duplicate_prompts": float(st["num_duplicate_prompts"]),
+        }
+
+    def describe(self) -> str:
+        """One line for the console: rows kept, filtered, truncated and duplicated."""
+        st = self.stats
+        return (
+            f"{self.name} data: {len(self)} of {st['num_rows_read']} prompts kept; "
+            f"{st['num_filtered_overlong']} filtered as longer than max_prompt_length={self.max_prompt_length} tokens"
+            f" ({st['num_filtered_by_length_bound']} on their character count alone), {st['num_truncated']} truncated,"
+            f" {st['num_duplicate_prompts']} duplicates kept"
+        )
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -171,6 +240,14 @@ class RLDataset:
 
     def __repr__(self) -> str:
         return f"RLDataset(name={self.name!r}, rows={len(self)}, files={self.files})"
+
+
+def _max_chars_per_token(tokenizer: Any) -> int:
+    """An upper bound on the characters one token stands for: twice the longest vocabulary entry (special tokens
+    included). Byte-level entries count bytes, which are never fewer than characters; the factor 2 covers
+    normalizers that compose characters (NFC) before the vocabulary applies."""
+    vocab = tokenizer.get_vocab()
+    return 2 * max((len(t) for t in vocab), default=1)
 
 
 def _check_tokenizer(tokenizer: Any, apply_chat_template: bool, name: str) -> None:

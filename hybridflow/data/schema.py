@@ -44,7 +44,7 @@ def read_rows(path: str | os.PathLike, required_columns: Sequence[str]) -> list[
         raise DataConfigError(
             f"data file {path!r} has no column(s) {missing} (it has {sorted(columns)}); "
             "write rows in veRL's schema (data_source, prompt, ability, reward_model, extra_info) "
-            "or pass prompt_key=<your prompt column>"
+            "or name your prompt column with data.prompt_key=<column> (RLDataset(prompt_key=...))"
         )
     return rows
 

@@ -12,6 +12,7 @@ is tied to its world size and sharding. For a portable copy use the engine's ``s
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 from typing import Any
@@ -24,7 +25,9 @@ from torch import nn
 from hybridflow.device import device_name
 from hybridflow.engines.hf_model import hf_name
 
-__all__ = ["load_engine_state", "local_tensor", "save_engine_state"]
+__all__ = ["check_safetensors_files", "load_engine_state", "local_tensor", "save_engine_state"]
+
+logger = logging.getLogger(__name__)
 
 META_FILE = "meta.json"
 _EARLIER = (
@@ -40,6 +43,26 @@ _OTHER_MODEL = (
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor, or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def check_safetensors_files(folder: str, what: str = "model folder") -> int:
+    """Read the header of every ``*.safetensors`` file in `folder` (no weights loaded) and check that the file is as
+    long as the header says; ValueError naming the file if one is truncated or not safetensors. Returns the count."""
+    import glob
+
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                f.metadata()
+        except (OSError, SafetensorError) as e:
+            raise ValueError(
+                f"{what} {folder}: weights file {path} is unreadable ({e}); it is truncated (an interrupted download "
+                "or copy) or not a safetensors file. Fetch or write the file again"
+            ) from e
+    return len(files)
 
 
 def _model_file(directory: str, rank: int) -> str:
@@ -152,15 +175,57 @@ def load_engine_state(
         for name, s in state["optimizer_state"].items():
             p = by_name[name]
             optimizer.state[p] = {k: _like_param(v, p, k) if torch.is_tensor(v) else v for k, v in s.items()}
+        configured = [{k: g[k] for k in _CONFIGURED if k in g} for g in optimizer.param_groups]
         for group, saved in zip(optimizer.param_groups, state["param_groups"]):
             group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
     if lr_scheduler is not None and "lr_scheduler" in state:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
+    if optimizer is not None:
+        _apply_configured(optimizer, lr_scheduler, configured, directory)
     torch.set_rng_state(state["rng_cpu"])
     accelerator = _accelerator_module()
     if accelerator is not None and "rng_device" in state:
         accelerator.set_rng_state(state["rng_device"])
     return state.get("extra", {})
+
+
+# Hyper-parameters the config sets (the optimizer was built from it): a resumed run uses the config's values, not the
+# checkpoint's. "initial_lr" is the peak lr the schedule multiplies; "lr" itself is derived from it each step.
+_CONFIGURED = ("initial_lr", "betas", "weight_decay", "eps")
+
+
+def _apply_configured(optimizer: torch.optim.Optimizer, lr_scheduler: Any | None, configured: list[dict],
+                      directory: str) -> None:
+    """Put back the settings of the current config that differ from the checkpoint's, and say which changed."""
+    changes = []
+    for i, (group, mine) in enumerate(zip(optimizer.param_groups, configured)):
+        for key, value in mine.items():
+            old = group.get(key)
+            if old is None or _same(old, value):
+                continue  # unchanged: keep the checkpoint's bits (bitwise-exact resume)
+            changes.append(f"{'lr' if key == 'initial_lr' else key}: {_fmt(old)} -> {_fmt(value)}")
+            group[key] = value
+            if key == "initial_lr":
+                if lr_scheduler is not None and hasattr(lr_scheduler, "base_lrs"):
+                    lr_scheduler.base_lrs[i] = value
+                lambdas = getattr(lr_scheduler, "lr_lambdas", None)
+                step = getattr(lr_scheduler, "last_epoch", 0)
+                group["lr"] = value * lambdas[i](step) if lambdas else value
+    if changes:
+        logger.warning(
+            "resuming %s with the optimizer settings of the current config, which differ from the checkpoint's: %s",
+            directory, "; ".join(sorted(set(changes))),
+        )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return [float(x) for x in a] == [float(x) for x in b]
+    return float(a) == float(b)
+
+
+def _fmt(v: Any) -> str:
+    return f"({', '.join(f'{float(x):g}' for x in v)})" if isinstance(v, (tuple, list)) else f"{float(v):g}"
 
 
 def _accelerator_module():

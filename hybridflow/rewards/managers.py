@@ -40,6 +40,7 @@ __all__ = [
     "available_reward_managers",
     "build_reward_manager",
     "check_reward_manager_config",
+    "load_user_function",
     "register_reward_manager",
 ]
 
@@ -51,6 +52,7 @@ class RewardManagerSpec:
     custom_path: str | None = None  # custom_reward_function.path
     custom_name: str = "compute_score"
     custom_kwargs: dict[str, Any] = field(default_factory=dict)  # custom_reward_function.reward_kwargs
+    custom_fn: Any = None  # the user's function already loaded (e.g. sandboxed); used instead of loading the path
     reward_kwargs: dict[str, Any] = field(default_factory=dict)  # reward_model.reward_kwargs (veRL: to the manager)
     max_response_length: int = 512  # data.max_response_length: DAPO's max_resp_len when not given
     legacy_overlong: OverlongShaping | None = None  # hybridflow's reward_model.overlong_buffer, any manager
@@ -169,7 +171,15 @@ def build_reward_manager(name: str, tokenizer: Any, spec: RewardManagerSpec) -> 
     return REWARD_MANAGERS.get(name).factory(tokenizer, spec)
 
 
+def load_user_function(name: str, spec: RewardManagerSpec) -> Any:
+    """The user's function (custom_reward_function) as manager `name` calls it; None without a path."""
+    batch = name == "batch"
+    return _custom(spec, batch=batch, extra_kwargs=spec.reward_kwargs if batch else None)
+
+
 def _custom(spec: RewardManagerSpec, *, batch: bool = False, extra_kwargs: dict[str, Any] | None = None):
+    if spec.custom_fn is not None:
+        return spec.custom_fn
     if not spec.custom_path:
         return None
     kwargs = {**(extra_kwargs or {}), **spec.custom_kwargs}  # veRL: the custom function's own kwargs win

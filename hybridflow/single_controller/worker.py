@@ -151,12 +151,21 @@ class Worker:
             )
         if device.is_cuda_available():
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self.rank == 0:
+            # The rendezvous store listens on the master address only (torch's own TCPStore server binds every
+            # interface): on a loopback-only run nothing here is reachable from the network.
+            fd = socket.create_server((self.master_addr, self.master_port), backlog=128).detach()
+            try:  # the store owns the listening socket from here on (and closes it)
+                store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, True, timeout,
+                                      master_listen_fd=fd)
+            except BaseException:
+                os.close(fd)
+                raise
+        else:
+            store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, False, timeout)
         dist.init_process_group(
-            backend=device.dist_backend(),
-            init_method=f"tcp://{self.master_addr}:{self.master_port}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            backend=device.dist_backend(), store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
         self._owns_process_group = True
 

@@ -5,10 +5,6 @@ Layout of ``<default_local_dir>``::
     global_step_12/            one finished checkpoint (actor/, critic/, trainer_state.json, MANIFEST.json, COMPLETE)
     latest_checkpointed_iteration.txt   the step of the newest complete checkpoint (written last, atomically)
 
-Folders hybridflow did not write are never deleted or overwritten: a ``global_step_N`` without the ``COMPLETE``
-marker (e.g. veRL's, in a veRL run folder) is left alone and named in a warning, a save that would land on one
-fails with a CheckpointError before anything is replaced, and a ``latest`` pointer naming one is not moved.
-
 A crash at any point leaves either the previous checkpoint or the new one complete and pointed to; half-written
 folders keep a ``.tmp-`` prefix and are removed at the next save (or at once when the save itself fails, e.g. on a
 full disk, so the space comes back).
@@ -85,23 +81,9 @@ def _file_sizes(path: str) -> dict[str, int]:
 
 
 class CheckpointManager:
-    def __init__(self, root: str, max_to_keep: int | None = 2, *, warn_foreign: bool = True):
+    def __init__(self, root: str, max_to_keep: int | None = 2):
         self.root = root
         self.max_to_keep = max_to_keep
-        foreign = self.foreign_steps() if warn_foreign else []
-        if foreign:
-            logger.warning(
-                "%s holds checkpoint folders hybridflow did not write (no %s marker): %s; they are left alone "
-                "(never resumed from, pruned or overwritten)", root, COMPLETE_MARKER, foreign,
-            )
-
-    def foreign_steps(self) -> list[str]:
-        """Names of the ``global_step_N`` folders under root that hybridflow did not write (no COMPLETE marker)."""
-        if not os.path.isdir(self.root):
-            return []
-        names = [n for n in os.listdir(self.root) if STEP_DIR.match(n) and os.path.isdir(os.path.join(self.root, n))]
-        foreign = [n for n in names if not os.path.exists(os.path.join(self.root, n, COMPLETE_MARKER))]
-        return sorted(foreign, key=lambda n: int(STEP_DIR.match(n).group(1)))
 
     def staging_dir(self, step: int) -> str:
         """A fresh temporary folder for the workers to write step `step` into."""
@@ -119,13 +101,6 @@ class CheckpointManager:
         If anything fails before the rename (ENOSPC, EIO), the staging folder is removed and the error re-raised:
         the previous checkpoint and the pointer are untouched.
         """
-        final = os.path.join(self.root, f"global_step_{step}")
-        if os.path.exists(final) and not os.path.exists(os.path.join(final, COMPLETE_MARKER)):
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(
-                f"cannot save step {step}: {final} exists and was not written by hybridflow (no {COMPLETE_MARKER} "
-                "marker, e.g. a veRL checkpoint); it is left alone. Point trainer.default_local_dir at another folder"
-            )
         try:
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump(trainer_state, f, indent=1, sort_keys=True)
@@ -137,16 +112,19 @@ class CheckpointManager:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # on a full disk, give the space back at once
             raise
-        if os.path.exists(final):  # our own earlier save of this step (a re-run after resuming from an older one)
-            shutil.rmtree(final)
+        final = os.path.join(self.root, f"global_step_{step}")
+        if os.path.exists(final):
+            if not os.path.exists(os.path.join(final, COMPLETE_MARKER)):
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointError(
+                    f"{final} exists and was not written by hybridflow (no {COMPLETE_MARKER} marker; e.g. a veRL "
+                    "checkpoint); it is left untouched and this save is refused. Move it away or choose another "
+                    "trainer.default_local_dir"
+                )
+            shutil.rmtree(final)  # our own older save of the same step (a rerun after a restart)
         os.rename(tmp, final)
         _fsync_dir(self.root)
-        pointed = self._pointer_target()
-        if pointed is not None and os.path.isdir(pointed) and not os.path.exists(os.path.join(pointed, COMPLETE_MARKER)):
-            logger.warning("%s names %s, which hybridflow did not write; the pointer is left as it is",
-                           os.path.join(self.root, LATEST_FILE), pointed)
-        else:
-            _atomic_write_text(os.path.join(self.root, LATEST_FILE), str(step))
+        _atomic_write_text(os.path.join(self.root, LATEST_FILE), str(step))
         self._prune()
         return final
 
@@ -170,7 +148,14 @@ class CheckpointManager:
     def verify(path: str) -> str | None:
         """None if `path` is a complete checkpoint whose files match its manifest, else what is wrong with it."""
         if not os.path.exists(os.path.join(path, COMPLETE_MARKER)):
-            return f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker): it was cut off"
+            if os.path.exists(os.path.join(path, LATEST_FILE)) or any(
+                STEP_DIR.match(n) for n in (os.listdir(path) if os.path.isdir(path) else [])
+            ):
+                return (
+                    f"{path} is a run folder, not a checkpoint: name one of its global_step_N folders, or set "
+                    f"trainer.default_local_dir={path} trainer.resume_mode=auto to take its newest checkpoint"
+                )
+            return f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker): it was cut off or is not one"
         manifest = os.path.join(path, MANIFEST_FILE)
         if not os.path.exists(manifest):
             return None  # written before manifests existed: only the marker can be checked
@@ -188,23 +173,17 @@ class CheckpointManager:
                 return f"{full} is {actual} bytes but {size} were written: the file was truncated or changed"
         return None
 
-    def _pointer_target(self) -> str | None:
-        pointer = os.path.join(self.root, LATEST_FILE)
-        if not os.path.exists(pointer):
-            return None
-        with open(pointer) as f:
-            text = f.read().strip()
-        return os.path.join(self.root, f"global_step_{text}") if text.isdigit() else None
-
     def latest(self) -> str | None:
         """The newest usable checkpoint folder: the pointer's if it verifies, else the newest complete folder that
         does (each one skipped is logged with the reason); None if there is none."""
         candidates: list[str] = []
-        pointed = self._pointer_target()
-        if pointed is not None:
-            candidates.append(pointed)
+        pointer = os.path.join(self.root, LATEST_FILE)
+        if os.path.exists(pointer):
+            text = self._read_pointer(pointer)
+            candidates.append(os.path.join(self.root, f"global_step_{text}"))
         candidates += [os.path.join(self.root, f"global_step_{s}") for s in reversed(self._complete_steps())]
         seen: set[str] = set()
+        damaged: list[str] = []
         for path in candidates:
             if path in seen or not os.path.exists(os.path.join(path, COMPLETE_MARKER)):
                 continue
@@ -212,8 +191,34 @@ class CheckpointManager:
             problem = self.verify(path)
             if problem is None:
                 return path
+            damaged.append(problem)
             logger.warning("skipping checkpoint %s: %s; trying an older one", path, problem)
+        if damaged:
+            # Starting at step 0 beside the old run's rows would mix two histories and hide the damage.
+            raise CheckpointError(
+                f"every checkpoint in {self.root} is damaged, so there is nothing to resume from:\n  - "
+                + "\n  - ".join(damaged)
+                + "\nRestore them from a copy, name an intact checkpoint elsewhere (trainer.resume_mode=<path>), or "
+                "start afresh with trainer.resume_mode=disable trainer.overwrite=true (the old run is archived)"
+            )
         return None
+
+    @staticmethod
+    def _read_pointer(pointer: str) -> str:
+        """The step number in the latest pointer; CheckpointError naming the file if it holds anything else."""
+        try:
+            with open(pointer, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise CheckpointError(f"{pointer} is unreadable ({e})") from e
+        text = raw.decode("ascii", errors="replace").strip()
+        if not text.isdigit():
+            raise CheckpointError(
+                f"{pointer} should hold the step of the newest checkpoint but holds {raw[:40]!r}: it is damaged or "
+                "not hybridflow's. Delete it (resume then takes the newest intact global_step_N folder), or start "
+                "afresh with trainer.resume_mode=disable"
+            )
+        return text
 
     @classmethod
     def read_trainer_state(cls, path: str) -> dict[str, Any]:

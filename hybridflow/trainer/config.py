@@ -198,6 +198,7 @@ class RewardModelConfig:
     failure_score: float = 0.0
     max_failure_fraction: float = 0.5
     batch_timeout_s: float = 300.0  # reward_manager=batch: the limit for one call on the whole batch
+    sandbox: bool = False  # run custom_reward_function in the sandbox (no network, limits, no secrets; see docs)
 
 
 @dataclass
@@ -262,8 +263,9 @@ class TrainerConfig:
     val_only: bool = False
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
     resume_mode: str = "auto"  # auto | disable | <checkpoint path>
+    overwrite: bool = False  # a fresh start into a folder holding a run: archive that run beside it (else refused)
     max_ckpt_to_keep: int | None = 2
-    max_restarts: int = 0
+    max_restarts: int = 3  # worker deaths survived by rebuilding the groups and resuming (0: fail at once)
     fault_injection: str | None = None  # tests: "method:rank:step" kills that worker once (see workers/fault.py)
     call_timeout_s: float = 1800.0
     log_samples_freq: int = 10
@@ -440,9 +442,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         mini_rows = actor.ppo_mini_batch_size * n
         if world > 0 and mini_rows % world:
             errors.append(
-                f"a mini-batch holds ppo_mini_batch_size*rollout.n = {actor.ppo_mini_batch_size}*{n} = {mini_rows} "
+                f"a mini-batch holds ppo_mini_batch_size*n = {actor.ppo_mini_batch_size}*{n} = {mini_rows} "
                 f"responses, which does not split evenly over {world} ranks (trainer.nnodes*trainer.n_gpus_per_node); "
-                "change ppo_mini_batch_size, rollout.n or the number of ranks"
+                "change actor_rollout_ref.actor.ppo_mini_batch_size, actor_rollout_ref.rollout.n or the number of ranks"
             )
         elif not actor.use_dynamic_bsz and (mini_rows // max(world, 1)) % actor.ppo_micro_batch_size_per_gpu:
             per_rank = mini_rows // max(world, 1)
@@ -480,6 +482,12 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         )
     if actor.recompute_old_log_prob not in ("auto", "always"):
         errors.append("actor_rollout_ref.actor.recompute_old_log_prob: choose auto or always")
+    if cfg.reward_model.sandbox and not cfg.custom_reward_function.path:
+        errors.append(
+            "reward_model.sandbox=true boxes a custom reward function, but custom_reward_function.path is not set; "
+            "set it, or drop reward_model.sandbox (the built-in scorers are hybridflow's own code)"
+        )
+    errors += _pre_step_config_errors(cfg)
     if t.fault_injection:
         from hybridflow.common.faults import parse_fault_spec
 
@@ -491,13 +499,38 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 
 
+def _pre_step_config_errors(cfg: HybridFlowConfig) -> list[str]:
+    """Settings that would fail (or silently learn nothing) only after workers started: found here instead."""
+    from hybridflow.algorithms.registry import ADVANTAGE_ESTIMATORS
+
+    errors: list[str] = []
+    t, alg = cfg.trainer, cfg.algorithm
+    estimator = None if ADVANTAGE_ESTIMATORS.check(alg.adv_estimator) else ADVANTAGE_ESTIMATORS.get(alg.adv_estimator)
+    if cfg.actor_rollout_ref.actor.optim.lr <= 0:
+        errors.append(f"actor_rollout_ref.actor.optim.lr={cfg.actor_rollout_ref.actor.optim.lr:g} must be > 0 "
+                      "(e.g. 1e-6); the actor would not learn")
+    critic_on = cfg.critic.enable if cfg.critic.enable is not None else bool(getattr(estimator, "needs_critic", False))
+    if critic_on and cfg.critic.optim.lr <= 0:
+        errors.append(f"critic.optim.lr={cfg.critic.optim.lr:g} must be > 0 (e.g. 1e-5)")
+    if t.total_training_steps is not None and t.total_training_steps <= 0:
+        errors.append(f"trainer.total_training_steps={t.total_training_steps} must be >= 1, or unset (null) to train "
+                      "trainer.total_epochs epochs")
+    if t.total_epochs < 1 and t.total_training_steps is None:
+        errors.append(f"trainer.total_epochs={t.total_epochs} must be >= 1 (or set trainer.total_training_steps)")
+    if t.n_gpus_per_node < 1 or t.nnodes < 1:
+        errors.append(f"trainer.nnodes={t.nnodes} and trainer.n_gpus_per_node={t.n_gpus_per_node} must be >= 1 "
+                      "(on CPU, n_gpus_per_node is the number of rank processes per node)")
+    return errors
+
+
 def check_resources(cfg: HybridFlowConfig, available_cpus: float, available_gpus: float) -> None:
     """More ranks than devices is a configuration error, found before placement groups wait forever."""
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     if cfg.trainer.device == "cuda" and world > available_gpus:
+        fix = "set trainer.device=cpu (or auto)" if available_gpus == 0 else "lower trainer.n_gpus_per_node"
         raise ConfigError(
             f"the run asks for {world} GPU ranks (trainer.nnodes*trainer.n_gpus_per_node) but the cluster has "
-            f"{available_gpus:g} GPUs; lower trainer.n_gpus_per_node"
+            f"{available_gpus:g} GPUs; {fix}"
         )
     if world > max(available_cpus, 1) * 4:
         raise ConfigError(

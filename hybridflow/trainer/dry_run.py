@@ -21,7 +21,15 @@ def dry_run(cfg: HybridFlowConfig) -> dict[str, Any]:
     from hybridflow.algorithms import get_advantage_estimator
     from hybridflow.engines.rollout.registry import get_rollout_engine, rollout_engine_kwargs
     from hybridflow.trainer.config import ConfigError
-    from hybridflow.trainer.main import build_datasets, build_reward_fn, resolve_defaults, total_steps_of
+    from hybridflow.trainer.main import (
+        _raise_preflight,
+        build_datasets,
+        build_reward_fn,
+        load_reward_function,
+        resolve_defaults,
+        total_steps_of,
+    )
+    from hybridflow.trainer.preflight import preflight_errors
     from hybridflow.trainer.rl_trainer import is_on_policy
 
     cfg = resolve_defaults(cfg)
@@ -41,7 +49,9 @@ def dry_run(cfg: HybridFlowConfig) -> dict[str, Any]:
                 raise ConfigError(f"{section}.model.path={model.path!r} does not load: {err}") from err
     train_loader, val_loader = build_datasets(cfg, tokenizer)
     total_steps = total_steps_of(cfg, train_loader)
-    reward_fn = build_reward_fn(cfg, tokenizer)
+    train_ds, val_ds = train_loader.dataset, (val_loader.dataset if val_loader else None)
+    _raise_preflight(preflight_errors(cfg, train_ds=train_ds, val_ds=val_ds))
+    reward_fn = build_reward_fn(cfg, tokenizer, load_reward_function(cfg))
     reward_fn.close()
     estimator = get_advantage_estimator(alg.adv_estimator)
     actor = arr.actor

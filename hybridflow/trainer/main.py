@@ -26,6 +26,7 @@ def resolve_defaults(cfg: HybridFlowConfig) -> HybridFlowConfig:
     """Fill what the user left empty: the built-in task's data and base model, the critic switch, step counts."""
     from hybridflow.algorithms import get_advantage_estimator
     from hybridflow.data.builtin import builtin_base_model_path, ensure_builtin_task_files
+    from hybridflow.engines.checkpoint_io import check_safetensors_files
 
     if cfg.data.train_files is None or cfg.data.val_files is None:
         train, val = ensure_builtin_task_files()
@@ -41,6 +42,7 @@ def resolve_defaults(cfg: HybridFlowConfig) -> HybridFlowConfig:
             "`hybridflow make-tiny-model DIR`"
         )
     cfg.actor_rollout_ref.model.path = path
+    check_safetensors_files(path, "actor_rollout_ref.model.path")  # a cut-off weights file fails here, named
     if cfg.trainer.device == "auto":
         from hybridflow.device import device_name
 
@@ -52,6 +54,8 @@ def resolve_defaults(cfg: HybridFlowConfig) -> HybridFlowConfig:
 
 def _init_ray(cfg: HybridFlowConfig, roles_per_rank: int) -> None:
     import ray
+
+    from hybridflow.single_controller.local_ray import start_local_ray
 
     if ray.is_initialized():
         if cfg.trainer.ray_address:
@@ -66,7 +70,8 @@ def _init_ray(cfg: HybridFlowConfig, roles_per_rank: int) -> None:
     # (even the reward scorers) would take their cores. The raylet reads this when it starts.
     os.environ.setdefault("RAY_worker_niceness", "0")
     # Logical CPUs: one per rank and role, so colocated and split placements both fit on a small machine.
-    ray.init(
+    # A cluster started here serves this run only: its servers listen on loopback (see local_ray.py).
+    start_local_ray(
         num_cpus=max(os.cpu_count() or 1, world * roles_per_rank),
         include_dashboard=False,
         log_to_driver=True,
@@ -87,7 +92,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def build_datasets(cfg: HybridFlowConfig, tokenizer):
-    """(train loader, validation loader or None) from the data section; DataConfigError names file/row/column."""
+    """(train loader, validation loader or None) from the data section; DataConfigError names file/row/column.
+
+    Each loader's dataset is ``loader.dataset`` (with its filtered / duplicate counts, ``count_metrics()``)."""
     from hybridflow.data import RLDataLoader, RLDataset
 
     d = cfg.data
@@ -109,43 +116,50 @@ def build_datasets(cfg: HybridFlowConfig, tokenizer):
     return train_loader, val_loader
 
 
-def build_reward_fn(cfg: HybridFlowConfig, tokenizer: Any):
-    """The reward manager named by reward_model.reward_manager, from the config's reward keys."""
-    from hybridflow.rewards import OverlongShaping, RewardManagerSpec, build_reward_manager
+def reward_spec(cfg: HybridFlowConfig, custom: Any = None):
+    """The reward keys as a RewardManagerSpec (`custom`: the user's function, already loaded)."""
+    from hybridflow.rewards import OverlongShaping, RewardManagerSpec
 
     rm, crf = cfg.reward_model, cfg.custom_reward_function
     legacy = None
     if rm.overlong_buffer.enable:
         legacy = OverlongShaping(len=rm.overlong_buffer.len, max_resp_len=cfg.data.max_response_length,
                                  penalty_factor=rm.overlong_buffer.penalty_factor)
-    spec = RewardManagerSpec(
-        custom_path=crf.path, custom_name=crf.name, custom_kwargs=dict(crf.reward_kwargs),
+    return RewardManagerSpec(
+        custom_path=crf.path, custom_name=crf.name, custom_kwargs=dict(crf.reward_kwargs), custom_fn=custom,
         reward_kwargs=dict(rm.reward_kwargs), max_response_length=cfg.data.max_response_length,
         legacy_overlong=legacy, batch_timeout_s=rm.batch_timeout_s,
         options=dict(num_workers=rm.num_workers, timeout_s=rm.timeout_s, failure_score=rm.failure_score,
                      max_failure_fraction=rm.max_failure_fraction, reward_fn_key=cfg.data.reward_fn_key,
                      rm_score_weight=rm.weight),
     )
-    return build_reward_manager(rm.reward_manager, tokenizer, spec)
 
 
-def check_checkpoint_folder(run_dir: str, save_freq: int, total_steps: int) -> None:
-    """Fail before training when a planned save would land on a checkpoint folder hybridflow did not write
-    (e.g. a veRL run's global_step_N): such folders are never overwritten."""
-    from hybridflow.trainer.checkpoint import CheckpointManager
+def load_reward_function(cfg: HybridFlowConfig):
+    """The user's custom_reward_function as the chosen reward manager calls it (per batch for reward_manager=batch,
+    with custom_reward_function.reward_kwargs), boxed with reward_model.sandbox; None: the rule scorers."""
+    from hybridflow.rewards.managers import load_user_function
 
-    foreign = CheckpointManager(run_dir, warn_foreign=False).foreign_steps()  # RLTrainer's manager warns
-    planned = {f"global_step_{s}" for s in range(1, total_steps + 1) if save_freq > 0 and s % save_freq == 0}
-    if save_freq != 0:
-        planned.add(f"global_step_{total_steps}")
-    clash = sorted(set(foreign) & planned)
-    if clash:
-        raise ConfigError(
-            f"trainer.default_local_dir={run_dir} holds {clash}, written by another program (no COMPLETE marker, "
-            "e.g. veRL), where this run would save its checkpoints; they are left alone. Point "
-            "trainer.default_local_dir at another folder (`hybridflow merge --local_dir DIR/global_step_N/actor` "
-            "converts a veRL checkpoint to a model folder)"
-        )
+    rm, crf = cfg.reward_model, cfg.custom_reward_function
+    if crf.path and rm.sandbox:  # never imported here: each call runs boxed
+        if rm.reward_manager == "batch" or crf.reward_kwargs:
+            raise ConfigError(
+                "reward_model.sandbox=true runs a per-sample custom_reward_function without extra arguments; it does "
+                "not take reward_model.reward_manager=batch or custom_reward_function.reward_kwargs (drop one)"
+            )
+        from hybridflow.rewards.sandboxed_custom import load_sandboxed_reward_fn
+
+        return load_sandboxed_reward_fn(crf.path, crf.name, time_limit_s=max(0.5, 0.8 * rm.timeout_s))
+    if crf.path:  # the user's own code, with the driver's rights (docs/reliability.md)
+        return load_user_function(rm.reward_manager, reward_spec(cfg))
+    return None
+
+
+def build_reward_fn(cfg: HybridFlowConfig, tokenizer: Any, custom: Any = None):
+    """The reward manager named by reward_model.reward_manager (rewards/managers.py), from the config's reward keys."""
+    from hybridflow.rewards import build_reward_manager
+
+    return build_reward_manager(cfg.reward_model.reward_manager, tokenizer, reward_spec(cfg, custom))
 
 
 def total_steps_of(cfg: HybridFlowConfig, train_loader) -> int:
@@ -160,8 +174,10 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     from hybridflow.single_controller import WorkerGroupError
     from hybridflow.trainer.metrics import measure_peak_flops
     from hybridflow.trainer.placement import build_worker_groups
+    from hybridflow.trainer.preflight import preflight_errors
     from hybridflow.trainer.progress import ProgressBar
     from hybridflow.trainer.rl_trainer import RLTrainer
+    from hybridflow.trainer.run_dir import prepare_run_dir
     from hybridflow.trainer.samples import RolloutSampleWriter
     from hybridflow.trainer.tracking import Tracking
     from hybridflow.trainer.validation import Validator
@@ -170,10 +186,21 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     t, rm = cfg.trainer, cfg.reward_model
     tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
     train_loader, val_loader = build_datasets(cfg, tokenizer)
+    train_ds, val_ds = train_loader.dataset, (val_loader.dataset if val_loader else None)
+    data_metrics = train_ds.count_metrics()
+    print(train_ds.describe(), flush=True)  # on the console, not in an INFO log
+    if val_ds is not None:
+        data_metrics.update(val_ds.count_metrics())
+        print(val_ds.describe(), flush=True)
     total_steps = total_steps_of(cfg, train_loader)
     cfg.actor_rollout_ref.actor.optim.total_training_steps = total_steps
     cfg.critic.optim.total_training_steps = total_steps
-    reward_fn = build_reward_fn(cfg, tokenizer)
+    _raise_preflight(preflight_errors(cfg, train_ds=train_ds, val_ds=val_ds))  # before any process starts
+    run_dir = t.default_local_dir
+    # One folder, one history: refuse (or, with trainer.overwrite, archive) an old run before anything is written.
+    prepare_run_dir(run_dir, resume_mode=t.resume_mode, overwrite=t.overwrite, total_steps=total_steps,
+                    save_freq=t.save_freq)
+    custom = load_reward_function(cfg)  # a bad reward file fails here, before Ray starts
     need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
     roles = 1 + int(bool(cfg.critic.enable)) + int(rm.enable)
     if t.backend == "ray":
@@ -183,11 +210,10 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
             check_resources(cfg, os.cpu_count() or 1, _local_gpu_count())
         _init_ray(cfg, roles)
         res = ray.cluster_resources()
+        _raise_preflight(preflight_errors(cfg, cluster_resources=res))
         check_resources(cfg, res.get("CPU", 0), res.get("GPU", 0))
 
-    run_dir = t.default_local_dir
-    check_checkpoint_folder(run_dir, t.save_freq, total_steps)
-    os.makedirs(run_dir, exist_ok=True)
+    reward_fn = build_reward_fn(cfg, tokenizer, custom)  # its scoring processes start once the cluster checks pass
     tracker = Tracking(run_dir, list(t.logger), project=t.project_name, experiment=t.experiment_name, config=to_dict(cfg))
     restarts, initial_val, max_restarts = 0, {}, t.max_restarts
     # One rank's matmul peak: measured at a rank's thread count; MFU divides the step's FLOPs by ranks * this.
@@ -213,6 +239,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
                     sample_writer=RolloutSampleWriter(run_dir, every_n_steps=t.log_samples_freq),
                     num_params=count_parameters(cfg.actor_rollout_ref.model.path), peak_flops=peak_flops,
                 )
+                trainer.run_metrics = {"training/restarts": restarts, **data_metrics}
                 resume_from = trainer.ckpt.resolve("auto" if restarts else t.resume_mode)
                 if resume_from:
                     logger.warning("resuming from %s", resume_from)
@@ -229,8 +256,16 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
                 return TrainResult(run_dir, trainer.global_step, last, initial_val, restarts, max_restarts)
             except WorkerGroupError as err:
                 # A rank that *raised* hit a deterministic error (bad checkpoint, bad data): a restart would repeat it.
-                if restarts >= max_restarts or err.kind == "raised":
+                # A rank whose collective failed because a peer died is classified "died" by the group (errors.py).
+                if err.kind == "raised":
                     raise
+                if restarts >= max_restarts:
+                    raise WorkerGroupError(
+                        f"{err}\n\nGave up after {restarts} restart(s) (trainer.max_restarts={max_restarts}); raise "
+                        "trainer.max_restarts to survive more worker deaths",
+                        group=err.group, method=err.method, rank=err.rank, node_ip=err.node_ip, pid=err.pid,
+                        kind=err.kind,
+                    ) from err
                 restarts += 1
                 logger.error("a worker failed (%s); restart %d/%d from the latest checkpoint", err, restarts,
                              max_restarts)
@@ -239,6 +274,11 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     finally:
         tracker.finish()
         reward_fn.close()
+
+
+def _raise_preflight(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError("cannot start the run:\n  - " + "\n  - ".join(problems))
 
 
 def _local_gpu_count() -> int:
@@ -294,7 +334,8 @@ def _print_summary(result: TrainResult) -> None:
 
     before, after = acc(result.initial_val), acc(result.last_metrics)
     print(f"\nrun directory: {result.run_dir} (metrics.jsonl, samples.jsonl, checkpoints)")
-    print(f"worker restarts: {result.restarts} (trainer.max_restarts={result.max_restarts})")
+    print(f"restarts: {result.restarts} (trainer.max_restarts={result.max_restarts})"
+          + (" - worker deaths recovered from the latest checkpoint" if result.restarts else ""))
     for key in sorted(set(before) | set(after)):
         b, a = before.get(key), after.get(key)
         fmt = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731

@@ -51,7 +51,7 @@ def find_weights_dir(path: str) -> tuple[str, str]:
             return "hybridflow", candidate
         if os.path.exists(os.path.join(candidate, VERL_FSDP_CONFIG)):
             return "verl", candidate
-    latest = CheckpointManager(path, warn_foreign=False).latest()  # reading only: nothing is written here
+    latest = CheckpointManager(path).latest()
     if latest is not None:
         return find_weights_dir(latest)
     verl_steps = sorted((int(m.group(1)), n) for n in os.listdir(path) if (m := STEP_DIR.match(n)))

@@ -274,7 +274,7 @@ def make_report(
     if not os.path.exists(metrics_path):
         raise FileNotFoundError(
             f"{metrics_path} not found: `hybridflow report` needs the run directory of a training run "
-            "(the folder holding metrics.jsonl, i.e. trainer.run_dir)"
+            "(the folder holding metrics.jsonl, i.e. trainer.default_local_dir)"
         )
     by_step = metrics_by_step(load_jsonl(metrics_path))
     out_dir = out_dir or os.path.join(run_dir, "report")

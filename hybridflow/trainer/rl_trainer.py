@@ -82,6 +82,8 @@ class RLTrainer:
         self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_ckpt_to_keep)
         self.global_step = 0
         self.nonfinite_in_a_row = 0
+        # Facts about the run logged in every step row (run_training sets them): training/restarts, data filter counts
+        self.run_metrics: dict[str, float] = {}
         self.on_policy = is_on_policy(cfg)
 
     # ------------------------------------------------------------------------------------------- one step
@@ -163,6 +165,7 @@ class RLTrainer:
             "max_new_tokens": self.cfg.data.max_response_length,
             "stop_token_ids": list(r.stop_token_ids),
             "seed": derive_seed(self.cfg.trainer.seed, self.global_step, salt),
+            "global_step": self.global_step + 1,  # the step being computed (fault points key on it)
         }
 
     def rollout_and_score(self, prompts: DataProto, timing: dict) -> tuple[DataProto, dict]:
@@ -322,6 +325,7 @@ class RLTrainer:
             metrics, batch = self.train_step(prompts)
             self.global_step += 1
             metrics["training/global_step"] = self.global_step
+            metrics.update(self.run_metrics)
             metrics["training/epoch"] = float(self.loader.state_dict().get("epoch", 0))
             is_last = self.global_step == total_steps
             if self.validator is not None and t.test_freq > 0 and (self.global_step % t.test_freq == 0 or is_last):

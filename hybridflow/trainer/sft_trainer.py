@@ -110,8 +110,10 @@ def run_sft(cfg: SFTConfig, *, eval_every: int = 0, stop_when=None) -> dict[str,
     if t.backend == "ray":
         import ray
 
-        if not ray.is_initialized():
-            ray.init(num_cpus=max(os.cpu_count() or 1, world), include_dashboard=False)
+        from hybridflow.single_controller.local_ray import start_local_ray
+
+        if not ray.is_initialized():  # a cluster for this run only: loopback
+            start_local_ray(num_cpus=max(os.cpu_count() or 1, world), include_dashboard=False)
         pool = ResourcePool(process_on_nodes=[t.n_gpus_per_node] * t.nnodes, use_gpu=False, num_cpus_per_process=1)
     threads = t.num_threads_per_worker or max(1, (os.cpu_count() or 1) // world)
     wg = WorkerGroup(resource_pool=pool, cls_with_init=ClassWithInitArgs(SFTWorker, engine_cfg), name_prefix="sft",

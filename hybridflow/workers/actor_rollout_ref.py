@@ -31,7 +31,7 @@ from hybridflow.engines.rollout.registry import rollout_engine_kwargs
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.engine_config import engine_config, optim_config
-from hybridflow.workers.fault import maybe_inject_fault
+from hybridflow.workers.fault import maybe_inject_fault, step_of
 from hybridflow.workers.rank_state import load_rank_state, save_rank_state
 
 VALID_ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref", "actor_ref")
@@ -127,6 +127,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Prompts [B, P] -> B * n responses; meta_info carries the sampling parameters and the step's seed."""
+        self._fault_point("generate_sequences", prompts)
         m = prompts.meta_info
         params = SamplingParams(
             temperature=m.get("temperature", 1.0),
@@ -196,9 +197,9 @@ class ActorRolloutRefWorker(Worker):
         out["actor/lr"] = self.actor.lr_scheduler_step()
         return out
 
-    def _fault_point(self, method: str, data: DataProto) -> None:
+    def _fault_point(self, method: str, data: DataProto | str) -> None:
         t = self.config.trainer
-        maybe_inject_fault(t.fault_injection, t.default_local_dir, method, self.rank, int(data.meta_info.get("global_step", -1)))
+        maybe_inject_fault(t.fault_injection, t.default_local_dir, method, self.rank, step_of(data))
 
     def _loss_fn(self, loss_agg_mode: str, norm_length: int | None):
         """The engine's loss_fn(micro, outputs): the actor objective under this mini-batch's global counts."""
@@ -227,6 +228,7 @@ class ActorRolloutRefWorker(Worker):
     def save_checkpoint(self, path: str) -> None:
         if self.actor is not None:
             self.actor.save_checkpoint(os.path.join(path, "actor"))
+            self._fault_point("save_checkpoint", path)  # after the shards, before the rank state: a half-written save
             if self.rank == 0:  # config + tokenizer only; `hybridflow export` assembles the weights from the shards
                 hf_dir = os.path.join(path, "actor", "huggingface")
                 self.actor.hf_config.save_pretrained(hf_dir)

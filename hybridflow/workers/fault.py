@@ -10,11 +10,24 @@ The spec's parser lives in hybridflow/common/faults.py, so config validation can
 from __future__ import annotations
 
 import os
+import re
 import signal
+from typing import Any
 
 from hybridflow.common.faults import FAULT_POINTS, parse_fault_spec
 
-__all__ = ["FAULT_POINTS", "maybe_inject_fault", "parse_fault_spec"]
+__all__ = ["FAULT_POINTS", "maybe_inject_fault", "parse_fault_spec", "step_of"]
+
+_STEP_DIR = re.compile(r"global_step_(\d+)$")
+
+
+def step_of(where: Any) -> int:
+    """The global step a fault point is at: a DataProto's meta_info["global_step"], or the N of a checkpoint folder
+    path ending in ``global_step_N`` (also ``.tmp-global_step_N`` while it is written); -1 when unknown."""
+    if isinstance(where, str):
+        m = _STEP_DIR.search(where.rstrip("/"))
+        return int(m.group(1)) if m else -1
+    return int(getattr(where, "meta_info", {}).get("global_step", -1))
 
 
 def maybe_inject_fault(spec: str | None, run_dir: str, method: str, rank: int, step: int) -> None:

@@ -1,0 +1,92 @@
+"""Checks that need the data, the cluster or the device, run before the first step (and by ``--dry-run``).
+
+`validate_config` (config.py) judges the settings alone. What it cannot know -- which data sources the files hold,
+how many nodes and GPUs the cluster has -- is checked here, so that a run never trains for an hour and then fails at
+its first validation, or waits for nodes that do not exist. Every check returns messages that name the key and the
+fix; `preflight_errors` returns them all at once (an empty list: ready to start).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["preflight_errors"]
+
+
+def preflight_errors(cfg: Any, *, train_ds: Any = None, val_ds: Any = None,
+                     cluster_resources: dict[str, float] | None = None) -> list[str]:
+    """Everything that would stop the run after it started, as messages. `cluster_resources` is Ray's
+    ``ray.cluster_resources()`` of the cluster the run will use (None: not started yet; then only local checks)."""
+    errors = _estimator_errors(cfg)
+    for ds in (train_ds, val_ds):
+        if ds is not None:
+            errors += _scorer_errors(cfg, ds)
+    errors += _device_errors(cfg, cluster_resources)
+    if cluster_resources is not None:
+        errors += _cluster_errors(cfg, cluster_resources)
+    return errors
+
+
+def _estimator_errors(cfg: Any) -> list[str]:
+    from hybridflow.algorithms.registry import ADVANTAGE_ESTIMATORS
+
+    alg, n = cfg.algorithm, cfg.actor_rollout_ref.rollout.n
+    if ADVANTAGE_ESTIMATORS.check(alg.adv_estimator):
+        return []  # validate_config names it
+    if getattr(ADVANTAGE_ESTIMATORS.get(alg.adv_estimator), "needs_group_index", False) and n == 1:
+        return [
+            f"algorithm.adv_estimator={alg.adv_estimator} compares the responses to each prompt with each other; with "
+            "actor_rollout_ref.rollout.n=1 every advantage is 0 and nothing is learned: set "
+            "actor_rollout_ref.rollout.n >= 2, or choose a critic-based estimator (algorithm.adv_estimator=gae)"
+        ]
+    return []
+
+
+def _scorer_errors(cfg: Any, ds: Any) -> list[str]:
+    """Every data source of `ds` needs a scorer, unless a custom reward function scores them all."""
+    if cfg.custom_reward_function.path:
+        return []
+    from hybridflow.rewards import available_scorers
+
+    key = cfg.data.reward_fn_key
+    known = set(available_scorers())
+    counts = ds.data_source_counts(key)
+    missing = {source: c for source, c in counts.items() if source not in known}
+    if not missing:
+        return []
+    listed = ", ".join(f"{s!r} ({c} rows)" for s, c in sorted(missing.items()))
+    return [
+        f"{ds.name} data ({', '.join(ds.files)}): no reward function for data source(s) {listed} (column "
+        f"{key!r}); known: {sorted(known)}. Set custom_reward_function.path=path/to/file.py "
+        "custom_reward_function.name=fn, or register a scorer with hybridflow.rewards.register_scorer before training"
+    ]
+
+
+def _device_errors(cfg: Any, cluster_resources: dict[str, float] | None) -> list[str]:
+    t = cfg.trainer
+    if t.device != "cuda":
+        return []
+    if cluster_resources is not None:
+        gpus = cluster_resources.get("GPU", 0)
+        where = "the Ray cluster reports 0 GPUs"
+    elif t.backend == "ray" and t.ray_address:
+        return []  # the cluster's GPUs are known once it is joined
+    else:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        where = "torch.cuda.is_available() is False on this machine"
+    if gpus == 0:
+        return [f"trainer.device=cuda but no GPU is visible ({where}); set trainer.device=cpu, or auto to use a GPU "
+                "when there is one"]
+    return []
+
+
+def _cluster_errors(cfg: Any, res: dict[str, float]) -> list[str]:
+    t = cfg.trainer
+    # Ray publishes one "node:<ip>" resource per node (plus "node:__internal_head__" on the head).
+    nodes = sum(1 for k in res if k.startswith("node:") and k != "node:__internal_head__")
+    if t.nnodes > nodes:
+        return [f"trainer.nnodes={t.nnodes} but the Ray cluster has {nodes} node(s); lower trainer.nnodes, or join "
+                "more nodes (ray start --address=...) and pass trainer.ray_address"]
+    return []
