@@ -18,7 +18,7 @@ import json
 import os
 from typing import Any
 
-from hybridflow.rewards.custom import _REQUIRED_PARAMS
+from hybridflow.rewards.custom import SAMPLE_PARAMS
 from hybridflow.rewards.registry import RewardConfigError
 from hybridflow.rewards.sandbox import run_python_sandboxed
 
@@ -57,7 +57,7 @@ def _check_source(path: str, source: str, name: str) -> None:
     if a.kwarg is not None:
         return
     names = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
-    missing = [p for p in _REQUIRED_PARAMS if p not in names]
+    missing = [p for p in SAMPLE_PARAMS if p not in names]
     if missing:
         raise RewardConfigError(
             f"custom reward function {path}:{name} must accept (data_source, solution_str, ground_truth, "

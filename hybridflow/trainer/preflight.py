@@ -46,12 +46,12 @@ def _scorer_errors(cfg: Any, ds: Any) -> list[str]:
     """Every data source of `ds` needs a scorer, unless a custom reward function scores them all."""
     if cfg.custom_reward_function.path:
         return []
-    from hybridflow.rewards import available_scorers
+    from hybridflow.rewards import ScorerTable, available_scorers
 
     key = cfg.data.reward_fn_key
-    known = set(available_scorers())
+    known, table = set(available_scorers()), ScorerTable()
     counts = ds.data_source_counts(key)
-    missing = {source: c for source, c in counts.items() if source not in known}
+    missing = {source: c for source, c in counts.items() if not table.knows(source)}  # "family/*" names count
     if not missing:
         return []
     listed = ", ".join(f"{s!r} ({c} rows)" for s, c in sorted(missing.items()))
