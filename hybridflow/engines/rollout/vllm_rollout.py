@@ -43,10 +43,10 @@ from hybridflow.engines.rollout.layout import assemble_output, read_prompts, spe
 from hybridflow.protocol import DataProto
 
 _INSTALL_HINT = (
-    "rollout.name=vllm needs vLLM, which is not installed in this Python environment ({python}). "
+    "actor_rollout_ref.rollout.name=vllm needs vLLM, which is not installed in this Python environment ({python}). "
     "Install it in a separate virtualenv with `bash scripts/setup_vllm_env.sh` (creates .venv-vllm; CPU build), "
     "or `pip install 'hybridflow[vllm]'` on a GPU machine, then run with that environment's python; "
-    "or choose rollout.name=hf / native."
+    "or choose actor_rollout_ref.rollout.name=hf / native."
 )
 
 
