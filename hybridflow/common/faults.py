@@ -7,8 +7,9 @@ hybridflow/workers/fault.py's.
 
 from __future__ import annotations
 
-# The worker methods that call maybe_inject_fault (ActorRolloutRefWorker._fault_point).
-FAULT_POINTS = ("compute_log_prob", "update_actor")
+# The worker methods that call maybe_inject_fault (ActorRolloutRefWorker._fault_point); generate_sequences only on
+# a rollout group of its own (hybrid_engine=false).
+FAULT_POINTS = ("compute_log_prob", "update_actor", "generate_sequences")
 
 
 def parse_fault_spec(spec: str) -> tuple[str, int, int]:

@@ -136,6 +136,11 @@ class RolloutConfig:
     gpu_memory_utilization: float | None = None  # vllm on GPUs
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     engine_kwargs: dict = field(default_factory=dict)
+    # hybrid_engine=false only: the rollout group's own processes (veRL's standalone-rollout keys) and the size of
+    # the buckets the actor's weights are streamed to it in
+    nnodes: int = 1
+    n_gpus_per_node: int = 1
+    update_weights_bucket_megabytes: int = 64
 
 
 @dataclass
@@ -221,6 +226,24 @@ class FilterGroupsConfig:
     max_num_gen_batches: int = 4  # generation batches per step at most; 0 = no limit
 
 
+# Off-policy corrections (veRL's algorithm.rollout_correction keys): importance weights pi_old / pi_rollout from the
+# rollout's own log-probs, truncated at rollout_is_threshold (TIS), per token or per sequence; rejection (MIS) zeroes
+# tokens / sequences whose ratio leaves [rollout_rs_threshold_lower, rollout_rs_threshold]. With old log-probs
+# recomputed this is the decoupled PPO objective (pi_old the proximal policy of the clip, pi_rollout the behaviour
+# policy of the weight); bypass_mode=true uses the rollout's log-probs as old log-probs (no recompute, no weight).
+CORRECTION_LEVELS = ("token", "sequence")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None = None  # None | token | sequence
+    rollout_is_threshold: float = 2.0
+    rollout_rs: str | None = None  # None | token | sequence
+    rollout_rs_threshold: float | None = None  # None: rollout_is_threshold
+    rollout_rs_threshold_lower: float | None = None  # None: 1 / the upper threshold
+    bypass_mode: bool = False
+
+
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
@@ -231,6 +254,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -245,6 +269,10 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     backend: str = "ray"  # ray | local (single process, for debugging)
     placement: str = "colocate"  # colocate: every role shares the same processes | split: critic/rm apart
+    # sync | one_step_off | async (trainer/rollout_driver.py); the last two need actor_rollout_ref.hybrid_engine=false
+    rollout_mode: str = "sync"
+    max_staleness: int = 1  # async: a batch more policy versions old than this is dropped (counted)
+    rollout_buffer_batches: int = 2  # async: generation batches buffered or in flight at most
     num_threads_per_worker: int | None = None  # torch threads per rank; None: cores / ranks
     ray_address: str | None = None  # None: start a local cluster
     seed: int = 1
@@ -375,12 +403,8 @@ def validate_config(cfg: HybridFlowConfig) -> None:
             f"actor_rollout_ref.actor.strategy={actor.strategy!r}: hybridflow trains with FSDP2 only "
             f"({' / '.join(STRATEGIES)}); Megatron is not supported, remove the key or set it to fsdp2"
         )
-    if not arr.hybrid_engine:
-        errors.append(
-            "actor_rollout_ref.hybrid_engine=false asks for a rollout group apart from the actor, which hybridflow "
-            "does not have yet; remove the key (the rollout shares the actor's processes and gets its weights in "
-            "memory after every update)"
-        )
+    errors += placement_errors(cfg)
+    errors += rollout_correction_errors(alg.rollout_correction)
     if t.backend not in ("ray", "local"):
         errors.append(f"trainer.backend={t.backend!r}: choose 'ray' or 'local'")
     if t.backend == "local" and world != 1:
@@ -463,13 +487,115 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
 
 
+def placement_errors(cfg: HybridFlowConfig) -> list[str]:
+    """The rollout's placement and mode: a separate rollout group, one_step_off / async, staleness."""
+    from hybridflow.algorithms.registry import ADVANTAGE_ESTIMATORS
+    from hybridflow.engines.rollout.registry import rollout_weight_update_error
+    from hybridflow.trainer.rollout_driver import ROLLOUT_MODES
+
+    errors: list[str] = []
+    arr, t, alg = cfg.actor_rollout_ref, cfg.trainer, cfg.algorithm
+    r = arr.rollout
+    if problem := rollout_weight_update_error(r.name):
+        errors.append(problem)
+    if t.rollout_mode not in ROLLOUT_MODES:
+        errors.append(f"trainer.rollout_mode={t.rollout_mode!r}: choose one of {list(ROLLOUT_MODES)}")
+    if arr.hybrid_engine:
+        for key, default in (("nnodes", 1), ("n_gpus_per_node", 1), ("update_weights_bucket_megabytes", 64)):
+            if getattr(r, key) != default:
+                errors.append(
+                    f"actor_rollout_ref.rollout.{key}={getattr(r, key)} applies to a rollout group of its own; set "
+                    "actor_rollout_ref.hybrid_engine=false too, or remove the key (the hybrid engine's rollout lives "
+                    "in the actor's processes and gets its weights in memory)"
+                )
+        if t.rollout_mode != "sync":
+            errors.append(
+                f"trainer.rollout_mode={t.rollout_mode} overlaps generation with training, which needs the rollout "
+                "in processes of its own: set actor_rollout_ref.hybrid_engine=false (and "
+                "actor_rollout_ref.rollout.n_gpus_per_node), or trainer.rollout_mode=sync"
+            )
+    else:
+        if t.backend == "local":
+            errors.append(
+                "actor_rollout_ref.hybrid_engine=false with trainer.backend=local: the weight transfer needs the actor "
+                "and the rollout in different processes; use trainer.backend=ray"
+            )
+        if r.nnodes < 1 or r.n_gpus_per_node < 1:
+            errors.append(
+                f"actor_rollout_ref.rollout.nnodes={r.nnodes} and n_gpus_per_node={r.n_gpus_per_node} must be >= 1"
+            )
+        if r.update_weights_bucket_megabytes < 1:
+            errors.append(
+                f"actor_rollout_ref.rollout.update_weights_bucket_megabytes={r.update_weights_bucket_megabytes} "
+                "must be >= 1"
+            )
+    if t.rollout_mode != "async":
+        for key, default in (("max_staleness", 1), ("rollout_buffer_batches", 2)):
+            if getattr(t, key) != default:
+                errors.append(f"trainer.{key} applies to trainer.rollout_mode=async only; remove it or set the mode")
+    if t.max_staleness < 0:
+        errors.append(f"trainer.max_staleness={t.max_staleness} must be >= 0 (policy versions a sample may lag)")
+    if t.rollout_buffer_batches < 1:
+        errors.append(f"trainer.rollout_buffer_batches={t.rollout_buffer_batches} must be >= 1")
+    if t.rollout_mode != "sync":
+        if alg.filter_groups.enable:
+            errors.append(
+                f"algorithm.filter_groups.enable=true with trainer.rollout_mode={t.rollout_mode}: DAPO's dynamic "
+                "sampling generates again inside a step, which the overlapped modes do not do; use rollout_mode=sync"
+            )
+        estimator = ADVANTAGE_ESTIMATORS.get(alg.adv_estimator) if not ADVANTAGE_ESTIMATORS.check(
+            alg.adv_estimator) else None
+        if estimator is not None and getattr(estimator, "needs_greedy_baseline", False):
+            errors.append(
+                f"algorithm.adv_estimator={alg.adv_estimator} needs a greedy generation inside each step, which "
+                f"trainer.rollout_mode={t.rollout_mode} does not make; use rollout_mode=sync"
+            )
+        if estimator is not None and getattr(estimator, "needs_critic", False) and cfg.critic.enable is False:
+            errors.append(
+                f"algorithm.adv_estimator={alg.adv_estimator} needs a critic, but critic.enable=false; enable the "
+                "critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus)"
+            )
+    return errors
+
+
+def rollout_correction_errors(rc: RolloutCorrectionConfig) -> list[str]:
+    key = "algorithm.rollout_correction"
+    errors = []
+    for name in ("rollout_is", "rollout_rs"):
+        value = getattr(rc, name)
+        if value is not None and value not in CORRECTION_LEVELS:
+            errors.append(f"{key}.{name}={value!r}: choose one of {list(CORRECTION_LEVELS)} (or null: off)")
+    if rc.rollout_is_threshold <= 1.0:
+        errors.append(f"{key}.rollout_is_threshold={rc.rollout_is_threshold} must be > 1 (the cap on pi_old/pi_rollout)")
+    upper = rc.rollout_rs_threshold if rc.rollout_rs_threshold is not None else rc.rollout_is_threshold
+    lower = rc.rollout_rs_threshold_lower if rc.rollout_rs_threshold_lower is not None else 1.0 / upper
+    if not 0 <= lower < 1 < upper:
+        errors.append(f"{key}: the rejection band [{lower}, {upper}] (rollout_rs_threshold_lower, rollout_rs_threshold) "
+                      "must hold 1 strictly inside")
+    if rc.rollout_is is None and rc.rollout_rs is None:
+        for name in ("rollout_rs_threshold", "rollout_rs_threshold_lower"):
+            if getattr(rc, name) is not None:
+                errors.append(f"{key}.{name} is set but neither rollout_is nor rollout_rs is on; set one of them")
+        if rc.rollout_is_threshold != 2.0:
+            errors.append(f"{key}.rollout_is_threshold is set but rollout_is and rollout_rs are off; set one of them")
+    elif rc.rollout_rs is None and (rc.rollout_rs_threshold is not None or rc.rollout_rs_threshold_lower is not None):
+        errors.append(f"{key}.rollout_rs_threshold(_lower) is set but rollout_rs is off; set rollout_rs=token|sequence")
+    if rc.bypass_mode and rc.rollout_is is not None:
+        errors.append(f"{key}.bypass_mode=true uses the rollout's log-probs as old log-probs, so the IS weight would "
+                      "be 1: set rollout_is=null (rejection with rollout_rs still applies)")
+    return errors
+
+
 def check_resources(cfg: HybridFlowConfig, available_cpus: float, available_gpus: float) -> None:
     """More ranks than devices is a configuration error, found before placement groups wait forever."""
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    if not cfg.actor_rollout_ref.hybrid_engine:  # the rollout group's processes come on top of the actor's
+        world += cfg.actor_rollout_ref.rollout.nnodes * cfg.actor_rollout_ref.rollout.n_gpus_per_node
     if cfg.trainer.device == "cuda" and world > available_gpus:
         raise ConfigError(
-            f"the run asks for {world} GPU ranks (trainer.nnodes*trainer.n_gpus_per_node) but the cluster has "
-            f"{available_gpus:g} GPUs; lower trainer.n_gpus_per_node"
+            f"the run asks for {world} GPU ranks (trainer.nnodes*trainer.n_gpus_per_node, plus "
+            "actor_rollout_ref.rollout.nnodes*n_gpus_per_node with hybrid_engine=false) but the cluster has "
+            f"{available_gpus:g} GPUs; lower trainer.n_gpus_per_node or actor_rollout_ref.rollout.n_gpus_per_node"
         )
     if world > max(available_cpus, 1) * 4:
         raise ConfigError(

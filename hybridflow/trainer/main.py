@@ -177,7 +177,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
             try:
                 for group in groups.all():
                     group.init_model()
-                validator = Validator(cfg, groups.actor_rollout, val_loader, reward_fn) if val_loader else None
+                validator = Validator(cfg, groups.rollout, val_loader, reward_fn) if val_loader else None
                 bar = ProgressBar(total_steps, disable=not (progress and t.progress_bar))
                 trainer = RLTrainer(
                     cfg, groups, train_loader, reward_fn, validator, tracker, tokenizer, progress=bar,
