@@ -40,7 +40,8 @@ class WeightSync:
 
     def __init__(self, groups: Any):
         self.groups = groups
-        self.lock = threading.Lock()  # one transfer at a time (the trainer's sync vs a rollout-rank replacement)
+        # one transfer at a time: the trainer's sync vs a rollout-rank replacement (which pushes while holding it)
+        self.lock = threading.RLock()
         self.retries = 0
 
     @property
@@ -68,16 +69,20 @@ class WeightSync:
             for attempt in range(2):
                 send = self.groups.actor_rollout.send_weights(version)
                 recv = self.groups.separate_rollout.receive_weights()
-                sent = send.get()[0]
-                try:
-                    received = recv.get()
+                received, recv_err = _get(recv)
+                sent, send_err = _get(send)
+                if recv_err is not None and recv_err.kind != "raised":
+                    raise recv_err  # a rollout rank died (the sender then fails too): the mode decides what to do
+                if send_err is not None:
+                    raise send_err
+                if recv_err is None:
                     break
-                except WorkerGroupError as err:  # a bucket failed its checksum on some rank: send everything again
-                    if attempt or err.kind != "raised":
-                        raise
-                    self.retries += 1
-                    logger.warning("weight transfer of version %d failed on the rollout (%s); sending it again",
-                                   version, err)
+                if attempt:  # a bucket failed its checksum twice in a row
+                    raise recv_err
+                self.retries += 1
+                logger.warning("weight transfer of version %d failed on the rollout (%s); sending it again",
+                               version, recv_err)
+            sent = sent[0]
             versions = {int(r["version"]) for r in received}
             if versions != {version}:
                 raise RuntimeError(f"rollout ranks hold versions {sorted(versions)} after sending version {version}")
@@ -89,6 +94,13 @@ class WeightSync:
                 "weights/buckets": sent["buckets"],
                 "weights/transfer_retries": float(self.retries),
             }
+
+
+def _get(future: Any) -> tuple[Any, WorkerGroupError | None]:
+    try:
+        return future.get(), None
+    except WorkerGroupError as err:
+        return None, err
 
 
 class SyncRollout:
@@ -250,12 +262,23 @@ class AsyncRollout(SyncRollout):
                     raise
                 self.counts["replaced_rollout_ranks"] += 1
                 logger.error("rollout rank lost (%s); replacing the rollout group and regenerating the batch", err)
-                with self.weights.lock:
+                with self.weights.lock:  # the trainer's sync waits: it must not send to the old group meanwhile
                     self.groups.separate_rollout.shutdown()
                     self.groups.separate_rollout = self.rebuild_rollout()
                     self.weights.connect()
-                    version = self.version
-                self.weights.push(version)
+                    self.weights.push(self.version)
+
+    def sync_weights(self) -> dict[str, float]:
+        try:
+            return super().sync_weights()
+        except WorkerGroupError as err:
+            if err.kind == "raised" or not err.group.startswith("rollout"):
+                raise
+            # A rollout rank died under this transfer: the producer finds the dead group at its next call, replaces
+            # it, and sends the new group the current version (self.version, already counted) itself.
+            logger.error("weight transfer of version %d: a rollout rank is gone (%s); the replacement gets it",
+                         self.version, err)
+            return {"weights/version": float(self.version), "async/transfer_lost_to_dead_rank": 1.0}
 
     # ------------------------------------------------------------------ trainer side
     def next_prompts(self, step: int) -> DataProto:

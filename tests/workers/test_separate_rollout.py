@@ -35,3 +35,72 @@ def test_sync_separate_rollout_matches_actor_after_every_transfer(ray_session, a
         assert row["rollout/staleness_max"] == 0.0
         assert row["perf/weight_transfer_MBps"] > 0 and math.isfinite(row["timing/weight_transfer"])
         assert row["weights/buckets"] >= 1
+
+
+def comparable(row: dict) -> dict:
+    """A metrics row without what depends on the clock."""
+    return {k: v for k, v in row.items() if not k.startswith(("timing", "perf/"))}
+
+
+def test_one_step_off_trains_one_version_behind_and_resumes_bitwise(ray_session, arithmetic_files, tiny_model_path,
+                                                                      tmp_path):
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    mode = ("trainer.rollout_mode=one_step_off", "trainer.total_training_steps=4")
+    cfg = load_config(tiny_run_overrides(arithmetic_files, tiny_model_path, full, *SEPARATE, *mode,
+                                         "trainer.save_freq=2"))
+    assert run_training(cfg, progress=False).global_step == 4
+    rows = rows_of(full)
+    # step 1 trains on the initial policy's samples; later steps on samples one version old, re-scored by the actor
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert rows[0]["rollout/mismatch_max_abs"] <= 1e-5
+    # old samples: the actor has moved on (by weight decay alone here: the tiny model's groups often tie)
+    assert all(r["rollout/mismatch_max_abs"] > 2 * rows[0]["rollout/mismatch_max_abs"] for r in rows[1:])
+    cfg = load_config(tiny_run_overrides(arithmetic_files, tiny_model_path, resumed, *SEPARATE, *mode,
+                                         f"trainer.resume_mode={full}/global_step_2"))
+    assert run_training(cfg, progress=False).global_step == 4
+    again = rows_of(resumed)
+    assert [r["training/global_step"] for r in again] == [3, 4]
+    assert [comparable(r) for r in again] == [comparable(r) for r in rows[2:]]
+
+
+def test_async_replaces_a_dead_rollout_rank_and_resumes_without_losing_prompts(ray_session, arithmetic_files,
+                                                                                tiny_model_path, tmp_path):
+    import torch
+
+    first, resumed = str(tmp_path / "first"), str(tmp_path / "resumed")
+    mode = ("trainer.rollout_mode=async", "trainer.total_training_steps=4", "trainer.rollout_buffer_batches=2",
+            "trainer.max_staleness=2")
+    # rollout rank 1 is killed while generating the third batch: the group is replaced and the batch regenerated
+    cfg = load_config(tiny_run_overrides(arithmetic_files, tiny_model_path, first, *SEPARATE, *mode,
+                                         "trainer.save_freq=2", "trainer.fault_injection=generate_sequences:1:3"))
+    result = run_training(cfg, progress=False)
+    assert result.global_step == 4 and result.restarts == 0
+    rows = rows_of(first)
+    assert rows[-1]["async/replaced_rollout_ranks"] == 1.0
+    assert all(r["rollout/staleness_max"] <= 2 for r in rows)
+    assert [r["weights/version"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
+    # the checkpoint's buffer and loader position agree: every prompt taken from the loader was trained, dropped
+    # (counted) or is in the buffer, exactly once
+    state = torch.load(f"{first}/global_step_2/rollout_state.pt", weights_only=False)
+    trainer_state = json.load(open(f"{first}/global_step_2/trainer_state.json"))
+    taken = trainer_state["dataloader"]["batches_done"]
+    assert taken == state["produced"] == 2 + state["counts"]["dropped_stale_batches"] + len(state["buffer"])
+    buffered = [int(i) for prompts, _ in state["buffer"] for i in prompts.non_tensor_batch["index"]]
+    assert len(set(buffered)) == len(buffered)
+    cfg = load_config(tiny_run_overrides(arithmetic_files, tiny_model_path, resumed, *SEPARATE, *mode,
+                                         f"trainer.resume_mode={first}/global_step_2"))
+    assert run_training(cfg, progress=False).global_step == 4
+    again = rows_of(resumed)
+    assert [r["weights/version"] for r in again] == [3.0, 4.0]
+
+
+def test_async_drops_samples_older_than_max_staleness(ray_session, arithmetic_files, tiny_model_path, tmp_path):
+    run_dir = str(tmp_path / "run")
+    cfg = load_config(tiny_run_overrides(arithmetic_files, tiny_model_path, run_dir, *SEPARATE,
+                                         "trainer.rollout_mode=async", "trainer.max_staleness=0",
+                                         "trainer.rollout_buffer_batches=2", "trainer.total_training_steps=3"))
+    assert run_training(cfg, progress=False).global_step == 3
+    rows = rows_of(run_dir)
+    assert all(r["rollout/staleness_max"] == 0.0 for r in rows)  # nothing older than the bound was trained
+    assert rows[-1]["async/dropped_stale_samples"] > 0  # the buffered batch generated before each update went
+    assert rows[-1]["async/dropped_stale_samples"] == 16 * rows[-1]["async/dropped_stale_batches"]
