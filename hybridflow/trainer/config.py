@@ -537,23 +537,23 @@ def placement_errors(cfg: HybridFlowConfig) -> list[str]:
         errors.append(f"trainer.max_staleness={t.max_staleness} must be >= 0 (policy versions a sample may lag)")
     if t.rollout_buffer_batches < 1:
         errors.append(f"trainer.rollout_buffer_batches={t.rollout_buffer_batches} must be >= 1")
+    estimator = ADVANTAGE_ESTIMATORS.get(alg.adv_estimator) if not ADVANTAGE_ESTIMATORS.check(alg.adv_estimator) else None
+    if estimator is not None and getattr(estimator, "needs_critic", False) and cfg.critic.enable is False:
+        errors.append(
+            f"algorithm.adv_estimator={alg.adv_estimator} needs a critic's values, but critic.enable=false (in every "
+            f"rollout mode, {t.rollout_mode} included, the values come from the critic at training time); enable "
+            "the critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus)"
+        )
     if t.rollout_mode != "sync":
         if alg.filter_groups.enable:
             errors.append(
                 f"algorithm.filter_groups.enable=true with trainer.rollout_mode={t.rollout_mode}: DAPO's dynamic "
                 "sampling generates again inside a step, which the overlapped modes do not do; use rollout_mode=sync"
             )
-        estimator = ADVANTAGE_ESTIMATORS.get(alg.adv_estimator) if not ADVANTAGE_ESTIMATORS.check(
-            alg.adv_estimator) else None
         if estimator is not None and getattr(estimator, "needs_greedy_baseline", False):
             errors.append(
                 f"algorithm.adv_estimator={alg.adv_estimator} needs a greedy generation inside each step, which "
                 f"trainer.rollout_mode={t.rollout_mode} does not make; use rollout_mode=sync"
-            )
-        if estimator is not None and getattr(estimator, "needs_critic", False) and cfg.critic.enable is False:
-            errors.append(
-                f"algorithm.adv_estimator={alg.adv_estimator} needs a critic, but critic.enable=false; enable the "
-                "critic or pick a critic-free estimator (grpo, rloo, reinforce_plus_plus)"
             )
     return errors
 
@@ -580,9 +580,10 @@ def rollout_correction_errors(rc: RolloutCorrectionConfig) -> list[str]:
             errors.append(f"{key}.rollout_is_threshold is set but rollout_is and rollout_rs are off; set one of them")
     elif rc.rollout_rs is None and (rc.rollout_rs_threshold is not None or rc.rollout_rs_threshold_lower is not None):
         errors.append(f"{key}.rollout_rs_threshold(_lower) is set but rollout_rs is off; set rollout_rs=token|sequence")
-    if rc.bypass_mode and rc.rollout_is is not None:
-        errors.append(f"{key}.bypass_mode=true uses the rollout's log-probs as old log-probs, so the IS weight would "
-                      "be 1: set rollout_is=null (rejection with rollout_rs still applies)")
+    if rc.bypass_mode and (rc.rollout_is is not None or rc.rollout_rs is not None):
+        errors.append(f"{key}.bypass_mode=true uses the rollout's log-probs as old log-probs, so every ratio "
+                      "pi_old/pi_rollout would be 1: set rollout_is=null and rollout_rs=null, or bypass_mode=false "
+                      "(decoupled PPO: old log-probs recomputed, the weight corrects for the rollout)")
     return errors
 
 

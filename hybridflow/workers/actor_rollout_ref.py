@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms.objective import ActorLossConfig, LossContext, build_actor_objective
+from hybridflow.algorithms.off_policy import CorrectionSettings
 from hybridflow.common.metrics import reduce_metrics
 from hybridflow.common.seeds import derive_seed
 from hybridflow.engines.fsdp_engine import FSDPEngine
@@ -45,8 +46,16 @@ from hybridflow.workers.rank_state import load_rank_state, save_rank_state
 VALID_ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref", "actor_ref")
 
 
-def actor_loss_config(actor: Any) -> ActorLossConfig:
-    """The actor section's loss keys as the objective's settings (clip_ratio_low/high default to clip_ratio)."""
+def actor_loss_config(actor: Any, correction: Any = None) -> ActorLossConfig:
+    """The actor section's loss keys as the objective's settings (clip_ratio_low/high default to clip_ratio);
+    `correction`: the algorithm.rollout_correction section (None: off)."""
+    settings = CorrectionSettings()
+    if correction is not None:
+        settings = CorrectionSettings(
+            is_level=correction.rollout_is, is_threshold=correction.rollout_is_threshold,
+            rs_level=correction.rollout_rs, rs_upper=correction.rollout_rs_threshold,
+            rs_lower=correction.rollout_rs_threshold_lower,
+        )
     return ActorLossConfig(
         policy_loss=actor.policy_loss.loss_mode,
         clip_ratio_low=actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
@@ -56,6 +65,7 @@ def actor_loss_config(actor: Any) -> ActorLossConfig:
         use_kl_loss=actor.use_kl_loss,
         kl_loss_coef=actor.kl_loss_coef,
         kl_loss_type=actor.kl_loss_type,
+        correction=settings,
     )
 
 
@@ -104,7 +114,7 @@ class ActorRolloutRefWorker(Worker):
                     infer_max_token_len=arr.rollout.log_prob_max_token_len_per_gpu,
                 )
             )
-            self.objective = build_actor_objective(actor_loss_config(actor))
+            self.objective = build_actor_objective(actor_loss_config(actor, cfg.algorithm.rollout_correction))
         if self.is_ref:
             self.ref = FSDPEngine(
                 engine_config(
