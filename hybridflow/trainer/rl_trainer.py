@@ -339,11 +339,18 @@ class RLTrainer:
     def next_prompts(self) -> DataProto:
         return self.rollout.next_prompts(self.global_step + 1)
 
+    def replace_rollout_group(self):
+        """A new rollout group for one whose rank died (async mode); validation generates on it from now on."""
+        group = start_rollout_group(self.cfg)
+        if self.validator is not None:
+            self.validator.group = group
+        return group
+
     def start_rollout(self, total_steps: int) -> None:
         """The rollout driver for trainer.rollout_mode, over the loader's batches; restored from a checkpoint."""
         self.rollout = build_rollout_driver(
             self.cfg, self.groups, self.loader.iter_batches(), self.generation_input, total_steps,
-            rebuild_rollout=lambda: start_rollout_group(self.cfg),
+            rebuild_rollout=self.replace_rollout_group,
         )
         if self._rollout_state is not None:
             self.rollout.load_state_dict(self._rollout_state)

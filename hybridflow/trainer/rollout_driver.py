@@ -86,9 +86,12 @@ class WeightSync:
             versions = {int(r["version"]) for r in received}
             if versions != {version}:
                 raise RuntimeError(f"rollout ranks hold versions {sorted(versions)} after sending version {version}")
-            seconds = max(sent["seconds"], *(r["seconds"] for r in received))
+            # The receivers' time: from their first byte to the engine loaded. The sender's also counts waiting for
+            # the rollout to finish a generation call in flight (one_step_off, async).
+            seconds = max(r["seconds"] for r in received)
             return {
                 "timing/weight_transfer": seconds,
+                "timing/weight_transfer_sender": sent["seconds"],
                 "perf/weight_transfer_MBps": sent["bytes"] / max(seconds, 1e-9) / 1e6,
                 "perf/weight_transfer_MB": sent["bytes"] / 1e6,
                 "weights/buckets": sent["buckets"],
