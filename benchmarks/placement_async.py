@@ -4,8 +4,11 @@
     .venv/bin/python benchmarks/placement_async.py --steps 40         # longer runs
     .venv/bin/python benchmarks/placement_async.py --modes one_step_off,disaggregated_sync --skip-transfer
 
-Modes (each a fresh process and Ray cluster, the main job's preset hybridflow/config/arithmetic_grpo.yaml: GRPO,
-64 prompts x 8 samples per step, 16 response tokens, validation mean@4 on 256 held-out prompts before and after):
+Jobs: ``--job main`` (default) the main job's preset hybridflow/config/arithmetic_grpo.yaml: GRPO, 64 prompts x 8
+samples per step, at most 16 response tokens (about 9 on average), validation mean@4 on 256 held-out prompts before
+and after; generation is about a tenth of its step. ``--job gen_heavy``: a random-init "small" model (tiny.SIZES)
+whose eos cannot be sampled, 8 prompts x 4 samples x exactly 64 tokens, KL loss: generation is about half the step,
+where overlapping it can show. Modes (each run a fresh process and Ray cluster):
   * colocated_sync_1rank / _2ranks  the hybrid engine: each process hosts actor + rollout; 1 or 2 data-parallel ranks
   * disaggregated_sync  one actor process and one rollout process, weights streamed after every update
   * one_step_off        as disaggregated, generation of step k+1 overlapping the update of step k
@@ -49,20 +52,40 @@ MODES = {
               "algorithm.rollout_correction.bypass_mode=true"],
 }
 DEFAULT_MODES = ("colocated_sync_1rank", "colocated_sync_2ranks", "disaggregated_sync", "one_step_off", "async")
+# The generation-heavy job: a random-init model whose eos cannot be sampled, so every sample is exactly
+# response_length tokens and generation is about half of a step.
+GEN_HEAVY = {"size": "small", "prompts": 8, "n": 4, "response_length": 64}
 WARMUP_STEPS = 2  # the first steps of a run (allocations, first packing) are not counted in the medians
 
 
-def run_mode(mode: str, steps: int, run_dir: str) -> dict:
-    """In this (child) process: one training run of the main job under `mode`; its summary."""
-    from hybridflow.trainer.config import load_config
-    from hybridflow.trainer.main import BUILTIN_PRESET, run_training
+def job_overrides(job: str, steps: int, run_dir: str) -> tuple[list[str], str | None]:
+    """(overrides, preset) of the job: the main job, or the generation-heavy one (module docstring)."""
+    from hybridflow.trainer.main import BUILTIN_PRESET
 
-    overrides = [
-        f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.save_freq=0",
-        "trainer.val_before_train=true", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
-        f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable", *MODES[mode],
-    ]
-    cfg = load_config(overrides, preset=BUILTIN_PRESET)
+    if job == "main":
+        return [
+            f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.save_freq=0",
+            "trainer.val_before_train=true", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
+            f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable",
+        ], BUILTIN_PRESET
+    from _common import grpo_overrides, write_benchmark_model
+
+    model = os.path.join(os.path.dirname(run_dir), "gen_heavy_model")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        write_benchmark_model(model, GEN_HEAVY["size"])
+    return grpo_overrides(
+        model_path=model, run_dir=run_dir, prompts_per_step=GEN_HEAVY["prompts"], n=GEN_HEAVY["n"],
+        max_response_length=GEN_HEAVY["response_length"], steps=steps, threads=1,
+    ), None
+
+
+def run_mode(mode: str, steps: int, run_dir: str, job: str = "main") -> dict:
+    """In this (child) process: one training run of `job` under `mode`; its summary."""
+    from hybridflow.trainer.config import load_config
+    from hybridflow.trainer.main import run_training
+
+    overrides, preset = job_overrides(job, steps, run_dir)
+    cfg = load_config([*overrides, *MODES[mode]], preset=preset)
     start = time.perf_counter()
     result = run_training(cfg, progress=False)
     wall = time.perf_counter() - start
@@ -91,6 +114,7 @@ def run_mode(mode: str, steps: int, run_dir: str) -> dict:
             [r["perf/weight_transfer_MBps"] for r in steps_rows if "perf/weight_transfer_MBps" in r] or [0.0]),
         "staleness_mean": statistics.mean(r.get("rollout/staleness_mean", 0.0) for r in steps_rows),
         "dropped_stale_samples": steps_rows[-1].get("async/dropped_stale_samples", 0.0),
+        "job": job,
         "val_before": acc(result.initial_val),
         "val_after": acc(result.last_metrics),
     }
@@ -142,6 +166,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"of {list(MODES)}")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--job", choices=("main", "gen_heavy"), default="main")
     p.add_argument("--sizes", default="tiny,small,mid")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="12 steps per mode, 1 round, transfer sizes tiny,small")
@@ -150,7 +175,7 @@ def main() -> None:
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(run_mode(args.worker, args.steps, args.run_dir)))
+        print("RESULT " + json.dumps(run_mode(args.worker, args.steps, args.run_dir, args.job)))
         return
     steps = 12 if args.quick else args.steps
     sizes = ["tiny", "small"] if args.quick else args.sizes.split(",")
@@ -165,7 +190,7 @@ def main() -> None:
                 log(f"round {round_index} mode {mode}: {steps} steps")
                 env = {**os.environ, "RAY_ADDRESS": "local"}  # a fresh cluster per run, never another session's
                 proc = subprocess.run(
-                    [sys.executable, os.path.abspath(__file__), "--worker", mode, "--steps", str(steps),
+                    [sys.executable, os.path.abspath(__file__), "--worker", mode, "--steps", str(steps), "--job", args.job,
                      "--run-dir", os.path.join(work, f"{mode}_{round_index}")],
                     capture_output=True, text=True, cwd=ROOT, env=env,
                 )
@@ -195,7 +220,7 @@ def main() -> None:
                        ("one_step_off", "colocated_sync_2ranks"), ("one_step_off", "colocated_sync_1rank")):
         if fast in med and slow in med:
             results[f"{fast}_over_{slow}"] = med[fast] / med[slow]
-    emit(document("placement_async", {"steps": steps, "rounds": args.rounds, "modes": {m: MODES[m] for m in modes},
+    emit(document("placement_async", {"job": args.job if args.job == "main" else {"gen_heavy": GEN_HEAVY}, "steps": steps, "rounds": args.rounds, "modes": {m: MODES[m] for m in modes},
                                        "sizes": sizes, "repeats": args.repeats},
                   results))
 

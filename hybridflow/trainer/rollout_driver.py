@@ -120,8 +120,7 @@ class SyncRollout:
         """Connect the transfer group and send the actor's weights (after a resume: the restored ones)."""
         self.version = version
         self.weights.connect()
-        if self.weights.separate:
-            self.weights.push(version)
+        self.weights.push(version)  # the engines then hold the actor's weights and know their version
 
     def next_prompts(self, step: int) -> DataProto:
         return next(self.batches)
