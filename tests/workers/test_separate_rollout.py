@@ -50,7 +50,9 @@ def comparable(row: dict) -> dict:
 def test_one_step_off_trains_one_version_behind_and_resumes_bitwise(ray_session, arithmetic_files, tiny_model_path,
                                                                       tmp_path):
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
-    mode = ("trainer.rollout_mode=one_step_off", "trainer.total_training_steps=4")
+    # decoupled PPO: old log-probs recomputed by the actor, truncated weights pi_old / pi_rollout on every token
+    mode = ("trainer.rollout_mode=one_step_off", "trainer.total_training_steps=4",
+            "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=1.5")
     cfg = load_config(tiny_run_overrides(arithmetic_files, tiny_model_path, full, *SEPARATE, *mode,
                                          "trainer.save_freq=2"))
     assert run_training(cfg, progress=False).global_step == 4
@@ -58,6 +60,8 @@ def test_one_step_off_trains_one_version_behind_and_resumes_bitwise(ray_session,
     # step 1 trains on the initial policy's samples; later steps on samples one version old, re-scored by the actor
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     assert rows[0]["rollout/mismatch_max_abs"] <= 1e-5
+    for r in rows:
+        assert 0 < r["actor/rollout_correction/is_weight_mean"] <= r["actor/rollout_correction/is_weight_max"] <= 1.5
     # old samples: the actor has moved on (by weight decay alone here: the tiny model's groups often tie)
     assert all(r["rollout/mismatch_max_abs"] > 2 * rows[0]["rollout/mismatch_max_abs"] for r in rows[1:])
     cfg = load_config(tiny_run_overrides(arithmetic_files, tiny_model_path, resumed, *SEPARATE, *mode,
