@@ -65,10 +65,15 @@ def num_buckets(manifest: list[TensorSpec], bucket_bytes: int) -> int:
     return max(1, -(-total // bucket_bytes))
 
 
-def checksum(bucket: torch.Tensor, used: int) -> torch.Tensor:
-    """[2] int64: the sums of the bucket's int32 words and of its odd-indexed words (a swap of two words changes the
-    second). Over the whole bucket (unused tail bytes are zero on both sides), so `used` only selects the words."""
-    words = bucket[: -(-used // 4) * 4].view(torch.int32)
+def wire_bytes(used: int) -> int:
+    """Bytes a bucket holding `used` bytes occupies on the wire: whole 8-byte words (the last bucket is short)."""
+    return -(-used // 8) * 8
+
+
+def checksum(data: torch.Tensor) -> torch.Tensor:
+    """[2] int64 of a uint8 tensor of whole words: the sums of its int32 words and of its odd-indexed words (a swap
+    of two words changes the second)."""
+    words = data.view(torch.int32)
     return torch.stack([words.sum(dtype=torch.int64), words[1::2].sum(dtype=torch.int64)])
 
 
@@ -122,12 +127,13 @@ def send_weights(
 
     def flush() -> None:
         nonlocal used, index
-        check = checksum(bucket, used)
+        wire = bucket[: wire_bytes(used)]  # only what is filled travels: a small model is not padded to a bucket
+        wire[used:].zero_()
+        check = checksum(wire)
         if tamper is not None:
-            tamper(index, bucket)
-        group.broadcast(bucket)
+            tamper(index, wire)
+        group.broadcast(wire)
         group.broadcast(check)
-        bucket.zero_()
         used, index = 0, index + 1
 
     specs = iter(manifest)
@@ -178,17 +184,19 @@ class ReceivedWeights:
         self.version, self.count, self.bytes = version, count, total
         self.buckets_checked = 0
         if expect_after is not None and version <= expect_after:
-            self._drain(count)  # keep the stream in step for the next transfer
+            self._drain(total)  # keep the stream in step for the next transfer
             raise WeightTransferError(f"{where}: version {version} is not newer than the current {expect_after}")
 
-    def _drain(self, buckets: int) -> None:
-        """Receive and discard `buckets` buckets: after a refused header or a bad bucket the sender still sends the
-        rest of the transfer, and the next transfer must start at its header."""
+    def _drain(self, remaining: int) -> None:
+        """Receive and discard the buckets holding the transfer's last `remaining` bytes: after a refused header or
+        a bad bucket the sender still sends the rest, and the next transfer must start at its header."""
         bucket = torch.zeros(self.bucket_bytes, dtype=torch.uint8, device=self.group.device)
         check = torch.zeros(_CHECK, dtype=torch.int64, device=self.group.device)
-        for _ in range(buckets):
-            self.group.broadcast(bucket)
+        while remaining > 0:
+            used = min(self.bucket_bytes, remaining)
+            self.group.broadcast(bucket[: wire_bytes(used)])
             self.group.broadcast(check)
+            remaining -= used
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         bucket = torch.zeros(self.bucket_bytes, dtype=torch.uint8, device=self.group.device)
@@ -198,19 +206,20 @@ class ReceivedWeights:
 
         def next_bucket() -> None:
             nonlocal pos, remaining
-            self.group.broadcast(bucket)
-            self.group.broadcast(check)
             used = min(self.bucket_bytes, remaining)
-            mine = checksum(bucket, used)
+            wire = bucket[: wire_bytes(used)]
+            self.group.broadcast(wire)
+            self.group.broadcast(check)
+            mine = checksum(wire)
+            remaining -= used
             if not torch.equal(mine, check):
-                self._drain(self.count - self.buckets_checked - 1)
+                self._drain(remaining)
                 raise WeightTransferError(
                     f"rollout transfer rank {self.group.rank}: bucket {self.buckets_checked} of version "
                     f"{self.version} fails its checksum (got {mine.tolist()}, sender {check.tolist()}); this rank's "
                     "weights are now inconsistent and it must receive a full transfer before generating"
                 )
             self.buckets_checked += 1
-            remaining -= used
             pos = 0
 
         for spec in self.manifest:
@@ -230,5 +239,5 @@ class ReceivedWeights:
 
 
 def _round_bucket(bucket_bytes: int) -> int:
-    """Buckets hold whole int32 words (the checksum reads them) and at least 1 KiB."""
+    """Buckets hold whole 8-byte words (the checksum reads int32 words) and at least 1 KiB."""
     return max(1024, int(bucket_bytes) // 8 * 8)
