@@ -134,3 +134,14 @@ def test_actor_and_rollout_on_two_simulated_nodes(mode, arithmetic_files, tiny_m
         assert all(r["rollout/mismatch_max_abs"] <= 1e-5 for r in rows)
     else:
         assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+
+
+def test_async_ppo_gets_its_values_from_the_critic_at_training_time(ray_session, arithmetic_files, tiny_model_path,
+                                                                    tmp_path):
+    run_dir = str(tmp_path / "run")
+    cfg = load_config(tiny_run_overrides(arithmetic_files, tiny_model_path, run_dir, *SEPARATE,
+                                         "trainer.rollout_mode=async", "algorithm.adv_estimator=gae",
+                                         "critic.optim.lr=1e-3", "trainer.total_training_steps=3"))
+    assert run_training(cfg, progress=False).global_step == 3
+    for row in rows_of(run_dir):
+        assert math.isfinite(row["critic/vf_loss"]) and row["rollout/staleness_max"] <= 1
