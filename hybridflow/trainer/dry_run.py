@@ -62,7 +62,7 @@ def dry_run(cfg: HybridFlowConfig) -> dict[str, Any]:
             f"{arr.rollout.update_weights_bucket_megabytes} MB buckets"),
         "rollout_mode": cfg.trainer.rollout_mode,
         "passes": {
-            "old_log_prob": not on_policy,
+            "old_log_prob": not on_policy and not alg.rollout_correction.bypass_mode,
             "ref_log_prob": alg.use_kl_in_reward or actor.use_kl_loss,
             "critic": bool(cfg.critic.enable),
             "reward_model": cfg.reward_model.enable,
