@@ -19,7 +19,9 @@ def ray_session():
     if not ray.is_initialized():
         os.environ.setdefault("RAY_worker_niceness", "0")  # as hybridflow.trainer.main does: workers do the compute
         # Logical CPUs are accounting only: 8 lets several small groups coexist on a 2-core machine.
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=True, namespace="hybridflow-tests")
+        # address="local": always a cluster of our own, never one another process on this machine started
+        # (`ray start`), which ray.init() would otherwise join (and then refuse num_cpus)
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=True, namespace="hybridflow-tests")
     yield ray
     ray.shutdown()
 
