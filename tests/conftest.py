@@ -21,7 +21,8 @@ def ray_session():
     if not ray.is_initialized():
         os.environ.setdefault("RAY_worker_niceness", "0")  # as hybridflow.trainer.main does: workers do the compute
         # Logical CPUs are accounting only: 8 lets several small groups coexist on a 2-core machine.
-        # Loopback only, as a run's own cluster is (hybridflow/single_controller/local_ray.py).
+        # Loopback only, as a run's own cluster is (hybridflow/single_controller/local_ray.py), and always a cluster
+        # of our own, never one another process on this machine started
         start_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=True, namespace="hybridflow-tests")
     yield ray
     ray.shutdown()

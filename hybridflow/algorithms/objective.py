@@ -4,22 +4,24 @@
     objective = build_actor_objective(ActorLossConfig(policy_loss="ppo", entropy_coeff=0.001, use_kl_loss=True))
     loss, metrics = objective(batch_tensors, log_prob, entropy, ctx)
 
-The actor objective is  policy loss  - entropy_coeff * entropy  + kl_loss_coef * KL(pi || pi_ref), each term a
+The actor objective is  w * policy loss  - entropy_coeff * entropy  + kl_loss_coef * KL(pi || pi_ref), each term a
 per-token matrix [B, T] reduced by the same `LossContext` (one aggregation mode, the mini-batch's global counts), so
-the sum over micro-batches and ranks is the mini-batch loss whatever the split. Future terms (importance-sampling
-weights, ...) are one more entry here, not a change in the worker.
+the sum over micro-batches and ranks is the mini-batch loss whatever the split. w is 1, or the off-policy correction
+(off_policy.py: truncated importance weights pi_old / pi_rollout and/or rejection outside a band, per token or per
+sequence) when ``correction`` is on; with recomputed old log-probs that is decoupled PPO.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from hybridflow.algorithms.aggregation import LOSS_AGG_MODES, agg_loss
 from hybridflow.algorithms.kl import KL_TYPES, kl_loss
 from hybridflow.algorithms.masked import masked_mean
+from hybridflow.algorithms.off_policy import LEVELS, CorrectionSettings, rollout_correction_weights
 from hybridflow.algorithms.registry import PolicyLossSettings, get_policy_loss
 from hybridflow.algorithms.value_loss import compute_value_loss
 
@@ -79,6 +81,7 @@ class ActorLossConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    correction: CorrectionSettings = field(default_factory=CorrectionSettings)  # off by default
 
     def errors(self) -> list[str]:
         """What is invalid, as 'key: reason' messages (keys relative to actor_rollout_ref.actor)."""
@@ -89,6 +92,9 @@ class ActorLossConfig:
             out.append(f"clip ratios must be >= 0, got low={self.clip_ratio_low} high={self.clip_ratio_high}")
         if self.use_kl_loss and self.kl_loss_type not in KL_TYPES:
             out.append(f"kl_loss_type={self.kl_loss_type!r} is unknown; choose one of {list(KL_TYPES)}")
+        for level in (self.correction.is_level, self.correction.rs_level):
+            if level is not None and level not in LEVELS:
+                out.append(f"off-policy correction level {level!r} is unknown; choose one of {list(LEVELS)}")
         return out
 
 
@@ -112,7 +118,8 @@ class ActorObjective:
         entropy: torch.Tensor | None,
         ctx: LossContext,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """batch: response_mask, advantages [B, T] and, where present, old_log_probs / ref_log_probs [B, T].
+        """batch: response_mask, advantages [B, T] and, where present, old_log_probs / ref_log_probs [B, T];
+        rollout_log_probs [B, T] when the off-policy correction is on.
 
         Without old_log_probs the update is on-policy: the old policy is this forward, detached.
         """
@@ -120,9 +127,18 @@ class ActorObjective:
         mask = batch["response_mask"].to(log_prob.dtype)
         old = batch["old_log_probs"] if "old_log_probs" in batch else log_prob.detach()
         pg_losses, metrics = self.policy_loss.per_token(old, log_prob, batch["advantages"], mask, self.settings)
+        metrics = {k: float(v) for k, v in metrics.items()}
+        if c.correction.enabled:
+            if "rollout_log_probs" not in batch:
+                raise ValueError(
+                    "algorithm.rollout_correction needs the rollout's log-probs (rollout_log_probs) in the batch; "
+                    "this rollout engine did not return them"
+                )
+            weights, corr = rollout_correction_weights(old, batch["rollout_log_probs"], mask, c.correction)
+            pg_losses = pg_losses * weights
+            metrics.update({f"rollout_correction/{k}": v for k, v in corr.items()})
         pg_loss = ctx.aggregate(pg_losses, mask)
         loss = pg_loss
-        metrics = {k: float(v) for k, v in metrics.items()}
         metrics["pg_loss"] = ctx.local_value(pg_loss.detach(), mask)
         if entropy is not None:
             metrics["entropy"] = float(masked_mean(entropy.detach(), mask))

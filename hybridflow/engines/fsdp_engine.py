@@ -415,6 +415,12 @@ class FSDPEngine:
                 full = param.detach()
             yield hf_name(name), full
 
+    def named_parameter_shapes(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, parameter)`` in named_full_parameters' order, without gathering: ``.shape`` / ``.dtype`` of a
+        sharded parameter are those of the full tensor (what a weight receiver must allocate)."""
+        for name, param in self.model.named_parameters():
+            yield hf_name(name), param
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter as a full cpu tensor (HF names, tied weights once); call on every rank."""
         return {name: t.cpu().clone() for name, t in self.named_full_parameters()}

@@ -59,7 +59,7 @@ def start_local_ray(**init_kwargs: Any) -> None:
     if "address" in init_kwargs:
         raise ValueError("start_local_ray starts a new local cluster; to join one, call ray.init(address=...)")
     with _loopback_node_ip():
-        ray.init(_node_ip_address=LOOPBACK, **init_kwargs)
+        ray.init(address="local", _node_ip_address=LOOPBACK, **init_kwargs)
     start_reaper(os.getpid())  # a SIGKILLed driver leaves no Ray agent behind (reaper.py)
     node_ip = ray.util.get_node_ip_address()
     if node_ip != LOOPBACK:

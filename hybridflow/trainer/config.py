@@ -140,6 +140,11 @@ class RolloutConfig:
     # Options for the engine's constructor: ``engine_kwargs.<option>`` for the chosen engine, or veRL's
     # per-engine ``engine_kwargs.<engine name>.<option>``, applied only when that engine is the chosen one.
     engine_kwargs: dict = field(default_factory=dict)
+    # hybrid_engine=false only: the rollout group's own processes (veRL's standalone-rollout keys) and the size of
+    # the buckets the actor's weights are streamed to it in
+    nnodes: int = 1
+    n_gpus_per_node: int = 1
+    update_weights_bucket_megabytes: int = 64
 
 
 @dataclass
@@ -229,6 +234,21 @@ class FilterGroupsConfig:
     max_num_gen_batches: int = 4  # generation batches per step at most; 0 = no limit
 
 
+# Off-policy corrections (veRL's algorithm.rollout_correction keys): importance weights pi_old / pi_rollout from the
+# rollout's own log-probs, truncated at rollout_is_threshold (TIS), per token or per sequence; rejection (MIS) zeroes
+# tokens / sequences whose ratio leaves [rollout_rs_threshold_lower, rollout_rs_threshold]. With old log-probs
+# recomputed this is the decoupled PPO objective (pi_old the proximal policy of the clip, pi_rollout the behaviour
+# policy of the weight); bypass_mode=true uses the rollout's log-probs as old log-probs (no recompute, no weight).
+@dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None = None  # None | token | sequence (algorithms/off_policy.py LEVELS)
+    rollout_is_threshold: float = 2.0
+    rollout_rs: str | None = None  # None | token | sequence
+    rollout_rs_threshold: float | None = None  # None: rollout_is_threshold
+    rollout_rs_threshold_lower: float | None = None  # None: 1 / the upper threshold
+    bypass_mode: bool = False
+
+
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
@@ -239,6 +259,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -253,6 +274,10 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     backend: str = "ray"  # ray | local (single process, for debugging)
     placement: str = "colocate"  # colocate: every role shares the same processes | split: critic/rm apart
+    # sync | one_step_off | async (trainer/rollout_driver.py); the last two need actor_rollout_ref.hybrid_engine=false
+    rollout_mode: str = "sync"
+    max_staleness: int = 1  # async: a batch more policy versions old than this is dropped (counted)
+    rollout_buffer_batches: int = 2  # async: generation batches buffered or in flight at most
     num_threads_per_worker: int | None = None  # torch threads per rank; None: cores / ranks
     ray_address: str | None = None  # None: start a local cluster
     seed: int = 1
@@ -373,6 +398,7 @@ def validate_config(cfg: HybridFlowConfig) -> None:
     from hybridflow.algorithms.objective import check_loss_agg_mode
     from hybridflow.algorithms.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
     from hybridflow.engines.rollout.registry import rollout_config_errors
+    from hybridflow.trainer.rollout_checks import placement_errors, rollout_correction_errors
     from hybridflow.workers.actor_rollout_ref import actor_loss_config
     from hybridflow.workers.engine_config import STRATEGIES
 
@@ -396,12 +422,8 @@ def validate_config(cfg: HybridFlowConfig) -> None:
             f"actor_rollout_ref.actor.strategy={actor.strategy!r}: hybridflow trains with FSDP2 only "
             f"({' / '.join(STRATEGIES)}); Megatron is not supported, remove the key or set it to fsdp2"
         )
-    if not arr.hybrid_engine:
-        errors.append(
-            "actor_rollout_ref.hybrid_engine=false asks for a rollout group apart from the actor, which hybridflow "
-            "does not have yet; remove the key (the rollout shares the actor's processes and gets its weights in "
-            "memory after every update)"
-        )
+    errors += placement_errors(cfg)
+    errors += rollout_correction_errors(alg.rollout_correction)
     if t.backend not in ("ray", "local"):
         errors.append(f"trainer.backend={t.backend!r}: choose 'ray' or 'local'")
     if t.backend == "local" and world != 1:
@@ -526,10 +548,13 @@ def _pre_step_config_errors(cfg: HybridFlowConfig) -> list[str]:
 def check_resources(cfg: HybridFlowConfig, available_cpus: float, available_gpus: float) -> None:
     """More ranks than devices is a configuration error, found before placement groups wait forever."""
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    if not cfg.actor_rollout_ref.hybrid_engine:  # the rollout group's processes come on top of the actor's
+        world += cfg.actor_rollout_ref.rollout.nnodes * cfg.actor_rollout_ref.rollout.n_gpus_per_node
     if cfg.trainer.device == "cuda" and world > available_gpus:
         fix = "set trainer.device=cpu (or auto)" if available_gpus == 0 else "lower trainer.n_gpus_per_node"
         raise ConfigError(
-            f"the run asks for {world} GPU ranks (trainer.nnodes*trainer.n_gpus_per_node) but the cluster has "
+            f"the run asks for {world} GPU ranks (trainer.nnodes*trainer.n_gpus_per_node, plus "
+            "actor_rollout_ref.rollout.nnodes*n_gpus_per_node with hybrid_engine=false) but the cluster has "
             f"{available_gpus:g} GPUs; {fix}"
         )
     if world > max(available_cpus, 1) * 4:

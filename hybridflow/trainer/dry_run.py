@@ -67,8 +67,12 @@ def dry_run(cfg: HybridFlowConfig) -> dict[str, Any]:
         "device": cfg.trainer.device,
         "rollout_engine": f"{arr.rollout.name} ({get_rollout_engine(arr.rollout.name).__name__})",
         "rollout_engine_kwargs": rollout_engine_kwargs(arr.rollout),
+        "rollout_placement": "in the actor's processes (hybrid engine)" if arr.hybrid_engine else (
+            f"a group of its own: {arr.rollout.nnodes} x {arr.rollout.n_gpus_per_node} processes, weights in "
+            f"{arr.rollout.update_weights_bucket_megabytes} MB buckets"),
+        "rollout_mode": cfg.trainer.rollout_mode,
         "passes": {
-            "old_log_prob": not on_policy,
+            "old_log_prob": not on_policy and not alg.rollout_correction.bypass_mode,
             "ref_log_prob": alg.use_kl_in_reward or actor.use_kl_loss,
             "critic": bool(cfg.critic.enable),
             "reward_model": cfg.reward_model.enable,

@@ -232,7 +232,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
                 rank_infos = rank_infos[0]  # the actor's ranks (groups.all() lists the actor first)
                 if peak_flops is not None:  # the best measurement: one taken at a busy moment must not inflate MFU
                     peak_flops = max([peak_flops, *(i.get("peak_flops") or 0.0 for i in rank_infos)])
-                validator = Validator(cfg, groups.actor_rollout, val_loader, reward_fn) if val_loader else None
+                validator = Validator(cfg, groups.rollout, val_loader, reward_fn) if val_loader else None
                 bar = ProgressBar(total_steps, disable=not (progress and t.progress_bar))
                 trainer = RLTrainer(
                     cfg, groups, train_loader, reward_fn, validator, tracker, tokenizer, progress=bar,

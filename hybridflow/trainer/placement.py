@@ -3,6 +3,10 @@
 ``trainer.placement=colocate`` (default): one resource pool; the actor/rollout/ref worker, the critic and the reward
 model are hosted in the same process per rank (one WorkerGroup per role over shared processes).
 ``trainer.placement=split``: the policy (actor + rollout + ref) gets its own pool and the critic / reward model another.
+``actor_rollout_ref.hybrid_engine=false``: the rollout engine gets a WorkerGroup of its own (role "rollout") on its
+own pool of ``actor_rollout_ref.rollout.nnodes * n_gpus_per_node`` processes; the actor (and ref) keep
+``trainer.nnodes * trainer.n_gpus_per_node``. Its weights come over a transfer process group
+(engines/weight_transfer.py, set up by trainer/rollout_driver.py).
 ``trainer.backend=local`` runs every role in the driver process (world size 1) for debugging with breakpoints.
 """
 
@@ -20,13 +24,20 @@ from hybridflow.workers.reward_model import RewardModelWorker
 
 @dataclass
 class WorkerGroups:
-    actor_rollout: WorkerGroup
+    actor_rollout: WorkerGroup  # the actor (training side); also the rollout in the hybrid engine
     critic: WorkerGroup | None = None
     reward_model: WorkerGroup | None = None
     pools: list[ResourcePool] = field(default_factory=list)
+    separate_rollout: WorkerGroup | None = None  # hybrid_engine=false: the rollout group on its own pool
+
+    @property
+    def rollout(self) -> WorkerGroup:
+        """The group that generates: the separate rollout group, or the actor's own (hybrid engine)."""
+        return self.separate_rollout if self.separate_rollout is not None else self.actor_rollout
 
     def all(self) -> list[WorkerGroup]:
-        return [g for g in (self.actor_rollout, self.critic, self.reward_model) if g is not None]
+        groups = (self.actor_rollout, self.critic, self.reward_model, self.separate_rollout)
+        return [g for g in groups if g is not None]
 
     def shutdown(self) -> None:
         for g in self.all():
@@ -43,9 +54,33 @@ def threads_per_rank(cfg: Any) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, cfg.trainer.n_gpus_per_node))
 
 
+def build_rollout_group(cfg: Any, name: str = "rollout") -> tuple[WorkerGroup, ResourcePool | None]:
+    """hybrid_engine=false: the rollout alone, on a pool of rollout.nnodes x rollout.n_gpus_per_node processes."""
+    t, r = cfg.trainer, cfg.actor_rollout_ref.rollout
+    pool = None
+    if t.backend != "local":
+        pool = ResourcePool(
+            process_on_nodes=[r.n_gpus_per_node] * r.nnodes, use_gpu=t.device == "cuda", num_cpus_per_process=1,
+            max_colocate_count=1,  # no name: a unique one, so a replacement group can start before the old pool goes
+        )
+    group = WorkerGroup(
+        pool, ClassWithInitArgs(ActorRolloutRefWorker, cfg, "rollout"), name_prefix=name, backend=t.backend,
+        call_timeout_s=t.call_timeout_s, num_threads=threads_per_rank(cfg),
+    )
+    return group, pool
+
+
+def start_rollout_group(cfg: Any) -> WorkerGroup:
+    """A new rollout group with its engines built (what replaces one whose rank died)."""
+    group, _pool = build_rollout_group(cfg)
+    group.init_model()
+    return group
+
+
 def build_worker_groups(cfg: Any, *, need_ref: bool, need_critic: bool, need_rm: bool) -> WorkerGroups:
     t = cfg.trainer
-    role = "actor_rollout_ref" if need_ref else "actor_rollout"
+    hybrid = cfg.actor_rollout_ref.hybrid_engine
+    role = ("actor_rollout_ref" if need_ref else "actor_rollout") if hybrid else ("actor_ref" if need_ref else "actor")
     specs: dict[str, ClassWithInitArgs] = {"actor_rollout": ClassWithInitArgs(ActorRolloutRefWorker, cfg, role)}
     others: dict[str, ClassWithInitArgs] = {}
     if need_critic:
@@ -80,9 +115,14 @@ def build_worker_groups(cfg: Any, *, need_ref: bool, need_critic: bool, need_rm:
         pools += [p1, p2]
         groups = create_colocated_worker_groups(p1, specs, name_prefix="policy", **common)
         groups.update(create_colocated_worker_groups(p2, others, name_prefix="value", **common))
+    separate = None
+    if not hybrid:
+        separate, rollout_pool = build_rollout_group(cfg)
+        pools.append(rollout_pool)
     return WorkerGroups(
         actor_rollout=groups["actor_rollout"],
         critic=groups.get("critic"),
         reward_model=groups.get("reward_model"),
         pools=[p for p in pools if p is not None],
+        separate_rollout=separate,
     )

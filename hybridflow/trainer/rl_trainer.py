@@ -5,6 +5,10 @@ One training step (``RLTrainer.train_step``) is, line for line, the HybridFlow d
     generate -> reward -> old log-probs -> ref log-probs -> values -> advantages -> update critic -> update actor
     -> sync weights
 
+Where and when the generation runs (the hybrid engine, a rollout group of its own, overlapped with training one
+step ahead or produced continuously into a buffer) is the rollout driver's business (rollout_driver.py); the step
+reads the same in every mode.
+
 Every algorithm (PPO, GRPO, Dr.GRPO, RLOO, REINFORCE++, ReMax, DAPO, GSPO) is this same loop with different registered
 pieces chosen by config: the advantage estimator, the policy loss, KL in the reward or in the loss, the group filter.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from typing import Any
 
@@ -39,10 +44,12 @@ from hybridflow.trainer.metrics import (
     dense_transformer_flops,
     reduce_metrics,
 )
-from hybridflow.trainer.placement import WorkerGroups
+from hybridflow.trainer.placement import WorkerGroups, start_rollout_group
+from hybridflow.trainer.rollout_driver import SyncRollout, build_rollout_driver
 from hybridflow.trainer.validation import Validator
 
 logger = logging.getLogger(__name__)
+ROLLOUT_STATE_FILE = "rollout_state.pt"  # the rollout driver's state (policy version, pending / buffered batches)
 
 
 def is_on_policy(cfg: Any) -> bool:
@@ -54,6 +61,8 @@ def is_on_policy(cfg: Any) -> bool:
         and actor.ppo_epochs == 1
         and actor.ppo_mini_batch_size == cfg.data.train_batch_size
         and not cfg.algorithm.use_kl_in_reward
+        # overlapped modes train on samples of an older policy: the first forward is not the behaviour policy
+        and cfg.trainer.rollout_mode == "sync"
     )
 
 
@@ -85,6 +94,8 @@ class RLTrainer:
         # Facts about the run logged in every step row (run_training sets them): training/restarts, data filter counts
         self.run_metrics: dict[str, float] = {}
         self.on_policy = is_on_policy(cfg)
+        self.rollout: SyncRollout | None = None  # built by fit(): it owns the prompt stream
+        self._rollout_state: dict | None = None  # from a checkpoint, until fit() builds the rollout driver
 
     # ------------------------------------------------------------------------------------------- one step
     def train_step(self, prompts: DataProto) -> tuple[dict[str, float], DataProto]:
@@ -93,10 +104,13 @@ class RLTrainer:
         step_start = time.perf_counter()
         batch, gen_metrics = self.rollout_and_score(prompts, timing)  # times "generate" and "reward"
         metrics.update(gen_metrics)
+        metrics.update(self.rollout.metrics(batch))
         if cfg.trainer.balance_batch:
             metrics.update(balance_batch(batch, g.actor_rollout.world_size))
         batch.meta_info.update(self.step_meta())
-        if not self.on_policy:
+        if self.cfg.algorithm.rollout_correction.bypass_mode:  # the behaviour policy is the old policy
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+        elif not self.on_policy:
             with Timer("old_log_prob", timing):
                 batch = batch.union(g.actor_rollout.compute_log_prob(batch))
             metrics.update(self.mismatch_metrics(batch))
@@ -118,7 +132,7 @@ class RLTrainer:
                 metrics.update({k.replace("actor/rollout_mismatch_", "rollout/mismatch_"): v for k, v in actor_metrics.items()})
             self.check_finite(metrics)
             with Timer("sync_weights", timing):
-                g.actor_rollout.sync_rollout_weights()
+                metrics.update(self.rollout.sync_weights())
         timing["step"] = time.perf_counter() - step_start
         num_tokens = int(batch.batch["attention_mask"].sum())
         metrics.update(compute_data_metrics(batch, use_critic=g.critic is not None))
@@ -154,7 +168,15 @@ class RLTrainer:
             "calculate_entropy": self.cfg.actor_rollout_ref.actor.entropy_coeff != 0,
         }
 
-    def sampling_meta(self, *, greedy: bool = False, n: int | None = None, salt: int = 0) -> dict[str, Any]:
+    def generation_input(self, prompts: DataProto, step: int, salt: int = 0) -> DataProto:
+        """What the rollout gets for the prompts of step `step` (counted from 1): token columns + sampling meta."""
+        gen_in = prompts.select(["input_ids", "attention_mask", "position_ids"], meta_keys=[])
+        gen_in.meta_info = self.sampling_meta(salt=salt, step=step)
+        gen_in.meta_info.update(global_step=step, salt=salt)
+        return gen_in
+
+    def sampling_meta(self, *, greedy: bool = False, n: int | None = None, salt: int = 0,
+                      step: int | None = None) -> dict[str, Any]:
         r = self.cfg.actor_rollout_ref.rollout
         return {
             "temperature": r.temperature,
@@ -164,8 +186,9 @@ class RLTrainer:
             "n": r.n if n is None else n,
             "max_new_tokens": self.cfg.data.max_response_length,
             "stop_token_ids": list(r.stop_token_ids),
-            "seed": derive_seed(self.cfg.trainer.seed, self.global_step, salt),
-            "global_step": self.global_step + 1,  # the step being computed (fault points key on it)
+            # the step's seed: steps count from 1, the seed stream from 0 (step - 1 == global_step before the step)
+            "seed": derive_seed(self.cfg.trainer.seed, self.global_step if step is None else step - 1, salt),
+            "global_step": self.global_step + 1 if step is None else step,  # the step being computed (fault points)
         }
 
     def rollout_and_score(self, prompts: DataProto, timing: dict) -> tuple[DataProto, dict]:
@@ -200,16 +223,16 @@ class RLTrainer:
         return merged[:target], metrics
 
     def generate_and_score_once(self, prompts: DataProto, *, salt: int, metrics: dict, timing: dict) -> DataProto:
-        g, n = self.groups, self.cfg.actor_rollout_ref.rollout.n
+        n = self.cfg.actor_rollout_ref.rollout.n
         prompts.non_tensor_batch["uid"] = np.array(
             [f"{self.global_step}-{salt}-{i}" for i in range(len(prompts))], dtype=object
         )
-        gen_in = prompts.select(["input_ids", "attention_mask", "position_ids"], meta_keys=[])
-        gen_in.meta_info = self.sampling_meta(salt=salt)
+        gen_in = self.generation_input(prompts, self.global_step + 1, salt)
         with Timer("generate", timing):
-            gen = g.actor_rollout.generate_sequences(gen_in)
+            gen = self.rollout.generate(gen_in)
         batch = prompts.select([], non_tensor_keys=list(prompts.non_tensor_batch)).repeat(n, interleave=True)
-        batch.union(DataProto(batch=gen.batch, non_tensor_batch={}, meta_info={}))
+        version = {"rollout_version": gen.non_tensor_batch["rollout_version"]}
+        batch.union(DataProto(batch=gen.batch, non_tensor_batch=version, meta_info={}))
         batch.batch["response_mask"] = batch.batch["response_mask"].float()
         if self.estimator_needs_greedy_baseline:
             with Timer("generate_baseline", timing):
@@ -221,7 +244,7 @@ class RLTrainer:
         """ReMax: the reward of the greedy response to each prompt, [B]."""
         baseline_in = prompts.select(["input_ids", "attention_mask", "position_ids"], meta_keys=[])
         baseline_in.meta_info = self.sampling_meta(greedy=True, n=1, salt=salt)
-        base = self.groups.actor_rollout.generate_sequences(baseline_in)
+        base = self.groups.rollout.generate_sequences(baseline_in)
         base.non_tensor_batch = dict(prompts.non_tensor_batch)
         base.batch["response_mask"] = base.batch["response_mask"].float()
         return self.score(base).batch["token_level_scores"].sum(-1)
@@ -309,13 +332,36 @@ class RLTrainer:
         return bool(getattr(self.estimator, "needs_greedy_baseline", False))
 
     def next_prompts(self) -> DataProto:
-        return next(self._batches)
+        return self.rollout.next_prompts(self.global_step + 1)
+
+    def replace_rollout_group(self):
+        """A new rollout group for one whose rank died (async mode); validation generates on it from now on."""
+        group = start_rollout_group(self.cfg)
+        if self.validator is not None:
+            self.validator.group = group
+        return group
+
+    def start_rollout(self, total_steps: int) -> None:
+        """The rollout driver for trainer.rollout_mode, over the loader's batches; restored from a checkpoint."""
+        self.rollout = build_rollout_driver(
+            self.cfg, self.groups, self.loader.iter_batches(), self.generation_input, total_steps,
+            rebuild_rollout=self.replace_rollout_group,
+        )
+        if self._rollout_state is not None:
+            self.rollout.load_state_dict(self._rollout_state)
+        self.rollout.start(self.rollout.version)
 
     # ------------------------------------------------------------------------------------------- the loop
     def fit(self, total_steps: int) -> dict[str, float]:
         """Train until `total_steps`, validating and checkpointing on schedule; returns the last metrics."""
+        self.start_rollout(total_steps)
+        try:
+            return self._fit(total_steps)
+        finally:
+            self.rollout.close()
+
+    def _fit(self, total_steps: int) -> dict[str, float]:
         t = self.cfg.trainer
-        self._batches = self.loader.iter_batches()
         last: dict[str, float] = {}
         if self.validator is not None and t.val_before_train and self.global_step == 0:
             last = self.validator.run(self.global_step)
@@ -355,13 +401,17 @@ class RLTrainer:
         for group in (self.groups.actor_rollout, self.groups.critic):
             if group is not None:
                 group.save_checkpoint(tmp)
+        # first: an async producer stops taking prompts here, so the loader position below matches the buffer
+        torch.save(self.rollout.state_dict(), os.path.join(tmp, ROLLOUT_STATE_FILE))
         state = {
             "global_step": self.global_step,
             "dataloader": self.loader.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
         }
-        return self.ckpt.commit(tmp, self.global_step, state)
+        path = self.ckpt.commit(tmp, self.global_step, state)
+        self.rollout.after_save()
+        return path
 
     def load_checkpoint(self, path: str) -> None:
         state = self.ckpt.read_trainer_state(path)
@@ -372,6 +422,9 @@ class RLTrainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.global_step = int(state["global_step"])
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+        rollout_file = os.path.join(path, ROLLOUT_STATE_FILE)
+        if os.path.exists(rollout_file):  # generated batches are plain tensors/arrays: weights_only stays off
+            self._rollout_state = torch.load(rollout_file, weights_only=False)
 
 
 def _mean_over_ranks(per_rank: list[dict[str, float]] | dict[str, float]) -> dict[str, float]:

@@ -6,7 +6,12 @@ weights after every update through ``sync_rollout_weights``, no second process, 
 
 Primitive APIs (each a group method on the driver side):
   init_model, generate_sequences, compute_log_prob, compute_ref_log_prob, update_actor, sync_rollout_weights,
-  save_checkpoint, load_checkpoint.
+  save_checkpoint, load_checkpoint; with the rollout in a group of its own (``hybrid_engine=false``, role "rollout"),
+  weight_transfer_manifest / join_weight_transfer / send_weights (actor) and join_weight_transfer / receive_weights
+  (rollout) stream the weights over a process group spanning the actor's rank 0 and the rollout ranks
+  (engines/weight_transfer.py).
+
+Every generated row carries the policy version its rollout engine held (``non_tensor_batch["rollout_version"]``).
 
 The worker reads its own config sections and builds its pieces from them; what the loss *is* lives in
 ``algorithms/objective.py`` (built once from the actor keys), the worker only runs it on each micro-batch.
@@ -18,9 +23,11 @@ import os
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from hybridflow.algorithms.objective import ActorLossConfig, LossContext, build_actor_objective
+from hybridflow.algorithms.off_policy import CorrectionSettings
 from hybridflow.common.metrics import measure_peak_flops, reduce_metrics
 from hybridflow.common.seeds import derive_seed
 from hybridflow.engines.fsdp_engine import FSDPEngine
@@ -28,8 +35,10 @@ from hybridflow.engines.mismatch import logprob_mismatch
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.engines.rollout.layout import pad_responses
 from hybridflow.engines.rollout.registry import rollout_engine_kwargs
+from hybridflow.engines.weight_transfer import ReceivedWeights, TransferGroup, manifest_of, send_weights
 from hybridflow.protocol import DataProto
-from hybridflow.single_controller import Dispatch, Worker, register
+from hybridflow.single_controller import Dispatch, Execute, Worker, register
+from hybridflow.single_controller.worker import find_free_port
 from hybridflow.workers.engine_config import engine_config, optim_config
 from hybridflow.workers.fault import maybe_inject_fault, step_of
 from hybridflow.workers.rank_state import load_rank_state, save_rank_state
@@ -37,8 +46,16 @@ from hybridflow.workers.rank_state import load_rank_state, save_rank_state
 VALID_ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref", "actor_ref")
 
 
-def actor_loss_config(actor: Any) -> ActorLossConfig:
-    """The actor section's loss keys as the objective's settings (clip_ratio_low/high default to clip_ratio)."""
+def actor_loss_config(actor: Any, correction: Any = None) -> ActorLossConfig:
+    """The actor section's loss keys as the objective's settings (clip_ratio_low/high default to clip_ratio);
+    `correction`: the algorithm.rollout_correction section (None: off)."""
+    settings = CorrectionSettings()
+    if correction is not None:
+        settings = CorrectionSettings(
+            is_level=correction.rollout_is, is_threshold=correction.rollout_is_threshold,
+            rs_level=correction.rollout_rs, rs_upper=correction.rollout_rs_threshold,
+            rs_lower=correction.rollout_rs_threshold_lower,
+        )
     return ActorLossConfig(
         policy_loss=actor.policy_loss.loss_mode,
         clip_ratio_low=actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
@@ -48,6 +65,7 @@ def actor_loss_config(actor: Any) -> ActorLossConfig:
         use_kl_loss=actor.use_kl_loss,
         kl_loss_coef=actor.kl_loss_coef,
         kl_loss_type=actor.kl_loss_type,
+        correction=settings,
     )
 
 
@@ -64,6 +82,10 @@ class ActorRolloutRefWorker(Worker):
         self.actor: FSDPEngine | None = None
         self.ref: FSDPEngine | None = None
         self.rollout = None
+        self.policy_version = 0  # the version of the weights the rollout engine holds (0: the initial checkpoint)
+        self.weights_valid = True  # False after a failed transfer: no generation until a full one succeeds
+        self.transfer: TransferGroup | None = None
+        self.manifest = None
 
     # ------------------------------------------------------------------ set-up
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -92,7 +114,7 @@ class ActorRolloutRefWorker(Worker):
                     infer_max_token_len=arr.rollout.log_prob_max_token_len_per_gpu,
                 )
             )
-            self.objective = build_actor_objective(actor_loss_config(actor))
+            self.objective = build_actor_objective(actor_loss_config(actor, cfg.algorithm.rollout_correction))
         if self.is_ref:
             self.ref = FSDPEngine(
                 engine_config(
@@ -127,6 +149,15 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Prompts [B, P] -> B * n responses; meta_info carries the sampling parameters and the step's seed."""
+        return self._generate(prompts)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def generate_sequences_async(self, prompts: DataProto) -> DataProto:
+        """generate_sequences as a non-blocking group call (a DataProtoFuture): the separate rollout group generates
+        while the driver goes on with the actor (trainer.rollout_mode=one_step_off / async)."""
+        return self._generate(prompts)
+
+    def _generate(self, prompts: DataProto) -> DataProto:
         self._fault_point("generate_sequences", prompts)
         m = prompts.meta_info
         params = SamplingParams(
@@ -139,6 +170,11 @@ class ActorRolloutRefWorker(Worker):
             stop_token_ids=list(m.get("stop_token_ids", [])),
             seed=derive_seed(m.get("seed", 0), self.rank),
         )
+        if not self.weights_valid:
+            raise RuntimeError(
+                f"rollout rank {self.rank}: the last weight transfer failed its checks, so this engine's weights are "
+                "inconsistent; it must receive a full transfer (receive_weights) before it generates"
+            )
         start = time.perf_counter()
         out = self.rollout.generate(prompts.select(["input_ids", "attention_mask", "position_ids"]), params)
         # One response width per call, whatever this rank's longest response: the driver gathers every rank's rows
@@ -148,14 +184,61 @@ class ActorRolloutRefWorker(Worker):
             out.batch.pop("rollout_log_probs", None)
         self.rollout.release_memory()
         out.meta_info = {"generate_time_s": time.perf_counter() - start, "temperature": params.temperature}
+        out.non_tensor_batch["rollout_version"] = np.full(len(out), self.policy_version, dtype=np.int64)
         return out
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def sync_rollout_weights(self) -> float:
+    def sync_rollout_weights(self, version: int | None = None) -> float:
         """Hybrid engine: gather the actor's FSDP2 shards one tensor at a time into the rollout engine."""
         start = time.perf_counter()
         self.rollout.update_weights(self.actor.named_full_parameters())
+        if version is not None:
+            self.policy_version = int(version)
         return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ weights to a rollout group of its own
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO_ONLY)
+    def weight_transfer_manifest(self) -> dict:
+        """Actor rank 0: the transfer group's rendezvous (this node, a free port) and the tensors it will send."""
+        shapes = [(n, tuple(p.shape), p.dtype) for n, p in self.actor.named_parameter_shapes()]
+        return {"addr": self.master_addr, "port": find_free_port(), "manifest": manifest_of(shapes)}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def join_weight_transfer(self, addr: str, port: int, world_size: int, manifest: list) -> int:
+        """Actor rank 0 joins as transfer rank 0, rollout rank r as 1 + r; other actor ranks only gather."""
+        if self.transfer is not None:
+            self.transfer = None  # a new group replaces the old one (a rollout rank was replaced)
+        self.manifest = manifest
+        rank = 0 if self.is_actor else 1 + self.rank
+        if self.is_actor and self.rank != 0:
+            return -1
+        timeout = float(self.config.trainer.call_timeout_s)
+        self.transfer = TransferGroup.join(addr, port, rank, world_size, timeout_s=timeout)
+        return rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def send_weights(self, version: int) -> dict[str, float]:
+        """Actor: every rank gathers the full tensors (FSDP2 all-gather); rank 0 broadcasts them in buckets."""
+        named = self.actor.named_full_parameters()
+        if self.rank != 0:
+            for _ in named:  # take part in each gather, keep nothing
+                pass
+            return {}
+        return send_weights(self.transfer, named, self.manifest, version=int(version), bucket_bytes=self._bucket_bytes())
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def receive_weights(self) -> dict[str, float]:
+        """Rollout: receive one transfer, verify every bucket, load the tensors into the engine as they arrive."""
+        start = time.perf_counter()
+        self.weights_valid = False
+        incoming = ReceivedWeights(self.transfer, self.manifest, bucket_bytes=self._bucket_bytes())
+        self.rollout.update_weights(incoming)
+        self.weights_valid, self.policy_version = True, incoming.version
+        return {"version": float(incoming.version), "seconds": time.perf_counter() - start,
+                "buckets": float(incoming.buckets_checked)}
+
+    def _bucket_bytes(self) -> int:
+        return int(self.config.actor_rollout_ref.rollout.update_weights_bucket_megabytes * (1 << 20))
 
     # ------------------------------------------------------------------ log-probs
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

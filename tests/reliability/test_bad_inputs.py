@@ -571,7 +571,7 @@ def test_fault_injection_spec_typo():
 
     assert parse_fault_spec("update_actor:1:3") == ("update_actor", 1, 3)
     for spec, why in [("update_actor:1", "method:rank:step"), ("update_actor:one:3", "must be integers"),
-                      ("sync_rollout_weights:0:1", "has no fault point"), ("update_actor:0:0", "step >= 1")]:
+                      ("compute_values:0:1", "has no fault point"), ("update_actor:0:0", "step >= 1")]:
         with pytest.raises(ValueError, match=why):
             parse_fault_spec(spec)
     with pytest.raises(ValueError, match="no fault point"):  # a typo no longer waits silently for a call that never comes

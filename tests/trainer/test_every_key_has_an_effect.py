@@ -104,6 +104,9 @@ RUNS = {
         "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
         "actor_rollout_ref.rollout.val_kwargs.n=2", "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
         "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=sequence",
+        "algorithm.rollout_correction.rollout_rs_threshold=4.0",
+        "algorithm.rollout_correction.rollout_rs_threshold_lower=0.1",
     ],
     "ppo_critic_rm": [
         "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
@@ -205,4 +208,4 @@ def test_the_recorder_sees_workers_reads(consumed_keys):
     assert "actor_rollout_ref.actor.clip_ratio_c" in consumed_keys  # read by the actor objective on the worker
     assert "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu" in consumed_keys  # the log-prob pass sizes
     assert "critic.cliprange_value" in consumed_keys
-    assert "actor_rollout_ref.hybrid_engine" not in consumed_keys  # only validation reads it: it refuses false
+    assert "actor_rollout_ref.actor.strategy" not in consumed_keys  # only validation reads it: it refuses megatron

@@ -73,6 +73,9 @@ class RolloutEngine(ABC):
     # veRL rollout switches this engine understands; a switch set to a non-None value for an engine that does not
     # list it is a config error (it would be silently ignored otherwise).
     SWITCHES: tuple[str, ...] = ()
+    # False for an engine that cannot take new weights (a frozen server, say): config validation refuses to train
+    # with it, since the policy being trained would never be the one sampling.
+    SUPPORTS_WEIGHT_UPDATES: bool = True
 
     @classmethod
     def options_from_config(cls, rollout: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ __all__ = [
     "register_rollout_engine",
     "rollout_config_errors",
     "rollout_engine_kwargs",
+    "rollout_weight_update_error",
 ]
 
 
@@ -93,6 +94,21 @@ def rollout_config_errors(rollout: Any) -> list[str]:
     except (PluginError, ImportError) as err:
         return [f"actor_rollout_ref.rollout.name={rollout.name!r}: {err}"]
     return engine.config_errors(rollout)
+
+
+def rollout_weight_update_error(name: str) -> str | None:
+    """None, or why the engine `name` cannot be trained with: it must take new weights (update_weights)."""
+    try:
+        engine = get_rollout_engine(name)
+    except (PluginError, ImportError):
+        return None  # rollout_config_errors reports the name
+    if not engine.SUPPORTS_WEIGHT_UPDATES:
+        return (
+            f"actor_rollout_ref.rollout.name={name}: {engine.__name__} cannot load new weights "
+            "(SUPPORTS_WEIGHT_UPDATES = False), so it would sample from the initial policy forever; pick an engine "
+            "that implements update_weights (native, hf, vllm)"
+        )
+    return None
 
 
 def create_rollout_engine(
