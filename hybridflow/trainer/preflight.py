@@ -24,7 +24,23 @@ def preflight_errors(cfg: Any, *, train_ds: Any = None, val_ds: Any = None,
     errors += _device_errors(cfg, cluster_resources)
     if cluster_resources is not None:
         errors += _cluster_errors(cfg, cluster_resources)
+    else:
+        errors += _rollout_model_errors(cfg)
     return errors
+
+
+def _rollout_model_errors(cfg: Any) -> list[str]:
+    """What the chosen rollout engine cannot run in this model (asked of the engine: RolloutEngine.model_errors)."""
+    from hybridflow.engines.rollout.registry import get_rollout_engine
+
+    path = cfg.actor_rollout_ref.model.path
+    if not path:
+        return []
+    try:
+        engine = get_rollout_engine(cfg.actor_rollout_ref.rollout.name)
+    except (ValueError, ImportError):
+        return []  # validate_config names it
+    return [f"actor_rollout_ref.rollout.name={cfg.actor_rollout_ref.rollout.name}: {m}" for m in engine.model_errors(path)]
 
 
 def _estimator_errors(cfg: Any) -> list[str]:

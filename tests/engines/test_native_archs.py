@@ -26,8 +26,7 @@ from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.engines.rollout.arch_specs import resolve, supported_architectures
 from hybridflow.engines.rollout.native_model import NativeDecoder
 from hybridflow.engines.tiny import SIZES, TINY_ARCHITECTURES, build_char_tokenizer, make_config
-from hybridflow.single_controller.errors import WorkerGroupError
-from hybridflow.trainer.config import load_config
+from hybridflow.trainer.config import ConfigError, load_config
 from hybridflow.trainer.main import run_training
 
 ARCHS = ["qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma2", "gemma3_text", "phi3"]
@@ -309,9 +308,10 @@ def test_an_architecture_the_native_engine_does_not_know_trains_with_the_hf_roll
     tokenizer.save_pretrained(tmp_path / "gpt2")
     overrides = tiny_run_overrides(arithmetic_files, str(tmp_path / "gpt2"), str(tmp_path / "run"),
                                    "trainer.backend=local")
-    # the worker that builds the native engine fails with the supported list and the fallback
-    with pytest.raises(WorkerGroupError, match=r"init_model.*model_type='gpt2'.*actor_rollout_ref\.rollout\.name=hf"):
+    # refused before any process starts (the run folder is not touched), with the supported list and the fallback
+    with pytest.raises(ConfigError, match=r"(?s)cannot start the run.*model_type='gpt2'.*actor_rollout_ref\.rollout\.name=hf"):
         run_training(load_config([*overrides, "actor_rollout_ref.rollout.name=native"]), progress=False)
+    assert not (tmp_path / "run").exists()
     cfg = load_config([*overrides, "actor_rollout_ref.rollout.name=hf"])
     assert run_training(cfg, progress=False).global_step == 2
     with open(tmp_path / "run" / "metrics.jsonl") as f:

@@ -93,6 +93,11 @@ class RolloutEngine(ABC):
         }
 
     @classmethod
+    def model_errors(cls, model_path: str) -> list[str]:
+        """What in the model at `model_path` this engine cannot run (read from its config, no weights); [] here."""
+        return []
+
+    @classmethod
     def config_errors(cls, rollout: Any) -> list[str]:
         """What in the rollout section this engine cannot honour, as messages naming the key and the fix."""
         errors = []

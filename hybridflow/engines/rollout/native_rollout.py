@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import torch
 
 from hybridflow import device as hf_device
+from hybridflow.engines.rollout.arch_specs import resolve
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
 from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows
 from hybridflow.engines.rollout.layout import (
@@ -67,6 +68,17 @@ class NativeRollout(RolloutEngine):
 
     DTYPES = ("fp32", "bf16", "int8")
     SWITCHES = ("enforce_eager", "free_cache_engine")
+
+    @classmethod
+    def model_errors(cls, model_path: str) -> list[str]:
+        """The model's architecture must be one of arch_specs.py's (checked before any worker starts)."""
+        from transformers import AutoConfig
+
+        try:
+            resolve(AutoConfig.from_pretrained(model_path))
+        except ValueError as err:
+            return [str(err)]
+        return []
 
     @classmethod
     def options_from_config(cls, rollout) -> dict:
