@@ -45,8 +45,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.dry_run:
             import yaml
 
+            from hybridflow.trainer.config import classify_overrides
             from hybridflow.trainer.dry_run import dry_run
 
+            # what became of each key first, so a veRL script's refused keys are listed with the rest
+            print("# keys\n" + yaml.safe_dump(
+                {kind: keys for kind, keys in classify_overrides(args.overrides).items() if keys}, sort_keys=False,
+                width=10_000))
             report = dry_run(load_config(args.overrides, preset=train_preset(args.overrides, args.config)))
             print(yaml.safe_dump(report["config"], sort_keys=False))
             print("# plan")

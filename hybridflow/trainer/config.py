@@ -17,6 +17,7 @@ Batch-size semantics (as in veRL):
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -334,17 +335,45 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
+@functools.cache
+def _schema_index(schema: type) -> tuple[frozenset[str], tuple[str, ...]]:
+    """(every dotted key, the prefixes of free-form dict keys) of a config schema."""
+    base = OmegaConf.structured(schema)
+    known = set(_all_keys(base))
+    free_form = tuple(
+        k + "." for k in known if OmegaConf.is_dict(v := OmegaConf.select(base, k)) and OmegaConf.get_type(v) is dict
+    )
+    return frozenset(known), free_form
+
+
+def classify_overrides(overrides: list[str], schema: type | None = None) -> dict[str, list[str]]:
+    """How each dotted override is taken: "taken" (a hybridflow key), "renamed" ("veRL key -> hybridflow key"),
+    "refused" (one line each: the feature and what to use), "unknown" (a typo: merge_overrides names the closest)."""
+    from hybridflow.trainer.verl_keys import alias_of, refusal
+
+    known, free_form = _schema_index(schema or HybridFlowConfig)
+    out: dict[str, list[str]] = {"taken": [], "renamed": [], "refused": [], "unknown": []}
+    for item in overrides:
+        key, _ = _parse_override(item)
+        if key not in known and (why := refusal(key)):
+            out["refused"].append(why)
+        elif key in known or key.startswith(free_form):
+            out["taken"].append(key)
+        elif (ours := alias_of(key)) and (ours in known or ours.startswith(free_form)):
+            out["renamed"].append(f"{key} -> {ours}")
+        else:
+            out["unknown"].append(key)
+    return out
+
+
 def merge_overrides(schema: type, overrides: list[str] | None, preset: str | None = None, what: str = "config"):
     """A typed config object: `schema`'s defaults <- optional YAML preset <- dotted `key=value` overrides.
 
     Unknown keys fail with the closest valid ones; values are type-checked against the dataclasses.
     """
     base = OmegaConf.structured(schema)
-    known = set(_all_keys(base))
     # free-form dict fields (engine_kwargs, ...): any sub-key may be set, as in veRL's `+...engine_kwargs.x=y`
-    free_form = tuple(
-        k + "." for k in known if OmegaConf.is_dict(v := OmegaConf.select(base, k)) and OmegaConf.get_type(v) is dict
-    )
+    known, free_form = _schema_index(schema)
     from hybridflow.trainer.verl_keys import alias_of, refusal
 
     layers = []

@@ -8,38 +8,23 @@ and shell variables); each key goes through the same `merge_overrides` a run use
 
 from __future__ import annotations
 
-import functools
 import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
-from hybridflow.trainer.config import ConfigError, HybridFlowConfig, _all_keys, _parse_override
+from hybridflow.trainer.config import ConfigError, HybridFlowConfig, _parse_override, classify_overrides
 from hybridflow.trainer.sft_trainer import SFTConfig
-from hybridflow.trainer.verl_keys import alias_of, refusal
 
 SCRIPTS = json.loads((Path(__file__).parent / "verl_script_overrides.json").read_text())["scripts"]
 
 
-@functools.cache
-def schema_keys(schema: type) -> tuple[frozenset[str], tuple[str, ...]]:
-    base = OmegaConf.structured(schema)
-    known = set(_all_keys(base))
-    free_form = tuple(k + "." for k in known if OmegaConf.get_type(OmegaConf.select(base, k)) is dict)
-    return frozenset(known), free_form
-
-
 def classify(schema: type, key: str) -> str:
-    known, free_form = schema_keys(schema)
-    if refusal(key) and key not in known:
-        return "refused"
-    if key in known or key.startswith(free_form):
-        return "as-is"
-    if alias_of(key) in known:
-        return "renamed"
-    return "unknown"
+    """What `merge_overrides` makes of one key (the same function `--dry-run` lists keys with)."""
+    kinds = classify_overrides([f"{key}=0"], schema)
+    return {"taken": "as-is", "renamed": "renamed", "refused": "refused", "unknown": "unknown"}[
+        next(kind for kind, keys in kinds.items() if keys)]
 
 
 def test_every_key_of_every_verl_script_is_taken_renamed_or_refused_with_a_reason():
