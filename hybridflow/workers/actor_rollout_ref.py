@@ -115,7 +115,8 @@ class ActorRolloutRefWorker(Worker):
                 )
             )
             self.objective = build_actor_objective(actor_loss_config(actor, cfg.algorithm.rollout_correction))
-        if self.is_ref:
+        # LoRA: the reference is the actor's own base weights with the adapter disabled, no second copy.
+        if self.is_ref and not (self.actor is not None and self.actor.peft_model is not None):
             self.ref = FSDPEngine(
                 engine_config(
                     model_path=path,
@@ -255,8 +256,11 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """ref_log_probs [B, R]: the reference engine's, or with LoRA the actor's with its adapter disabled."""
         engine = self.ref if self.ref is not None else self.actor
-        out = engine.compute_log_prob(data, temperature=data.meta_info["temperature"], calculate_entropy=False)
+        out = engine.compute_log_prob(
+            data, temperature=data.meta_info["temperature"], calculate_entropy=False, base=engine is self.actor
+        )
         return DataProto.from_dict({"ref_log_probs": out["log_probs"]})
 
     # ------------------------------------------------------------------ training
