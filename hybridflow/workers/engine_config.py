@@ -29,6 +29,8 @@ def optim_config(optim: Any, grad_clip: float, total_steps: int) -> OptimConfig:
 
 def lora_settings(model: Any) -> LoraSettings:
     """actor_rollout_ref.model's lora_* keys -> the engine's LoraSettings (rank 0: off)."""
+    if int(model.lora_rank) == 0:
+        return LoraSettings()  # the other lora keys mean nothing without a rank (veRL's defaults are set anyway)
     targets = model.target_modules
     excludes = model.exclude_modules
     return LoraSettings(

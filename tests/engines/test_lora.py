@@ -105,3 +105,51 @@ def test_bad_lora_settings_are_named(tiny_model_path):
         lora_engine(tiny_model_path, LoraSettings(rank=4, target_modules=["query_key_value"]))
     with pytest.raises(ValueError, match="all-linear"):
         lora_engine(tiny_model_path, LoraSettings(rank=4, target_modules="everything"))
+
+
+def test_export_writes_a_merged_model_or_a_peft_adapter_both_loadable(tiny_model_path, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.cli import main as cli_main
+
+    engine = trained(tiny_model_path)
+    engine.save_checkpoint(str(tmp_path / "actor"))
+    expected = engine.full_state_dict()
+    assert cli_main(["export", str(tmp_path / "actor"), str(tmp_path / "merged")]) == 0
+    assert cli_main(["export", str(tmp_path / "actor"), str(tmp_path / "adapter"), "--adapter"]) == 0
+
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    state = merged.state_dict()
+    assert max(float((state[k] - v).abs().max()) for k, v in expected.items()) <= 1e-6
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").stat().st_size < 0.5 * sum(
+        p.stat().st_size for p in (tmp_path / "merged").glob("*.safetensors"))
+    ids = torch.randint(4, 250, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = merged(input_ids=ids).logits
+        got = peft(input_ids=ids).logits
+    assert float((got - want).abs().max()) <= 1e-5
+    with torch.no_grad(), peft.disable_adapter():
+        assert float((peft(input_ids=ids).logits - want).abs().max()) > 1e-4  # the adapter is what changed it
+
+
+def test_export_adapter_of_a_full_checkpoint_is_refused(tiny_model_path, tmp_path):
+    from hybridflow.trainer.checkpoint import CheckpointError
+    from hybridflow.trainer.export import export_checkpoint
+
+    FSDPEngine(EngineConfig(model_path=tiny_model_path, optim=OPTIM)).save_checkpoint(str(tmp_path / "actor"))
+    with pytest.raises(CheckpointError, match="not a LoRA checkpoint"):
+        export_checkpoint(str(tmp_path / "actor"), str(tmp_path / "out"), adapter=True)
+
+
+def test_config_refuses_a_negative_rank_and_a_bad_target_string():
+    from hybridflow.trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="lora_rank=-2"):
+        load_config(["actor_rollout_ref.model.lora_rank=-2"])
+    with pytest.raises(ConfigError, match="target_modules"):
+        load_config(["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=attention"])
+    cfg = load_config(["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"])
+    assert cfg.actor_rollout_ref.model.lora_rank == 8
