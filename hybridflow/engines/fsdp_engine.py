@@ -445,6 +445,9 @@ class FSDPEngine:
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy full tensors (HF names; every rank passes the same dict) into this rank's shards. Does not mutate it."""
+        if self.peft_model is not None:
+            raise ValueError("load_full_state_dict loads plain (merged) weights, but this engine trains a LoRA "
+                             "adapter on a frozen base; load an adapter checkpoint with load_checkpoint instead")
         self._reshard()
         named = list(self.model.named_parameters())
         missing = [hf_name(n) for n, _ in named if hf_name(n) not in state_dict]
