@@ -153,3 +153,12 @@ def test_config_refuses_a_negative_rank_and_a_bad_target_string():
         load_config(["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=attention"])
     cfg = load_config(["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"])
     assert cfg.actor_rollout_ref.model.lora_rank == 8
+
+
+def test_lora_composes_with_gradient_checkpointing(tiny_model_path):
+    batch = make_batch(rows=8, prompt_len=8, response_len=12, seed=5)
+    plain, recomputed = lora_engine(tiny_model_path), lora_engine(tiny_model_path, gradient_checkpointing=True)
+    a, b = plain.train_step(batch, seq_mean_pg_loss), recomputed.train_step(batch, seq_mean_pg_loss)
+    assert a["grad_norm"] > 0 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * a["grad_norm"]
+    x, y = plain.full_state_dict(), recomputed.full_state_dict()
+    assert max(float((x[k] - y[k]).abs().max()) for k in x) <= 1e-6
