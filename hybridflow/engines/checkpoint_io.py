@@ -65,6 +65,10 @@ def check_safetensors_files(folder: str, what: str = "model folder") -> int:
     return len(files)
 
 
+def _named(model: nn.Module, trainable_only: bool) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad or not trainable_only]
+
+
 def _model_file(directory: str, rank: int) -> str:
     return os.path.join(directory, f"model_rank{rank}.safetensors")
 
@@ -81,10 +85,13 @@ def save_engine_state(
     rank: int,
     world_size: int,
     extra: dict[str, Any] | None = None,
+    trainable_only: bool = False,
+    meta_extra: dict[str, Any] | None = None,
 ) -> None:
-    """Write this rank's files; every rank calls it (no collectives inside)."""
+    """Write this rank's files; every rank calls it (no collectives inside). trainable_only: only the parameters
+    that require grad (LoRA: the adapter; the frozen base is the model path's). meta_extra: more keys for meta.json."""
     os.makedirs(directory, exist_ok=True)
-    named = list(model.named_parameters())
+    named = _named(model, trainable_only)
     weights = {hf_name(n): local_tensor(p.detach()).cpu().contiguous() for n, p in named}
     save_file(weights, _model_file(directory, rank))
     state: dict[str, Any] = {"rng_cpu": torch.get_rng_state(), "extra": dict(extra or {})}
@@ -108,6 +115,8 @@ def save_engine_state(
             "world_size": world_size,
             "parameters": {hf_name(n): list(p.shape) for n, p in named},
             "has_optimizer": optimizer is not None,
+            "trainable_only": trainable_only,
+            **(meta_extra or {}),
         }
         with open(os.path.join(directory, META_FILE), "w") as f:
             json.dump(meta, f, indent=1)
@@ -120,8 +129,10 @@ def load_engine_state(
     lr_scheduler: Any | None,
     rank: int,
     world_size: int,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
-    """Restore what `save_engine_state` wrote into an engine built with the same config; returns its `extra` dict."""
+    """Restore what `save_engine_state` wrote into an engine built with the same config; returns its `extra` dict.
+    trainable_only: as it was saved (LoRA: the adapter only, the base comes from the model path)."""
     meta_path = os.path.join(directory, META_FILE)
     if not os.path.exists(meta_path):
         raise FileNotFoundError(f"{meta_path} not found: {directory!r} is not an engine checkpoint (save_checkpoint)")
@@ -132,7 +143,13 @@ def load_engine_state(
             f"checkpoint {directory!r} was written by {meta['world_size']} ranks but this engine has {world_size}; "
             "resume with the same number of ranks, or export with save_hf_model and start from that"
         )
-    named = list(model.named_parameters())
+    if bool(meta.get("trainable_only", False)) != trainable_only:
+        raise ValueError(
+            f"checkpoint {directory!r} was written {'with' if meta.get('trainable_only') else 'without'} LoRA "
+            f"(adapter-only weights) and this engine is {'with' if trainable_only else 'without'} it; resume with "
+            f"the actor_rollout_ref.model.lora_rank it was trained with, or start afresh (trainer.resume_mode=disable)"
+        )
+    named = _named(model, trainable_only)
     recorded = meta.get("parameters", {})
     for n, p in named:
         shape = recorded.get(hf_name(n))

@@ -38,6 +38,7 @@ from hybridflow import device as hf_device
 from hybridflow.engines import micro_batch as mb
 from hybridflow.engines.checkpoint_io import load_engine_state, save_engine_state
 from hybridflow.engines.hf_model import HeadOnPositions, hf_name, load_model, load_tokenizer
+from hybridflow.engines.lora import LoraSettings, adapter_disabled, apply_lora, base_name, merged_parameters
 from hybridflow.engines.optim import OptimConfig, build_lr_scheduler, build_optimizer
 from hybridflow.protocol import DataProto
 
@@ -74,6 +75,8 @@ class EngineConfig:
     infer_micro_batch_size_per_gpu: int | None = None
     infer_use_dynamic_bsz: bool | None = None
     infer_max_tokens_per_micro_batch: int | None = None
+    # LoRA (actor only, lora.py): adapters on the frozen base; the reference is the base with the adapter disabled.
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -92,6 +95,9 @@ class EngineConfig:
             raise FileNotFoundError(f"model_path {self.model_path!r} is not a directory (save_pretrained output)")
         if self.role != "ref":
             self.optim.validate()
+        self.lora.validate()
+        if self.lora.enabled and self.role != "actor":
+            raise ValueError(f"LoRA (lora_rank={self.lora.rank}) is for the actor engine, this one is {self.role!r}")
 
 
 class FSDPEngine:
@@ -113,6 +119,9 @@ class FSDPEngine:
         torch.manual_seed(config.seed)  # a fresh value head must be identical on every rank
         hf_model = load_model(config.model_path, config.role)
         self.hf_config = hf_model.config
+        # PEFT injects its layers into hf_model in place; the PeftModel wrapper is kept outside the module tree (its
+        # parameters are hf_model's) for disable_adapter() and its adapter save_pretrained.
+        self.peft_model = apply_lora(hf_model, config.lora) if config.lora.enabled else None
         if config.gradient_checkpointing and self.trainable:
             # Non-reentrant recompute composes with FSDP2's hooks; transformers 5 renamed the switch.
             if hasattr(hf_model, "activation_checkpointing_enable"):
@@ -283,18 +292,20 @@ class FSDPEngine:
 
     # ------------------------------------------------------------------ forward-only operations
     def compute_log_prob(
-        self, data: DataProto, *, temperature: float, calculate_entropy: bool = False
+        self, data: DataProto, *, temperature: float, calculate_entropy: bool = False, base: bool = False
     ) -> dict[str, torch.Tensor]:
         """``{"log_probs": [B, R], "entropy": [B, R] (if asked)}`` float32 on cpu; rows in `data`'s order.
 
         ``log_probs[:, t]`` = log softmax(logits / temperature)[responses[:, t]] given everything before it; 0 past
-        the end of each response. No grad, eval mode.
+        the end of each response. No grad, eval mode. base=True: with the LoRA adapter disabled (the reference
+        policy of a LoRA run); the same as base=False without LoRA.
         """
         if self.is_critic:
             raise ValueError("compute_log_prob was called on a critic engine; use compute_values")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature} (greedy rollouts score at temperature 1)")
-        return self._run_no_grad(data, temperature=temperature, calculate_entropy=calculate_entropy)
+        with adapter_disabled(self.peft_model if base else None):
+            return self._run_no_grad(data, temperature=temperature, calculate_entropy=calculate_entropy)
 
     def compute_values(self, data: DataProto) -> torch.Tensor:
         """Critic ``values [B, R]`` float32 on cpu: ``values[:, t]`` = V(hidden state at position P - 1 + t)."""
@@ -406,20 +417,27 @@ class FSDPEngine:
 
         Names are the transformers state_dict names; a tied output embedding appears once (under the input
         embedding's name). Each yielded tensor is a fresh gather: drop it before asking for the next one.
+        With LoRA: the plain model's names and merged weights ``W + (alpha / r) B A`` (lora.py), no adapter tensors.
         """
+        if self.peft_model is not None:
+            yield from merged_parameters(self.model.named_parameters(), self.model, self._gather, prefix="hf.")
+            return
         for name, param in self.model.named_parameters():
-            if hasattr(param, "full_tensor"):
-                # CPUOffloadPolicy keeps shards in host memory: gather on the device (nccl), not through gloo
-                full = param.detach().to(self.device).full_tensor()
-            else:
-                full = param.detach()
-            yield hf_name(name), full
+            yield hf_name(name), self._gather(param)
+
+    def _gather(self, param: torch.Tensor) -> torch.Tensor:
+        if hasattr(param, "full_tensor"):
+            # CPUOffloadPolicy keeps shards in host memory: gather on the device (nccl), not through gloo
+            return param.detach().to(self.device).full_tensor()
+        return param.detach()
 
     def named_parameter_shapes(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, parameter)`` in named_full_parameters' order, without gathering: ``.shape`` / ``.dtype`` of a
         sharded parameter are those of the full tensor (what a weight receiver must allocate)."""
         for name, param in self.model.named_parameters():
-            yield hf_name(name), param
+            plain = base_name(hf_name(name))
+            if plain is not None:  # LoRA: the adapter tensors are folded into their base weights
+                yield plain, param
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter as a full cpu tensor (HF names, tied weights once); call on every rank."""
@@ -427,6 +445,9 @@ class FSDPEngine:
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy full tensors (HF names; every rank passes the same dict) into this rank's shards. Does not mutate it."""
+        if self.peft_model is not None:
+            raise ValueError("load_full_state_dict loads plain (merged) weights, but this engine trains a LoRA "
+                             "adapter on a frozen base; load an adapter checkpoint with load_checkpoint instead")
         self._reshard()
         named = list(self.model.named_parameters())
         missing = [hf_name(n) for n, _ in named if hf_name(n) not in state_dict]
@@ -461,15 +482,28 @@ class FSDPEngine:
             self.rank,
             self.world_size,
             extra={"global_step": self.global_step},
+            trainable_only=self.peft_model is not None,
+            meta_extra=self._lora_meta(),
         )
         self._barrier()
 
     def load_checkpoint(self, directory: str) -> None:
         """Restore a `save_checkpoint` of an engine with the same config and world size; bitwise exact."""
         self._reshard()
-        extra = load_engine_state(directory, self.model, self.optimizer, self.lr_scheduler, self.rank, self.world_size)
+        extra = load_engine_state(
+            directory, self.model, self.optimizer, self.lr_scheduler, self.rank, self.world_size,
+            trainable_only=self.peft_model is not None,
+        )
         self.global_step = int(extra.get("global_step", 0))
         self._barrier()
+
+    def _lora_meta(self) -> dict[str, Any] | None:
+        """What `hybridflow export` needs to rebuild the adapter: the base model and PEFT's LoraConfig."""
+        if self.peft_model is None:
+            return None
+        lora_config = self.peft_model.peft_config["default"].to_dict()
+        lora_config = {k: sorted(v) if isinstance(v, set) else v for k, v in lora_config.items()}
+        return {"lora": {"base_model_path": os.path.abspath(self.config.model_path), "peft_config": lora_config}}
 
     def save_hf_model(self, directory: str) -> None:
         """transformers format (safetensors + config + tokenizer) on rank 0; every rank calls it (it gathers)."""

@@ -58,6 +58,17 @@ class ModelConfig:
 
 
 @dataclass
+class PolicyModelConfig(ModelConfig):
+    """actor_rollout_ref.model: ModelConfig plus veRL's LoRA keys (engines/lora.py); the critic has no LoRA here."""
+
+    lora_rank: int = 0  # 0: full fine-tuning; > 0: PEFT LoRA adapters, the reference is the adapter-less base
+    lora_alpha: float = 16
+    target_modules: Any = "all-linear"  # "all-linear" or a list of module names, e.g. [q_proj, v_proj]
+    lora_dropout: float = 0.0
+    exclude_modules: Any = None  # None, a list of module names, or a regex
+
+
+@dataclass
 class OptimSection:
     lr: float = 1e-6
     weight_decay: float = 0.01
@@ -159,7 +170,7 @@ class RefConfig:
 @dataclass
 class ActorRolloutRefConfig:
     hybrid_engine: bool = True
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ref: RefConfig = field(default_factory=RefConfig)
@@ -429,7 +440,7 @@ def validate_config(cfg: HybridFlowConfig) -> None:
     from hybridflow.engines.rollout.registry import rollout_config_errors
     from hybridflow.trainer.rollout_checks import placement_errors, rollout_correction_errors
     from hybridflow.workers.actor_rollout_ref import actor_loss_config
-    from hybridflow.workers.engine_config import STRATEGIES
+    from hybridflow.workers.engine_config import STRATEGIES, lora_settings
 
     errors: list[str] = []
     d, arr, t, alg = cfg.data, cfg.actor_rollout_ref, cfg.trainer, cfg.algorithm
@@ -446,6 +457,15 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         if problem := check_loss_agg_mode(mode):
             errors.append(f"{key}.{problem}")
     errors += rollout_config_errors(rollout)
+    if arr.model.lora_rank < 0:
+        errors.append(
+            f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}: give 0 (no LoRA) or a positive rank such as 8"
+        )
+    elif arr.model.lora_rank > 0:
+        try:
+            lora_settings(arr.model).validate()
+        except ValueError as err:
+            errors.append(f"actor_rollout_ref.model: {err}")
     if actor.strategy not in STRATEGIES:
         errors.append(
             f"actor_rollout_ref.actor.strategy={actor.strategy!r}: hybridflow trains with FSDP2 only "

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from hybridflow.trainer.checkpoint import STEP_DIR, CheckpointError, CheckpointManager
-from hybridflow.trainer.export import load_full_actor_state
+from hybridflow.trainer.export import load_full_actor_state, lora_meta, write_lora_folder
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +196,11 @@ def merge_checkpoint(local_dir: str, target_dir: str, *, dtype: str = "auto", tr
         if problem is not None:
             raise CheckpointError(f"cannot merge {step_dir}: {problem}")
     state = load_weights(layout, weights_dir)
+    lora = lora_meta(weights_dir) if layout == "hybridflow" else None
+    if lora is not None:  # a LoRA checkpoint holds the adapter only: merge it into its base model
+        logger.info("merging a LoRA adapter (%d tensors) from %s into %s", len(state), weights_dir,
+                    lora["base_model_path"])
+        return write_lora_folder(state, lora, weights_dir, target_dir, adapter=False, dtype=dtype)
     logger.info("merging %d tensors from %s (%s layout)", len(state), weights_dir, layout)
     return write_hf_folder(state, os.path.join(weights_dir, "huggingface"), target_dir, dtype=dtype,
                            trust_remote_code=trust_remote_code)

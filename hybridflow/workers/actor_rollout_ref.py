@@ -115,7 +115,8 @@ class ActorRolloutRefWorker(Worker):
                 )
             )
             self.objective = build_actor_objective(actor_loss_config(actor, cfg.algorithm.rollout_correction))
-        if self.is_ref:
+        # LoRA: the reference is the actor's own base weights with the adapter disabled, no second copy.
+        if self.is_ref and not (self.actor is not None and self.actor.peft_model is not None):
             self.ref = FSDPEngine(
                 engine_config(
                     model_path=path,
@@ -255,7 +256,24 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """ref_log_probs [B, R]: the reference engine's, or with LoRA the actor's with its adapter disabled."""
         engine = self.ref if self.ref is not None else self.actor
+        if engine is self.actor:
+            # the ref's log_prob_* keys size this pass, as they would a reference engine of its own
+            ref = self.config.actor_rollout_ref.ref
+            c = self.actor.config
+            saved = (c.infer_micro_batch_size_per_gpu, c.infer_use_dynamic_bsz, c.infer_max_tokens_per_micro_batch)
+            c.infer_micro_batch_size_per_gpu = ref.log_prob_micro_batch_size_per_gpu
+            c.infer_use_dynamic_bsz = ref.log_prob_use_dynamic_bsz
+            c.infer_max_tokens_per_micro_batch = ref.log_prob_max_token_len_per_gpu
+            try:
+                out = engine.compute_log_prob(
+                    data, temperature=data.meta_info["temperature"], calculate_entropy=False, base=True
+                )
+            finally:
+                (c.infer_micro_batch_size_per_gpu, c.infer_use_dynamic_bsz,
+                 c.infer_max_tokens_per_micro_batch) = saved
+            return DataProto.from_dict({"ref_log_probs": out["log_probs"]})
         out = engine.compute_log_prob(data, temperature=data.meta_info["temperature"], calculate_entropy=False)
         return DataProto.from_dict({"ref_log_probs": out["log_probs"]})
 

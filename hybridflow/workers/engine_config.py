@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridflow.engines.fsdp_engine import EngineConfig, OptimConfig
+from hybridflow.engines.lora import LoraSettings
 
 STRATEGIES = ("fsdp", "fsdp2")  # veRL's names; both mean FSDP2 (torch's fully_shard) here
 
@@ -23,6 +24,21 @@ def optim_config(optim: Any, grad_clip: float, total_steps: int) -> OptimConfig:
         min_lr_ratio=optim.min_lr_ratio,
         total_training_steps=total_steps,
         grad_clip=grad_clip,
+    )
+
+
+def lora_settings(model: Any) -> LoraSettings:
+    """actor_rollout_ref.model's lora_* keys -> the engine's LoraSettings (rank 0: off)."""
+    if int(model.lora_rank) == 0:
+        return LoraSettings()  # the other lora keys mean nothing without a rank (veRL's defaults are set anyway)
+    targets = model.target_modules
+    excludes = model.exclude_modules
+    return LoraSettings(
+        rank=int(model.lora_rank),
+        alpha=model.lora_alpha,
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        dropout=float(model.lora_dropout),
+        exclude_modules=excludes if excludes is None or isinstance(excludes, str) else list(excludes),
     )
 
 
@@ -62,4 +78,6 @@ def engine_config(
     )
     if optim is not None:
         kwargs["optim"] = optim
+    if role == "actor" and hasattr(model, "lora_rank"):
+        kwargs["lora"] = lora_settings(model)
     return EngineConfig(**kwargs)

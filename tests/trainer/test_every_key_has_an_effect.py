@@ -117,6 +117,12 @@ RUNS = {
         "actor_rollout_ref.actor.optim.warmup_style=constant", "trainer.critic_warmup=1",
         "custom_reward_function.path=CUSTOM_REWARD_FILE", "custom_reward_function.name=exact",
     ],
+    # LoRA: the adapter keys, and the reference as the adapter-disabled actor
+    "grpo_lora": [
+        "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+        "actor_rollout_ref.model.lora_dropout=0.05", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
+        "actor_rollout_ref.model.exclude_modules=[lm_head]", "actor_rollout_ref.actor.use_kl_loss=true",
+    ],
     # an epoch-counted run (no total_training_steps) on the Ray backend: the driver's Ray and placement keys
     "epochs_on_ray": [
         "trainer.backend=ray", "trainer.total_training_steps=null", "trainer.total_epochs=1",
