@@ -9,6 +9,7 @@ prints one JSON document.
     python benchmarks/rollout_throughput.py --backends hf,native,native:eager   # GPU: CUDA graphs vs eager decode
     .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,native:prepack=false   # CPU: oneDNN packing
     .venv/bin/python benchmarks/rollout_throughput.py --arch gemma3_text --dtypes fp32 --batch-sizes 64   # one arch
+    .venv/bin/python benchmarks/rollout_throughput.py --model DIR --dtypes fp32 --batch-sizes 32,64    # a real model
 
 Sampling at temperature 1 with the model's eos active: tokens/s counts the tokens actually generated (response_mask),
 and each configuration reports the best of --repeats runs after one warm-up call.
@@ -138,6 +139,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1, help="samples per prompt: each batch is batch/n prompts x n samples")
     parser.add_argument("--size", default="mid", choices=sorted(SIZES))
     parser.add_argument("--arch", default="qwen2", choices=TINY_ARCHITECTURES, help="architecture of the model")
+    parser.add_argument("--model", default=None,
+                        help="a Hugging Face model folder to use instead of a tiny one (e.g. from `hybridflow import-gguf "
+                        "--smollm2 DIR`); no matmul floor is computed for it")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="batch 16 and 64, one repeat")
@@ -152,7 +156,7 @@ def main() -> None:
 
     results, errors = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_tiny_model(os.path.join(tmp, args.size), args.size, seed=0, arch=args.arch)
+        path = args.model or write_tiny_model(os.path.join(tmp, args.size), args.size, seed=0, arch=args.arch)
         for backend in backends:
             for dtype in dtypes:
                 name, *options = backend.split(":")
@@ -175,7 +179,7 @@ def main() -> None:
                 del engine
 
     # the floor is a dense model's matmuls; a routed-expert model's depend on the routing, so it gets none
-    floors = [] if args.arch.endswith("_moe") else [
+    floors = [] if args.arch.endswith("_moe") or args.model else [
         {"dtype": dtype, "batch": batch, "matmul_floor_new_tokens_per_s": matmul_floor(args.size, dtype, batch)}
         for dtype in dtypes
         for batch in batch_sizes
@@ -209,7 +213,8 @@ def main() -> None:
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
         "git_commit": git_commit(),
         "config": {
-            "size": args.size,
+            "size": args.size if not args.model else None,
+            "model": args.model,
             "arch": args.arch,
             "backends": backends,
             "dtypes": dtypes,
