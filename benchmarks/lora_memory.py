@@ -7,7 +7,7 @@ process's peak RSS (ru_maxrss) and RSS at the end. Cases:
   * ``lora+full_ref``      LoRA actor + a reference engine of its own (what a LoRA run costs without disable_adapter)
   * ``lora+disabled_ref``  LoRA actor whose adapter is switched off for the reference pass (what hybridflow does)
 
-    .venv/bin/python benchmarks/lora_memory.py [--rank 8]
+    .venv/bin/python benchmarks/lora_memory.py [--rank 8] [--model-path DIR]
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--case", choices=CASES)
-    parser.add_argument("--model-path")
+    parser.add_argument("--model-path", help="a Hugging Face model folder (default: a random-init mid model), e.g. "
+                        "SmolLM2 from `hybridflow import-gguf --smollm2 DIR`")
     args = parser.parse_args()
     if args.case:
         print(json.dumps(run_case(args.case, args.model_path, args.rank)))
@@ -71,7 +72,7 @@ def main() -> None:
     from hybridflow.engines.tiny import write_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_tiny_model(tmp, spec="mid", seed=0)
+        path = args.model_path or write_tiny_model(tmp, spec="mid", seed=0)
         results = []
         for case in CASES:
             out = subprocess.check_output([sys.executable, __file__, "--case", case, "--model-path", path,
@@ -80,7 +81,7 @@ def main() -> None:
             results.append(json.loads(out.strip().splitlines()[-1]))
     by_case = {r["case"]: r for r in results}
     saved = by_case["lora+full_ref"]["param_bytes"] - by_case["lora+disabled_ref"]["param_bytes"]
-    emit(document("lora_memory", {"model": "mid", "lora_rank": args.rank, "lora_alpha": 2 * args.rank},
+    emit(document("lora_memory", {"model": args.model_path or "mid", "lora_rank": args.rank, "lora_alpha": 2 * args.rank},
                   {"cases": results, "param_bytes_saved_by_disabled_adapter_ref": saved,
                    "peak_rss_saved_bytes": by_case["lora+full_ref"]["peak_rss_bytes"]
                    - by_case["lora+disabled_ref"]["peak_rss_bytes"]}, extra_versions=("peft",)))
