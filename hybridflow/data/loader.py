@@ -26,11 +26,12 @@ __all__ = ["RLDataLoader", "collate_prompts"]
 _NON_TENSOR_KEYS = ("data_source", "raw_prompt", "ability", "reward_model", "ground_truth", "extra_info", "index")
 
 
-def collate_prompts(rows: list[dict[str, Any]], pad_token_id: int) -> DataProto:
+def collate_prompts(rows: list[dict[str, Any]], pad_token_id: int, *, return_raw_chat: bool = True) -> DataProto:
     """Rows from ``RLDataset.__getitem__`` -> one DataProto in the rollout input layout.
 
     ``input_ids [B, P]`` left-padded with ``pad_token_id`` to the longest prompt P, ``attention_mask [B, P]``,
-    ``position_ids [B, P]`` (= cumsum(mask) - 1, clipped at 0 on the padding); the row fields as non-tensor columns.
+    ``position_ids [B, P]`` (= cumsum(mask) - 1, clipped at 0 on the padding); the row fields as non-tensor columns
+    (``raw_prompt``, the chat messages, only with return_raw_chat: veRL's data.return_raw_chat).
     """
     longest = max(len(r["input_ids"]) for r in rows)
     input_ids = torch.full((len(rows), longest), pad_token_id, dtype=torch.long)
@@ -40,7 +41,7 @@ def collate_prompts(rows: list[dict[str, Any]], pad_token_id: int) -> DataProto:
         input_ids[i, longest - n :] = r["input_ids"]
         attention_mask[i, longest - n :] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    non_tensors = {k: [r[k] for r in rows] for k in _NON_TENSOR_KEYS}
+    non_tensors = {k: [r[k] for r in rows] for k in _NON_TENSOR_KEYS if return_raw_chat or k != "raw_prompt"}
     return DataProto.from_dict(
         {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, non_tensors
     )
@@ -50,7 +51,8 @@ class RLDataLoader:
     """Batches of ``batch_size`` prompts from an RLDataset, as DataProto (see ``collate_prompts`` for the layout)."""
 
     def __init__(
-        self, dataset: RLDataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True
+        self, dataset: RLDataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
+        return_raw_chat: bool = True,
     ) -> None:
         if batch_size < 1:
             raise DataConfigError(f"{dataset.name} loader: batch_size must be >= 1, got {batch_size}")
@@ -64,6 +66,7 @@ class RLDataLoader:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.return_raw_chat = return_raw_chat
         self.pad_token_id = int(dataset.tokenizer.pad_token_id)
         self.epoch = 0
         self.batches_done = 0  # batches already yielded in the current epoch
@@ -82,7 +85,7 @@ class RLDataLoader:
 
     def _batch(self, order: np.ndarray, b: int) -> DataProto:
         rows = [self.dataset[int(i)] for i in order[b * self.batch_size : (b + 1) * self.batch_size]]
-        batch = collate_prompts(rows, self.pad_token_id)
+        batch = collate_prompts(rows, self.pad_token_id, return_raw_chat=self.return_raw_chat)
         batch.meta_info.update({"epoch": self.epoch, "batch_in_epoch": b})
         return batch
 

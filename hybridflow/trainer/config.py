@@ -48,6 +48,7 @@ class DataConfig:
     seed: int = 1
     reward_fn_key: str = "data_source"
     apply_chat_template_kwargs: dict = field(default_factory=dict)
+    return_raw_chat: bool = False  # veRL's key; true: each prompt's chat messages ride along (non-tensor raw_prompt)
 
 
 @dataclass
@@ -299,7 +300,9 @@ class TrainerConfig:
     val_before_train: bool = True
     val_only: bool = False
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
-    resume_mode: str = "auto"  # auto | disable | <checkpoint path>
+    resume_mode: str = "auto"  # auto | disable | <checkpoint path> | resume_path (veRL: the path in resume_from_path)
+    resume_from_path: str | None = None  # veRL's key, read with resume_mode=resume_path
+    log_val_generations: int = 0  # validation samples written to samples.jsonl (split "val") at each validation
     overwrite: bool = False  # a fresh start into a folder holding a run: archive that run beside it (else refused)
     max_ckpt_to_keep: int | None = 2
     max_restarts: int = 3  # worker deaths survived by rebuilding the groups and resuming (0: fail at once)
@@ -551,6 +554,15 @@ def validate_config(cfg: HybridFlowConfig) -> None:
             "reward_model.model.enable_gradient_checkpointing=true: the reward model is never trained here (it only "
             "scores), so there is no backward pass to checkpoint; remove the key"
         )
+    if t.resume_mode == "resume_path" and not t.resume_from_path:
+        errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path=<a global_step_N folder>")
+    if t.resume_from_path and t.resume_mode != "resume_path":
+        errors.append(
+            f"trainer.resume_from_path={t.resume_from_path!r} is read only with trainer.resume_mode=resume_path (as in "
+            "veRL); set that, or give the path directly as trainer.resume_mode=<path>"
+        )
+    if t.log_val_generations < 0:
+        errors.append(f"trainer.log_val_generations={t.log_val_generations} must be >= 0")
     if actor.recompute_old_log_prob not in ("auto", "always"):
         errors.append("actor_rollout_ref.actor.recompute_old_log_prob: choose auto or always")
     if cfg.reward_model.sandbox and not cfg.custom_reward_function.path:

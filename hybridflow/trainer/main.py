@@ -43,6 +43,8 @@ def resolve_defaults(cfg: HybridFlowConfig) -> HybridFlowConfig:
         )
     cfg.actor_rollout_ref.model.path = path
     check_safetensors_files(path, "actor_rollout_ref.model.path")  # a cut-off weights file fails here, named
+    if cfg.trainer.resume_mode == "resume_path":  # veRL's spelling of "resume from this checkpoint"
+        cfg.trainer.resume_mode = cfg.trainer.resume_from_path
     if cfg.trainer.device == "auto":
         from hybridflow.device import device_name
 
@@ -106,13 +108,15 @@ def build_datasets(cfg: HybridFlowConfig, tokenizer):
         apply_chat_template_kwargs=dict(d.apply_chat_template_kwargs) or None,
     )
     train_ds = RLDataset(d.train_files, tokenizer, name="train", **ds_kwargs)
-    train_loader = RLDataLoader(train_ds, d.train_batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=True)
+    train_loader = RLDataLoader(train_ds, d.train_batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=True,
+                                return_raw_chat=d.return_raw_chat)
     val_loader = None
     if d.val_files:
         val_ds = RLDataset(d.val_files, tokenizer, name="val", **ds_kwargs)
         if d.val_max_samples > 0:
             val_ds = val_ds.head(d.val_max_samples)
-        val_loader = RLDataLoader(val_ds, d.val_batch_size or len(val_ds), shuffle=False, drop_last=False)
+        val_loader = RLDataLoader(val_ds, d.val_batch_size or len(val_ds), shuffle=False, drop_last=False,
+                                  return_raw_chat=d.return_raw_chat)
     return train_loader, val_loader
 
 
@@ -232,7 +236,10 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
                 rank_infos = rank_infos[0]  # the actor's ranks (groups.all() lists the actor first)
                 if peak_flops is not None:  # the best measurement: one taken at a busy moment must not inflate MFU
                     peak_flops = max([peak_flops, *(i.get("peak_flops") or 0.0 for i in rank_infos)])
-                validator = Validator(cfg, groups.rollout, val_loader, reward_fn) if val_loader else None
+                validator = Validator(
+                    cfg, groups.rollout, val_loader, reward_fn, tokenizer=tokenizer,
+                    sample_writer=RolloutSampleWriter(run_dir) if t.log_val_generations else None,
+                ) if val_loader else None
                 bar = ProgressBar(total_steps, disable=not (progress and t.progress_bar))
                 trainer = RLTrainer(
                     cfg, groups, train_loader, reward_fn, validator, tracker, tokenizer, progress=bar,

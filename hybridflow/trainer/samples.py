@@ -67,16 +67,34 @@ class RolloutSampleWriter:
         *,
         split: str = "train",
     ) -> bool:
-        """Write this step's samples if `step` is a multiple of `every_n_steps`; returns whether it wrote."""
+        """Write this step's samples if `step` is a multiple of `every_n_steps` (at most `max_rows`: the best and the
+        worst by score); returns whether it wrote."""
         if step % self.every_n_steps:
             return False
+        self.write(step, prompts, responses, scores, rewards, ground_truths, split=split,
+                   rows=select_extremes(scores, self.max_rows))
+        return True
+
+    def write(
+        self,
+        step: int,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        scores: Sequence[float],
+        rewards: Sequence[float] | None = None,
+        ground_truths: Sequence[Any] | None = None,
+        *,
+        split: str = "train",
+        rows: Sequence[int] | None = None,
+    ) -> None:
+        """Append the samples `rows` (default: all) of this step, whatever the step."""
         n = len(prompts)
         columns = {"responses": responses, "scores": scores, "rewards": rewards, "ground_truths": ground_truths}
         bad = {k: len(v) for k, v in columns.items() if v is not None and len(v) != n}
         if bad:
             raise ValueError(f"rollout samples at step {step}: {n} prompts but column lengths {bad}; pass one per row")
         lines = []
-        for i in select_extremes(scores, self.max_rows):
+        for i in range(n) if rows is None else rows:
             row: dict[str, Any] = {
                 "step": int(step),
                 "split": split,
@@ -92,4 +110,4 @@ class RolloutSampleWriter:
             lines.append(json.dumps(row, ensure_ascii=False) + "\n")
         with open(self.path, "a", encoding="utf-8") as f:
             f.writelines(lines)
-        return True
+

@@ -12,11 +12,17 @@ from hybridflow.trainer.metrics import compute_validation_metrics
 
 
 class Validator:
-    def __init__(self, cfg: Any, actor_rollout_group, val_loader, reward_fn):
+    """sample_writer + tokenizer: the first ``trainer.log_val_generations`` validation samples of each validation go to
+    samples.jsonl (split "val": prompt, response, score, ground truth)."""
+
+    def __init__(self, cfg: Any, actor_rollout_group, val_loader, reward_fn, *, tokenizer: Any = None,
+                 sample_writer: Any = None):
         self.cfg = cfg
         self.group = actor_rollout_group
         self.loader = val_loader
         self.reward_fn = reward_fn
+        self.tokenizer = tokenizer
+        self.sample_writer = sample_writer
 
     def sampling_meta(self, step: int) -> dict[str, Any]:
         v = self.cfg.actor_rollout_ref.rollout.val_kwargs
@@ -34,6 +40,8 @@ class Validator:
     def run(self, step: int) -> dict[str, float]:
         n = self.cfg.actor_rollout_ref.rollout.val_kwargs.n
         sources, prompt_ids, scores, answers = [], [], [], []
+        logged: dict[str, list] = {"prompts": [], "responses": [], "scores": [], "ground_truths": []}
+        to_log = self.cfg.trainer.log_val_generations if self.sample_writer is not None else 0
         for batch in self.loader:
             gen_in = batch.select(["input_ids", "attention_mask", "position_ids"], meta_keys=[])
             gen_in.meta_info = self.sampling_meta(step)
@@ -47,6 +55,19 @@ class Validator:
             scores += result.scores.tolist()
             preds = (result.extra or {}).get("pred")
             answers += list(preds) if preds is not None else [t.strip() for t in result.responses_text]
+            take = min(len(rows), to_log - len(logged["prompts"]))
+            if take > 0:
+                mask = rows.batch["attention_mask"]
+                for i in range(take):
+                    p = rows.batch["prompts"][i]
+                    logged["prompts"].append(self.tokenizer.decode(p[mask[i, : p.shape[0]].bool()]))
+                logged["responses"] += list(result.responses_text[:take])
+                logged["scores"] += result.scores[:take].tolist()
+                gts = rows.non_tensor_batch.get("ground_truth")
+                logged["ground_truths"] += list(gts[:take]) if gts is not None else [None] * take
         metrics = compute_validation_metrics(sources, prompt_ids, scores, answers=answers, n=n, seed=self.cfg.trainer.seed)
         metrics["val/score_mean"] = float(np.mean(scores)) if scores else 0.0
+        if logged["prompts"]:
+            self.sample_writer.write(step, logged["prompts"], logged["responses"], logged["scores"],
+                                     ground_truths=logged["ground_truths"], split="val")
         return metrics
