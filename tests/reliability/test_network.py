@@ -44,7 +44,7 @@ def _alive(pids: dict[int, str]) -> list[tuple[int, str]]:
 def test_run_listens_on_loopback_only_and_a_killed_driver_leaves_nothing(arithmetic_files, tiny_model_path, tmp_path):
     run_dir = tmp_path / "run"
     overrides = tiny_run_overrides(arithmetic_files, tiny_model_path, str(run_dir), "trainer.backend=ray",
-                                   "trainer.n_gpus_per_node=2", "trainer.total_training_steps=20", "trainer.save_freq=1")
+                                   "trainer.n_gpus_per_node=2", "trainer.total_training_steps=400", "trainer.save_freq=1")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen([sys.executable, "-m", "hybridflow", "train", *overrides], stdout=subprocess.DEVNULL,
@@ -53,14 +53,18 @@ def test_run_listens_on_loopback_only_and_a_killed_driver_leaves_nothing(arithme
     listeners: set[tuple[str, str, int]] = set()
     deadline = time.monotonic() + 400
     try:
-        # Watch until the second checkpoint: by then every server of the run (workers, gloo, store) is up.
+        # Watch until the second checkpoint is committed: by then every server of the run (workers, gloo, store) is
+        # up. The marker file, not a global_step_N folder (max_ckpt_to_keep prunes those), and a run far longer than
+        # the watch, so a quick machine cannot finish it between two polls.
         while proc.poll() is None and time.monotonic() < deadline:
             seen.update(_tree(proc.pid))
             for c in psutil.net_connections(kind="inet"):
                 if c.status == psutil.CONN_LISTEN and c.pid in seen:
                     listeners.add((seen[c.pid], c.laddr.ip, c.laddr.port))
-            if (run_dir / "global_step_2").exists():
-                break
+            marker = run_dir / "latest_checkpointed_iteration.txt"
+            with contextlib.suppress(OSError, ValueError):
+                if int(marker.read_text().strip()) >= 2:
+                    break
             time.sleep(0.2)
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         os.kill(proc.pid, signal.SIGKILL)
