@@ -39,6 +39,7 @@ from hybridflow.engines import micro_batch as mb
 from hybridflow.engines.checkpoint_io import load_engine_state, save_engine_state
 from hybridflow.engines.hf_model import HeadOnPositions, hf_name, load_model, load_tokenizer
 from hybridflow.engines.lora import LoraSettings, adapter_disabled, apply_lora, base_name, merged_parameters
+from hybridflow.engines.moe_train import RouterTap, aux_loss_coef
 from hybridflow.engines.optim import OptimConfig, build_lr_scheduler, build_optimizer
 from hybridflow.protocol import DataProto
 
@@ -77,6 +78,8 @@ class EngineConfig:
     infer_max_tokens_per_micro_batch: int | None = None
     # LoRA (actor only, lora.py): adapters on the frozen base; the reference is the base with the adapter disabled.
     lora: LoraSettings = field(default_factory=LoraSettings)
+    # MoE (moe_train.py): weight of the router load-balancing loss; None: the model config's (transformers' rule)
+    router_aux_loss_coef: float | None = None
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -96,6 +99,9 @@ class EngineConfig:
         if self.role != "ref":
             self.optim.validate()
         self.lora.validate()
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0 (or null for the model config's), "
+                             f"got {self.router_aux_loss_coef}")
         if self.lora.enabled and self.role != "actor":
             raise ValueError(f"LoRA (lora_rank={self.lora.rank}) is for the actor engine, this one is {self.role!r}")
 
@@ -119,6 +125,10 @@ class FSDPEngine:
         torch.manual_seed(config.seed)  # a fresh value head must be identical on every rank
         hf_model = load_model(config.model_path, config.role)
         self.hf_config = hf_model.config
+        # MoE routers: load-balancing loss and balance statistics in training (an empty tap on dense models)
+        self.router_tap = RouterTap(hf_model, aux_loss_coef(hf_model.config, config.router_aux_loss_coef)
+                                    if self.trainable and not self.is_critic else 0.0)
+        self._router_terms: tuple[torch.Tensor | None, dict[str, float]] = (None, {})
         # PEFT injects its layers into hf_model in place; the PeftModel wrapper is kept outside the module tree (its
         # parameters are hf_model's) for disable_adapter() and its adapter save_pretrained.
         self.peft_model = apply_lora(hf_model, config.lora) if config.lora.enabled else None
@@ -246,7 +256,7 @@ class FSDPEngine:
             remove_padding=self.config.use_remove_padding,
             pad_token_id=self.tokenizer.pad_token_id or 0,
         )
-        with self._autocast():
+        with self._autocast(), self.router_tap.capture():
             flat = self.model(
                 bucket.input_ids,
                 bucket.position_ids,
@@ -258,6 +268,13 @@ class FSDPEngine:
                 calculate_entropy=calculate_entropy,
                 chunk_size=self.config.entropy_chunk_size,
             )
+        if self.model.training and len(self.router_tap):
+            mask = bucket.attention_mask
+            if mask is None:  # rows stripped to their real tokens, then right-padded to the longest: route only those
+                starts, ends = mb.real_token_spans(batch["attention_mask"])
+                width = bucket.input_ids.shape[1]
+                mask = (torch.arange(width)[None, :] < (ends - starts)[:, None]).to(self.device)
+            self._router_terms = (self.router_tap.aux_loss(mask), self.router_tap.stats(mask))
         out = {}
         for key, values in flat.items():
             grid = values.new_zeros(b, resp_len)
@@ -382,6 +399,7 @@ class FSDPEngine:
             micro.meta_info.update(global_meta)
             outputs = self._forward(micro, temperature=temperature, calculate_entropy=calculate_entropy)
             loss, metrics = loss_fn(micro, outputs)
+            loss, metrics = self._add_router_terms(micro, loss, dict(metrics or {}), global_meta["global_num_tokens"])
             if not torch.isfinite(loss.detach()).all():
                 local_nonfinite = 1.0
             # FSDP averages gradients over ranks; loss_fn already divided by the global count, so undo the average.
@@ -393,6 +411,22 @@ class FSDPEngine:
                     counts[key] = counts.get(key, 0) + 1
 
         return {key: sums[key] / counts[key] for key in sums}, local_nonfinite
+
+    def _add_router_terms(self, micro: DataProto, loss: torch.Tensor, metrics: dict[str, Any],
+                          global_tokens: float) -> tuple[torch.Tensor, dict[str, Any]]:
+        """MoE: add this micro-batch's share (its response tokens over the mini-batch's) of the weighted router
+        load-balancing loss, so the summed gradient is that of the token-weighted mean; log the router stats."""
+        aux, stats = self._router_terms
+        self._router_terms = (None, {})
+        metrics.update(stats)
+        if aux is not None:
+            mask = micro.batch.get("response_mask")
+            if mask is None:
+                mask = micro.batch["attention_mask"][:, -micro.batch["responses"].shape[1] :]
+            share = float(mask.sum()) / max(global_tokens, 1.0)
+            loss = loss + self.router_tap.coef * share * aux
+            metrics["router/aux_loss"] = float(aux.detach())
+        return loss, metrics
 
     def _clip_grad_norm(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -116,6 +116,9 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     grad_clip: float = 1.0
     recompute_old_log_prob: str = "auto"  # auto: skip the pass when the update is exactly on-policy | always
+    # MoE: weight of the router load-balancing loss; null = the model config's rule (router_aux_loss_coef when
+    # output_router_logits is true, else none). Router balance stats are logged for MoE models either way.
+    router_aux_loss_coef: float | None = None
     optim: OptimSection = field(default_factory=OptimSection)
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
 

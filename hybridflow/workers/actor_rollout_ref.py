@@ -112,6 +112,7 @@ class ActorRolloutRefWorker(Worker):
                     infer_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
                     infer_use_dynamic_bsz=arr.rollout.log_prob_use_dynamic_bsz,
                     infer_max_token_len=arr.rollout.log_prob_max_token_len_per_gpu,
+                    router_aux_loss_coef=actor.router_aux_loss_coef,
                 )
             )
             self.objective = build_actor_objective(actor_loss_config(actor, cfg.algorithm.rollout_correction))

@@ -56,6 +56,7 @@ def engine_config(
     infer_micro_batch_size: int | None = None,
     infer_use_dynamic_bsz: bool | None = None,
     infer_max_token_len: int | None = None,
+    router_aux_loss_coef: float | None = None,
 ) -> EngineConfig:
     """One engine's config. The ``infer_*`` settings size the forward-only passes (log-probs, values), which hold
     no activations for backward and may use larger micro-batches than training; None: the training settings."""
@@ -75,6 +76,7 @@ def engine_config(
         infer_micro_batch_size_per_gpu=infer_micro_batch_size,
         infer_use_dynamic_bsz=infer_use_dynamic_bsz,
         infer_max_tokens_per_micro_batch=infer_max_token_len,
+        router_aux_loss_coef=router_aux_loss_coef,
     )
     if optim is not None:
         kwargs["optim"] = optim

@@ -1,0 +1,121 @@
+"""Mixture-of-experts in the training engine: the router's load-balancing loss and router statistics.
+
+A transformers MoE model (Qwen3-MoE, Qwen2-MoE, Mixtral, ...) routes each token through a router module that returns
+``(router_logits [T, E], top-k weights [T, k], expert ids [T, k])``. `RouterTap` puts a forward hook on every such
+module and keeps what the routers of one micro-batch forward returned, so the engine can
+
+* add the auxiliary load-balancing loss the model family defines (its own ``load_balancing_loss_func``, called on
+  the real tokens only), weighted by ``router_aux_loss_coef``: the same term transformers' CausalLM forward adds when
+  ``config.output_router_logits`` is true (the engine runs the backbone itself, so it adds the term itself);
+* log router statistics: how evenly each layer spreads its token->expert assignments (``max_load_ratio`` = the
+  busiest expert's share times E; 1.0 is a perfect balance, E means one expert takes every token).
+
+These models route without a capacity limit, so no token is dropped or overflows; there is nothing of that kind to
+count. The hooks hold tensors only while `capture()` is open (one forward); the recompute of activation checkpointing
+during backward runs outside it and is not recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["RouterTap", "aux_loss_coef", "find_routers"]
+
+
+def find_routers(model: nn.Module) -> list[nn.Module]:
+    """The router modules of `model`, in layer order: modules with ``top_k``, ``num_experts`` and a 2-D ``weight``
+    of ``[num_experts, hidden]`` (transformers 5's ``*TopKRouter`` classes)."""
+    routers = []
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        experts = getattr(module, "num_experts", None)
+        if (isinstance(getattr(module, "top_k", None), int) and isinstance(experts, int)
+                and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == experts):
+            routers.append(module)
+    return routers
+
+
+def aux_loss_coef(hf_config, override: float | None) -> float:
+    """The weight of the load-balancing loss: `override` when set, else transformers' rule for this config
+    (``router_aux_loss_coef`` when ``output_router_logits`` is true, otherwise no auxiliary loss)."""
+    if override is not None:
+        return float(override)
+    if getattr(hf_config, "output_router_logits", False):
+        return float(getattr(hf_config, "router_aux_loss_coef", 0.0) or 0.0)
+    return 0.0
+
+
+def _loss_function(hf_model: nn.Module) -> Callable:
+    module = importlib.import_module(type(hf_model).__module__)
+    fn = getattr(module, "load_balancing_loss_func", None)
+    if fn is None:
+        raise ValueError(
+            f"router_aux_loss_coef is set but {type(hf_model).__name__}'s module ({module.__name__}) defines no "
+            "load_balancing_loss_func; set actor_rollout_ref.actor.router_aux_loss_coef=0 for this model"
+        )
+    return fn
+
+
+class RouterTap:
+    """Forward hooks on the routers of `hf_model` (see the module docstring). ``len(tap) == 0``: not an MoE model."""
+
+    def __init__(self, hf_model: nn.Module, coef: float) -> None:
+        self.routers = find_routers(hf_model)
+        self.coef = coef if self.routers else 0.0
+        self.num_experts = self.routers[0].num_experts if self.routers else 0
+        self.top_k = self.routers[0].top_k if self.routers else 0
+        self._loss_fn = _loss_function(hf_model) if self.coef else None
+        self._recording = False
+        self._logits: list[torch.Tensor] = []
+        self._experts: list[torch.Tensor] = []
+        for router in self.routers:
+            router.register_forward_hook(self._hook)
+
+    def __len__(self) -> int:
+        return len(self.routers)
+
+    def _hook(self, module: nn.Module, args, output) -> None:
+        if self._recording:
+            self._logits.append(output[0])
+            self._experts.append(output[-1])
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Record the routers' outputs of the forward run inside this block (the previous record is dropped)."""
+        self._logits, self._experts = [], []
+        self._recording = bool(self.routers)
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def aux_loss(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The recorded forward's load-balancing loss (a scalar on the autograd graph), or None when off.
+
+        `attention_mask` ``[b, L]`` of the forward's ``input_ids`` (None: every position is a real token).
+        """
+        if not self.coef or not self._logits:
+            return None
+        return self._loss_fn(tuple(self._logits), self.num_experts, self.top_k, attention_mask)
+
+    @torch.no_grad()
+    def stats(self, attention_mask: torch.Tensor | None) -> dict[str, float]:
+        """Token->expert balance of the recorded forward over its real tokens: mean and worst layer."""
+        if not self._experts:
+            return {}
+        valid = None if attention_mask is None else attention_mask.reshape(-1).bool()
+        ratios = []
+        for experts in self._experts:
+            chosen = experts if valid is None else experts[valid[: experts.shape[0]]]
+            if chosen.numel() == 0:
+                continue
+            load = torch.bincount(chosen.reshape(-1), minlength=self.num_experts).float()
+            ratios.append(float(load.max() / load.sum() * self.num_experts))
+        if not ratios:
+            return {}
+        return {"router/max_load_ratio": sum(ratios) / len(ratios), "router/max_load_ratio_worst_layer": max(ratios)}
