@@ -80,6 +80,7 @@ class EngineConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     # MoE (moe_train.py): weight of the router load-balancing loss; None: the model config's (transformers' rule)
     router_aux_loss_coef: float | None = None
+    router_replay: bool = False  # R3: forwards use the rollout's experts (batch column routed_experts)
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -129,6 +130,9 @@ class FSDPEngine:
         self.router_tap = RouterTap(hf_model, aux_loss_coef(hf_model.config, config.router_aux_loss_coef)
                                     if self.trainable and not self.is_critic else 0.0)
         self._router_terms: tuple[torch.Tensor | None, dict[str, float]] = (None, {})
+        if config.router_replay and not len(self.router_tap):
+            raise ValueError(f"router_replay is on but {config.model_path} ({hf_model.config.model_type}) has no "
+                             "MoE routers; turn actor_rollout_ref.actor.router_replay.mode off (disabled)")
         # PEFT injects its layers into hf_model in place; the PeftModel wrapper is kept outside the module tree (its
         # parameters are hf_model's) for disable_adapter() and its adapter save_pretrained.
         self.peft_model = apply_lora(hf_model, config.lora) if config.lora.enabled else None
@@ -256,6 +260,7 @@ class FSDPEngine:
             remove_padding=self.config.use_remove_padding,
             pad_token_id=self.tokenizer.pad_token_id or 0,
         )
+        self.router_tap.set_replay(self._replay_routes(batch, bucket) if self.config.router_replay else None)
         with self._autocast(), self.router_tap.capture():
             flat = self.model(
                 bucket.input_ids,
@@ -280,6 +285,24 @@ class FSDPEngine:
             grid = values.new_zeros(b, resp_len)
             out[key] = grid.index_put((bucket.out_rows, bucket.out_cols), values)
         return out
+
+    def _replay_routes(self, batch, bucket: mb.Bucket) -> torch.Tensor:
+        """The rollout's routes ``routed_experts [b, S, layers, k]`` in the bucket's token order -> ``[T, layers, k]``
+        (-1 at padding: routed freely, never used)."""
+        routes = batch.get("routed_experts")
+        if routes is None:
+            raise ValueError("router_replay is on but the batch has no routed_experts column: the rollout records "
+                             "them (actor_rollout_ref.rollout.name=native with router_replay.mode=R3)")
+        if routes.shape[:2] != batch["attention_mask"].shape:
+            raise ValueError(f"routing replay: routed_experts covers {tuple(routes.shape[:2])} [rows, tokens] but the "
+                             f"batch is {tuple(batch['attention_mask'].shape)}; the routes must come with their rows")
+        if bucket.attention_mask is None:  # rows stripped to their real tokens, right-padded to the longest
+            starts, ends = mb.real_token_spans(batch["attention_mask"])
+            cols = torch.arange(bucket.input_ids.shape[1], device=routes.device)
+            src = (starts[:, None] + cols[None, :]).clamp(max=routes.shape[1] - 1)
+            routes = routes.gather(1, src[:, :, None, None].expand(-1, -1, *routes.shape[2:]))
+            routes = routes.masked_fill((cols[None, :] >= (ends - starts)[:, None])[:, :, None, None], -1)
+        return routes.reshape(-1, *routes.shape[2:]).to(self.device)
 
     @contextlib.contextmanager
     def _params_on_device(self):

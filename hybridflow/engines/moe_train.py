@@ -8,7 +8,13 @@ module and keeps what the routers of one micro-batch forward returned, so the en
   the real tokens only), weighted by ``router_aux_loss_coef``: the same term transformers' CausalLM forward adds when
   ``config.output_router_logits`` is true (the engine runs the backbone itself, so it adds the term itself);
 * log router statistics: how evenly each layer spreads its token->expert assignments (``max_load_ratio`` = the
-  busiest expert's share times E; 1.0 is a perfect balance, E means one expert takes every token).
+  busiest expert's share times E; 1.0 is a perfect balance, E means one expert takes every token);
+* replay the rollout's routing (R3, ``actor.router_replay.mode=R3``): the native rollout records the experts each
+  token went to (``routed_experts``), and the training forwards use that choice instead of their own top-k. Only
+  the discrete choice is replayed: the weights of the chosen experts are the live router's softmax at those experts
+  (renormalised as the config says), so the router still gets gradients. Engines that compute the same logits up
+  to rounding can still pick different experts on a near tie, and one flip moves a token's log-prob far more than
+  rounding does; replay removes that part of the rollout/training mismatch.
 
 These models route without a capacity limit, so no token is dropped or overflows; there is nothing of that kind to
 count. The hooks hold tensors only while `capture()` is open (one forward); the recompute of activation checkpointing
@@ -18,6 +24,7 @@ during backward runs outside it and is not recorded.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Callable, Iterator
 
@@ -73,16 +80,43 @@ class RouterTap:
         self._recording = False
         self._logits: list[torch.Tensor] = []
         self._experts: list[torch.Tensor] = []
-        for router in self.routers:
-            router.register_forward_hook(self._hook)
+        self._replay: list[torch.Tensor] | None = None
+        for index, router in enumerate(self.routers):
+            router.register_forward_hook(functools.partial(self._hook, index))
 
     def __len__(self) -> int:
         return len(self.routers)
 
-    def _hook(self, module: nn.Module, args, output) -> None:
+    def _hook(self, index: int, module: nn.Module, args, output):
+        if self._replay is not None:
+            output = self._replayed(module, output, self._replay[index])
         if self._recording:
             self._logits.append(output[0])
             self._experts.append(output[-1])
+        return output
+
+    @staticmethod
+    def _replayed(module: nn.Module, output, chosen: torch.Tensor):
+        logits, _, own = output[0], output[1], output[-1]
+        if chosen.shape != own.shape:
+            raise ValueError(f"routing replay: the batch's routed_experts give {tuple(chosen.shape)} [tokens, k] for "
+                             f"a router that sees {tuple(own.shape)}; the routes must come from the same rows")
+        chosen = torch.where(chosen >= 0, chosen.to(own.dtype), own)  # -1: never routed at rollout, keep own
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, chosen)
+        if getattr(module, "norm_topk_prob", False):
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (logits, weights.to(logits.dtype), chosen)
+
+    def set_replay(self, routes: torch.Tensor | None) -> None:
+        """``routes [T, layers, k]`` (the tokens of the next forwards, in the order their routers see them; -1 =
+        route freely), or None to stop replaying. Stays set through backward, which recomputes checkpointed layers."""
+        if routes is None or not self.routers:
+            self._replay = None
+            return
+        if routes.shape[1] != len(self.routers):
+            raise ValueError(f"routing replay: routed_experts has {routes.shape[1]} MoE layers, the model "
+                             f"{len(self.routers)}; the rollout must run the same checkpoint")
+        self._replay = [routes[:, i].long() for i in range(routes.shape[1])]
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:

@@ -96,6 +96,15 @@ class PolicyLossSection:
 
 
 @dataclass
+class RouterReplaySection:
+    # MoE routing replay (veRL's key): disabled | R3 (training forwards use the experts the rollout chose)
+    mode: str = "disabled"
+
+
+ROUTER_REPLAY_MODES = ("disabled", "R3")
+
+
+@dataclass
 class ActorConfig:
     strategy: str = "fsdp2"
     ppo_mini_batch_size: int = 16  # prompts
@@ -119,6 +128,7 @@ class ActorConfig:
     # MoE: weight of the router load-balancing loss; null = the model config's rule (router_aux_loss_coef when
     # output_router_logits is true, else none). Router balance stats are logged for MoE models either way.
     router_aux_loss_coef: float | None = None
+    router_replay: RouterReplaySection = field(default_factory=RouterReplaySection)
     optim: OptimSection = field(default_factory=OptimSection)
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
 
@@ -463,6 +473,7 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         if problem := check_loss_agg_mode(mode):
             errors.append(f"{key}.{problem}")
     errors += rollout_config_errors(rollout)
+    errors += _router_replay_errors(actor.router_replay.mode, rollout.name)
     if arr.model.lora_rank < 0:
         errors.append(
             f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}: give 0 (no LoRA) or a positive rank such as 8"
@@ -583,6 +594,19 @@ def validate_config(cfg: HybridFlowConfig) -> None:
             errors.append(str(e))
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+
+def _router_replay_errors(mode: str, rollout_name: str) -> list[str]:
+    key = "actor_rollout_ref.actor.router_replay.mode"
+    if mode == "R2":
+        return [f"{key}=R2 (replaying the old policy's own routes) is not implemented; use R3, which replays the "
+                "rollout's routes, or disabled"]
+    if mode not in ROUTER_REPLAY_MODES:
+        return [f"{key}={mode!r}; choose one of {list(ROUTER_REPLAY_MODES)}"]
+    if mode == "R3" and rollout_name != "native":
+        return [f"{key}=R3 needs the rollout to record its routes, which the native engine does; set "
+                f"actor_rollout_ref.rollout.name=native (it is {rollout_name!r})"]
+    return []
 
 
 def _pre_step_config_errors(cfg: HybridFlowConfig) -> list[str]:

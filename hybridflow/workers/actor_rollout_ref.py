@@ -113,6 +113,7 @@ class ActorRolloutRefWorker(Worker):
                     infer_use_dynamic_bsz=arr.rollout.log_prob_use_dynamic_bsz,
                     infer_max_token_len=arr.rollout.log_prob_max_token_len_per_gpu,
                     router_aux_loss_coef=actor.router_aux_loss_coef,
+                    router_replay=actor.router_replay.mode == "R3",
                 )
             )
             self.objective = build_actor_objective(actor_loss_config(actor, cfg.algorithm.rollout_correction))
@@ -139,6 +140,8 @@ class ActorRolloutRefWorker(Worker):
                 seed=cfg.trainer.seed,
                 max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
                 **rollout_engine_kwargs(r),
+                # routing replay: the rollout records each token's experts for the actor's forwards
+                **({"record_routes": True} if arr.actor.router_replay.mode == "R3" else {}),
             )
         info = {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads()}
         if self.actor is not None and self.actor.device.type == "cpu":

@@ -57,6 +57,7 @@ def engine_config(
     infer_use_dynamic_bsz: bool | None = None,
     infer_max_token_len: int | None = None,
     router_aux_loss_coef: float | None = None,
+    router_replay: bool = False,
 ) -> EngineConfig:
     """One engine's config. The ``infer_*`` settings size the forward-only passes (log-probs, values), which hold
     no activations for backward and may use larger micro-batches than training; None: the training settings."""
@@ -77,6 +78,7 @@ def engine_config(
         infer_use_dynamic_bsz=infer_use_dynamic_bsz,
         infer_max_tokens_per_micro_batch=infer_max_token_len,
         router_aux_loss_coef=router_aux_loss_coef,
+        router_replay=router_replay,
     )
     if optim is not None:
         kwargs["optim"] = optim

@@ -197,6 +197,9 @@ def pad_responses(out: DataProto, width: int, pad_token_id: int) -> DataProto:
     b["response_mask"] = right(b["response_mask"], 0)
     if "rollout_log_probs" in b:
         b["rollout_log_probs"] = right(b["rollout_log_probs"], 0.0)
+    if "routed_experts" in b:  # [rows, P + R, layers, k]; -1: not routed (moe.py RouteRecorder)
+        routes = b["routed_experts"]
+        b["routed_experts"] = torch.cat([routes, routes.new_full((rows, extra, *routes.shape[2:]), -1)], dim=1)
     pos = b["position_ids"]
     b["position_ids"] = torch.cat([pos, pos[:, -1:] + 1 + torch.arange(extra, device=pos.device)[None, :]], dim=1)
     return out

@@ -30,11 +30,17 @@ def route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool) -> tup
 
 
 def moe_mlp(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, k: int,
-            normalize: bool, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """x [..., H]; router [E, H]; gate_up [E, 2I, H] (rows [gate | up]); down [E, H, I] -> [..., H]."""
+            normalize: bool, act: Callable[[torch.Tensor], torch.Tensor],
+            record: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """x [..., H]; router [E, H]; gate_up [E, 2I, H] (rows [gate | up]); down [E, H, I] -> [..., H].
+
+    `record`: a list that gets this call's chosen experts [T, k] (T = x's tokens, row-major), for routing replay.
+    """
     lead, hidden = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, hidden)
     weights, experts = route(x, router, k, normalize)
+    if record is not None:
+        record.append(experts)
     flat = experts.reshape(-1)  # [T * k] assignment -> expert
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens ascending within each group
     token = order // k
@@ -49,3 +55,36 @@ def moe_mlp(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: 
     y = torch.cat(outputs) * weights.reshape(-1)[order, None]
     # index_add_ in assignment order: each token's k contributions are summed in expert order, as transformers does
     return torch.zeros_like(x).index_add_(0, token, y).view(*lead, hidden)
+
+
+class RouteRecorder:
+    """The experts every token was routed to during one generate call, for routing replay in training.
+
+    ``routes [rows, P + max_new, moe_layers, k]`` int16, in the output layout (prompt columns, then response
+    columns); -1 where no forward ran: the last sampled token of a row is never fed back. The engine sets -1 at
+    padding too (generate's output), which is routed in the batched forwards but belongs to no row.
+    """
+
+    def __init__(self, model, rows: int, prompt_len: int, max_new: int, n: int) -> None:
+        s = model.shape
+        self.model, self.n, self.prompt_len = model, n, prompt_len
+        self.layers = sum(1 for layer in s.layers if layer.moe)
+        self.routes = torch.full((rows, prompt_len + max_new, self.layers, s.experts_per_token), -1,
+                                 dtype=torch.int16, device=model.device)
+
+    def start(self) -> None:
+        self.model.route_log = []
+
+    def _collect(self) -> torch.Tensor:
+        log, self.model.route_log = self.model.route_log, None
+        if len(log) != self.layers:
+            raise AssertionError(f"a forward recorded {len(log)} MoE layers' routes, the model has {self.layers}")
+        return torch.stack(log, dim=1).to(torch.int16)  # [T, layers, k]
+
+    def prefill_done(self, prompts: int) -> None:
+        routes = self._collect().view(prompts, self.prompt_len, self.layers, -1)
+        self.routes[:, : self.prompt_len] = routes.repeat_interleave(self.n, dim=0)
+
+    def step_done(self, row_index: torch.Tensor, step: int) -> None:
+        """The decode step that fed response token `step` of the running rows (output rows `row_index`)."""
+        self.routes[row_index, self.prompt_len + step] = self._collect()

@@ -96,6 +96,8 @@ class NativeDecoder:
         self.kv_size = s.num_kv_heads * s.head_dim
         self.act = _ACTIVATIONS[s.activation]
         self.offset_norm = self.spec.norm_offset != 0.0
+        # routing replay (moe.py): while a list, every MoE layer of a forward appends its chosen experts [T, k]
+        self.route_log: list[torch.Tensor] | None = None
 
         def empty(*size: int) -> torch.Tensor:
             return torch.zeros(size, dtype=dtype, device=device)
@@ -264,7 +266,7 @@ class NativeDecoder:
         layer, s = self.layers[li], self.shape
         if s.layers[li].moe:
             return moe_mlp(x, layer["router"], layer["experts_gate_up"], layer["experts_down"], s.experts_per_token,
-                           s.norm_topk_prob, self.act)
+                           s.norm_topk_prob, self.act, record=self.route_log)
         gate, up = self._linear(li, "gate_up", x).chunk(2, dim=-1)
         return self._linear(li, "down", self.act(gate).mul_(up))
 

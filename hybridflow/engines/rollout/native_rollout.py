@@ -33,6 +33,7 @@ from hybridflow.engines.rollout.layout import (
     special_token_ids,
     warn_if_slow_bf16,
 )
+from hybridflow.engines.rollout.moe import RouteRecorder
 from hybridflow.engines.rollout.native_model import NativeDecoder
 from hybridflow.engines.rollout.sampling import row_keys, sample_tokens
 from hybridflow.engines.rollout.static_decode import DECODE_MODES, GraphDecoder
@@ -103,6 +104,7 @@ class NativeRollout(RolloutEngine):
         prepack: bool | None = None,
         decode: str = "auto",
         free_cache_engine: bool = False,
+        record_routes: bool = False,
     ):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -148,6 +150,11 @@ class NativeRollout(RolloutEngine):
         self.decode = decode
         self.free_cache_engine = bool(free_cache_engine)  # fixed-shape decode: drop its buffers after each call
         self._graphs = GraphDecoder(self.model, capture=decode == "cuda_graph") if decode != "eager" else None
+        # routing replay (R3): the experts of every token go out with the batch as `routed_experts` (moe.py)
+        if record_routes and not self.model.shape.moe:
+            raise ValueError(f"native rollout: routing replay records MoE routes, but {model_path} "
+                             f"({self.config.model_type}) has no routed experts; turn router_replay off")
+        self.record_routes = bool(record_routes)
         missing = self.model.missing_names(loaded)
         if missing:
             raise ValueError(f"checkpoint {model_path} lacks {len(missing)} tensors the decoder needs: {missing[:6]}")
@@ -193,10 +200,15 @@ class NativeRollout(RolloutEngine):
         if not params.greedy:
             keys = row_keys(self._call_seed(params), row_index // n, row_index % n)
 
-        if self._graphs is None:
+        routes = RouteRecorder(self.model, rows, P, max_new, n) if self.record_routes else None
+        if routes is not None:
+            routes.start()
+        if self._graphs is None or routes is not None:  # recording reads each step's routes: the eager steps
             steps = _EagerSteps(self, ids, pos, mask, n, max_new)
         else:
             steps = _StaticSteps(self, ids, pos, mask, n, max_new)
+        if routes is not None:
+            routes.prefill_done(B)
         logits = steps.prefill_logits
         positions = pos[:, -1].repeat_interleave(n) + 1
         out = _Responses(rows, max_new, self.pad_token_id, stop_ids)
@@ -208,9 +220,19 @@ class NativeRollout(RolloutEngine):
             if keep is not None:
                 positions, tokens = positions[keep], tokens[keep]
                 keys = keys[keep] if keys is not None else None
+            if routes is not None:
+                routes.start()
             logits = steps.decode(tokens, positions, step)
+            if routes is not None:
+                routes.step_done(out.row_index, step)
             positions = positions + 1
-        return assemble_output(prompts, read, out.tokens, out.lengths, out.log_probs, n, self.pad_token_id)
+        result = assemble_output(prompts, read, out.tokens, out.lengths, out.log_probs, n, self.pad_token_id)
+        if routes is not None:
+            mask = result.batch["attention_mask"]
+            recorded = routes.routes[:, : mask.shape[1]].to(mask.device)
+            # padding (and what stopped rows computed after their stop) was routed too: not part of any row
+            result.batch["routed_experts"] = recorded.masked_fill(~mask.bool()[:, :, None, None], -1)
+        return result
 
     @staticmethod
     def _sample(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor | None, step: int):
