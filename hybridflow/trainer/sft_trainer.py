@@ -33,6 +33,13 @@ class SFTData:
 class SFTModel:
     path: str | None = None
     param_dtype: str = "fp32"
+    # LoRA SFT (veRL's fsdp_sft_trainer keys; PEFT, engines/lora.py): rank 0 = full fine-tuning. The saved model
+    # (trainer.default_local_dir/huggingface) is the base with the adapter merged in, a plain transformers folder.
+    lora_rank: int = 0
+    lora_alpha: float = 16
+    target_modules: Any = "all-linear"
+    lora_dropout: float = 0.0
+    exclude_modules: Any = None
 
 
 @dataclass
@@ -88,6 +95,7 @@ def run_sft(cfg: SFTConfig, *, eval_every: int = 0, stop_when=None) -> dict[str,
     from hybridflow.single_controller import ClassWithInitArgs, ResourcePool, WorkerGroup
     from hybridflow.trainer.progress import ProgressBar
     from hybridflow.trainer.tracking import Tracking
+    from hybridflow.workers.engine_config import lora_settings
     from hybridflow.workers.sft import SFTWorker, make_sft_engine_config
 
     d, t = cfg.data, cfg.trainer
@@ -104,8 +112,10 @@ def run_sft(cfg: SFTConfig, *, eval_every: int = 0, stop_when=None) -> dict[str,
     if steps_per_epoch == 0:
         raise ConfigError(f"data.train_batch_size={d.train_batch_size} is larger than the dataset ({len(train)} rows)")
     total = t.total_training_steps or steps_per_epoch * t.total_epochs
+    if cfg.model.lora_rank < 0:
+        raise ConfigError(f"model.lora_rank={cfg.model.lora_rank}: give 0 (full fine-tuning) or a positive rank")
     engine_cfg = make_sft_engine_config(cfg.model.path, cfg.optim, d.micro_batch_size_per_gpu, t.seed,
-                                        cfg.model.param_dtype, total)
+                                        cfg.model.param_dtype, total, lora=lora_settings(cfg.model))
     pool = None
     if t.backend == "ray":
         import ray

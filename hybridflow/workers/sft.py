@@ -6,6 +6,7 @@ from typing import Any
 
 from hybridflow.algorithms import agg_loss, masked_mean
 from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine, OptimConfig
+from hybridflow.engines.lora import LoraSettings
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 
@@ -51,8 +52,9 @@ class SFTWorker(Worker):
 
 
 def make_sft_engine_config(model_path: str, optim: Any, micro_batch_size: int, seed: int, param_dtype: str,
-                           total_steps: int) -> EngineConfig:
+                           total_steps: int, lora: LoraSettings | None = None) -> EngineConfig:
     return EngineConfig(
+        lora=lora or LoraSettings(),
         model_path=model_path,
         role="actor",
         param_dtype=param_dtype,
