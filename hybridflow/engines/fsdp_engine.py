@@ -496,6 +496,25 @@ class FSDPEngine:
             if plain is not None:  # LoRA: the adapter tensors are folded into their base weights
                 yield plain, param
 
+    def save_adapter(self, directory: str, every_rank: bool = False) -> None:
+        """LoRA: the adapter alone as a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``), for a
+        rollout engine that applies adapters itself (vLLM with enable_lora). Every rank gathers; rank 0 writes, or
+        each rank into its own `directory` (every_rank: each rank's colocated rollout engine reads its own copy)."""
+        from peft.utils import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        if self.peft_model is None:
+            raise ValueError("save_adapter: this engine has no LoRA adapter (actor_rollout_ref.model.lora_rank=0)")
+        state = {"base_model.model." + hf_name(n): self._gather(p).detach().cpu().contiguous()
+                 for n, p in self.model.named_parameters() if ".lora_" in n}
+        if self.rank == 0 or every_rank:
+            os.makedirs(directory, exist_ok=True)
+            adapter = get_peft_model_state_dict(self.peft_model, state_dict=state)
+            save_file(adapter, os.path.join(directory, "adapter_model.safetensors"))
+            config = self.peft_model.peft_config["default"]
+            config.base_model_name_or_path = os.path.abspath(self.config.model_path)
+            config.save_pretrained(directory)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter as a full cpu tensor (HF names, tied weights once); call on every rank."""
         return {name: t.cpu().clone() for name, t in self.named_full_parameters()}

@@ -142,6 +142,8 @@ class ActorRolloutRefWorker(Worker):
                 **rollout_engine_kwargs(r),
                 # routing replay: the rollout records each token's experts for the actor's forwards
                 **({"record_routes": True} if arr.actor.router_replay.mode == "R3" else {}),
+                # LoRA in the hybrid engine with vLLM: vLLM applies the adapter itself, syncs send only the adapter
+                **({"lora_rank": int(arr.model.lora_rank)} if self._adapter_sync_wanted() else {}),
             )
         info = {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads()}
         if self.actor is not None and self.actor.device.type == "cpu":
@@ -192,11 +194,25 @@ class ActorRolloutRefWorker(Worker):
         out.non_tensor_batch["rollout_version"] = np.full(len(out), self.policy_version, dtype=np.int64)
         return out
 
+    def _adapter_sync_wanted(self) -> bool:
+        arr = self.config.actor_rollout_ref
+        return self.is_actor and arr.rollout.name == "vllm" and int(arr.model.lora_rank) > 0
+
+    def _push_to_rollout(self) -> None:
+        """Hybrid engine: the actor's weights into the rollout engine -- the LoRA adapter alone when the engine
+        applies adapters itself (vLLM), else the full (merged) tensors, gathered one at a time from the shards."""
+        if getattr(self.rollout, "adapter_sync", False):
+            folder = self.rollout.adapter_folder()
+            self.actor.save_adapter(folder, every_rank=True)
+            self.rollout.load_adapter(folder)
+        else:
+            self.rollout.update_weights(self.actor.named_full_parameters())
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self, version: int | None = None) -> float:
         """Hybrid engine: gather the actor's FSDP2 shards one tensor at a time into the rollout engine."""
         start = time.perf_counter()
-        self.rollout.update_weights(self.actor.named_full_parameters())
+        self._push_to_rollout()
         if version is not None:
             self.policy_version = int(version)
         return time.perf_counter() - start
@@ -346,4 +362,4 @@ class ActorRolloutRefWorker(Worker):
             self.actor.load_checkpoint(os.path.join(path, "actor"))
         load_rank_state(os.path.join(path, "actor", f"rank_state_{self.rank}.json"))
         if self.actor is not None and self.rollout is not None:
-            self.rollout.update_weights(self.actor.named_full_parameters())
+            self._push_to_rollout()

@@ -30,6 +30,8 @@ import importlib.util
 import logging
 import os
 import random
+import shutil
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -48,6 +50,10 @@ _INSTALL_HINT = (
     "or `pip install 'hybridflow[vllm]'` on a GPU machine, then run with that environment's python; "
     "or choose actor_rollout_ref.rollout.name=hf / native."
 )
+
+
+# vLLM's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks)
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _vllm_installed() -> bool:
@@ -175,9 +181,15 @@ class VLLMRollout(RolloutEngine):
         kv_cache_space_gib: float = 1,
         enforce_eager: bool = True,
         num_threads: int | None = None,
+        lora_rank: int = 0,
         **kw: Any,
     ) -> None:
         self.model_path = str(model_path)
+        # LoRA with adapter-only sync: vLLM applies the policy's adapter itself (enable_lora); each sync hands it a
+        # PEFT adapter folder (load_adapter) instead of streaming merged weights. 0: no LoRA in vLLM.
+        self.adapter_sync = lora_rank > 0
+        self._lora_request = None
+        self._adapter_dir = tempfile.mkdtemp(prefix="hybridflow-vllm-lora-") if self.adapter_sync else None
         self.on_gpu = device.is_cuda_available()
         self._asleep = False
         self._sleep_mode = bool(kw.get("enable_sleep_mode", False)) and self.on_gpu
@@ -210,6 +222,11 @@ class VLLMRollout(RolloutEngine):
             )
             engine_kw["enable_chunked_prefill"] = False
             engine_kw["max_num_batched_tokens"] = max(int(longest or 0), 8192)
+        if self.adapter_sync:
+            allowed = [r for r in _VLLM_LORA_RANKS if r >= lora_rank]
+            if not allowed:
+                raise ValueError(f"vllm rollout: LoRA rank {lora_rank} is above vLLM's largest ({_VLLM_LORA_RANKS[-1]})")
+            engine_kw.update(enable_lora=True, max_lora_rank=allowed[0], max_loras=1)
         engine_kw.update(kw)
 
         set_num_threads = torch.set_num_threads
@@ -273,7 +290,7 @@ class VLLMRollout(RolloutEngine):
 
         start = time.perf_counter()
         with _preserved_rng():
-            outputs = self.llm.generate(requests, vllm_params, use_tqdm=False)
+            outputs = self.llm.generate(requests, vllm_params, use_tqdm=False, lora_request=self._lora_request)
         seconds = time.perf_counter() - start
 
         completions = [out.outputs[0] for out in outputs]
@@ -329,6 +346,34 @@ class VLLMRollout(RolloutEngine):
         self.last_update_seconds = time.perf_counter() - start
         logger.info("vLLM weights updated in %.3f s", self.last_update_seconds)
 
+    def adapter_folder(self) -> str:
+        """A fresh folder (inside this engine's own temporary directory) for the next adapter to load."""
+        if not self.adapter_sync:
+            raise ValueError("vllm rollout: adapter_folder() needs an engine built with lora_rank > 0")
+        return tempfile.mkdtemp(dir=self._adapter_dir)
+
+    def load_adapter(self, folder: str) -> None:
+        """Generate with the PEFT adapter in `folder` from now on (the base weights stay as they are); the previous
+        adapter is dropped from vLLM and its folder deleted (only folders of adapter_folder() are accepted)."""
+        from vllm.lora.request import LoRARequest
+
+        if os.path.dirname(os.path.abspath(folder)) != self._adapter_dir:
+            raise ValueError(f"vllm rollout: load_adapter takes folders made by adapter_folder(), not {folder!r}")
+        start = time.perf_counter()
+        self._wake_up()
+        previous = self._lora_request
+        lora_id = previous.lora_int_id + 1 if previous is not None else 1
+        self._lora_request = LoRARequest(f"policy-{lora_id}", lora_id, folder)
+        if not self.llm.llm_engine.add_lora(self._lora_request):
+            raise RuntimeError(f"vllm rollout: vLLM did not load the adapter in {folder}")
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        # the prefix cache holds K/V computed under the previous adapter
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vllm rollout: vLLM refused to reset its prefix cache (requests running?)")
+        self.last_update_seconds = time.perf_counter() - start
+
     def release_memory(self) -> None:
         """GPU with enable_sleep_mode=True: offload weights and free the KV cache until the next call.
 
@@ -349,6 +394,9 @@ class VLLMRollout(RolloutEngine):
     def shutdown(self) -> None:
         """Stop the engine and free its memory; the object is unusable afterwards."""
         llm = self.__dict__.pop("llm", None)
+        if self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)  # this engine's own temporary adapter folders
+            self._adapter_dir = None
         if llm is None:
             return
         global _live_engines
