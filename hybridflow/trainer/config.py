@@ -40,6 +40,9 @@ class DataConfig:
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 32
+    # veRL's DAPO key: prompts per generation batch (None: train_batch_size); another size needs
+    # algorithm.filter_groups.enable (trainer/dynamic_sampling.py), which fills a step from several such batches
+    gen_batch_size: int | None = None
     val_batch_size: int | None = None  # None: the whole validation set in one batch
     val_max_samples: int = -1  # -1: all
     filter_overlong_prompts: bool = True
@@ -199,6 +202,7 @@ class OverlongBuffer:
     enable: bool = False
     len: int = 16
     penalty_factor: float = 1.0
+    log: bool = False  # veRL's DAPO recipe key: also log reward/overlong_fraction and each row's penalty
 
 
 @dataclass
@@ -544,6 +548,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         )
     if alg.filter_groups.max_num_gen_batches < 0:
         errors.append("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit)")
+    from hybridflow.trainer.dynamic_sampling import dynamic_sampling_errors
+
+    errors += dynamic_sampling_errors(cfg)
     from hybridflow.rewards.managers import check_reward_manager_config
 
     crf = cfg.custom_reward_function

@@ -120,6 +120,44 @@ PLANNED: dict[str, str] = {
 }
 
 
+# veRL's DAPO recipe (recipe/dapo/*.sh) and the vLLM engine knobs its scripts set
+ALIASES.update({
+    # the recipe's first scripts named the overlong buffer under custom_reward_function
+    "custom_reward_function.overlong_buffer.": "reward_model.overlong_buffer.",
+})
+_VLLM_KNOB = (
+    "a vLLM engine option; the native engine has no such setting. With rollout.name=vllm pass it as "
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.{name}=VALUE"
+)
+_GLOBAL_MICRO = (
+    "veRL's deprecated global micro-batch key; use {per_gpu} (rows per forward on one rank)"
+)
+UNSUPPORTED.update({
+    "actor_rollout_ref.rollout.enable_prefix_caching": _VLLM_KNOB.format(name="enable_prefix_caching")
+    + " (native already prefills each prompt once for its n samples)",
+    "actor_rollout_ref.rollout.max_model_len": _VLLM_KNOB.format(name="max_model_len")
+    + " (native sizes its cache from data.max_prompt_length + data.max_response_length)",
+    "actor_rollout_ref.rollout.quantization": _VLLM_KNOB.format(name="quantization")
+    + " (native on CPU: actor_rollout_ref.rollout.dtype=int8)",
+    "actor_rollout_ref.actor.ppo_micro_batch_size": _GLOBAL_MICRO.format(
+        per_gpu="actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size": _GLOBAL_MICRO.format(
+        per_gpu="actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": _GLOBAL_MICRO.format(
+        per_gpu="actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
+    "actor_rollout_ref.actor.use_token_level_loss": "veRL's older switch; use actor_rollout_ref.actor.loss_agg_mode="
+    "token-mean (true) or seq-mean-token-mean (false)",
+    "trainer.dump_high_diff_tokens": "dumping tokens whose rollout and actor log-probs differ is not implemented; the "
+    "train-inference mismatch is logged as rollout/mismatch_* every step",
+    "trainer.dump_high_diff_dir": "dumping tokens whose rollout and actor log-probs differ is not implemented; the "
+    "train-inference mismatch is logged as rollout/mismatch_* every step",
+})
+PLANNED.update({
+    "actor_rollout_ref.ref.entropy_checkpointing": "entropy recomputation in backward (issue #22); the reference "
+    "computes no entropy here",
+})
+
+
 def alias_of(key: str) -> str | None:
     """hybridflow's name for a veRL key, or None."""
     for verl, ours in ALIASES.items():

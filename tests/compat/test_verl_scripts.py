@@ -2,7 +2,7 @@
 one-line reason. None is unknown, none is accepted and dropped.
 
 The override lists are the key=value arguments of every script's command line in veRL's examples (stored in
-verl_script_overrides.json with the commit they came from). Values are not checked here (they are the scripts' paths
+verl_script_overrides.json with the commit they came from) and in its DAPO recipe (verl_dapo_recipe_overrides.json). Values are not checked here (they are the scripts' paths
 and shell variables); each key goes through the same `merge_overrides` a run uses, one at a time.
 """
 
@@ -18,6 +18,8 @@ from hybridflow.trainer.config import ConfigError, HybridFlowConfig, _parse_over
 from hybridflow.trainer.sft_trainer import SFTConfig
 
 SCRIPTS = json.loads((Path(__file__).parent / "verl_script_overrides.json").read_text())["scripts"]
+# veRL's DAPO recipe scripts (recipe/dapo/*.sh), from the last commit that held recipe/ in the repository
+SCRIPTS.update(json.loads((Path(__file__).parent / "verl_dapo_recipe_overrides.json").read_text())["scripts"])
 
 
 def classify(schema: type, key: str) -> str:
