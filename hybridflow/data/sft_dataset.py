@@ -18,18 +18,25 @@ from hybridflow.data.sources import read_source
 from hybridflow.protocol import DataProto
 
 
-def _get(row: dict, dotted: str, where: str) -> Any:
+def _get(row: dict, dotted: str, where: str, dict_keys: tuple[str, ...] = ()) -> Any:
+    """row[dotted] (dots reach into dict columns), then each of veRL's ``*_dict_keys`` in turn."""
     value: Any = row
-    for part in dotted.split("."):
+    parts = [*dotted.split("."), *dict_keys]
+    for i, part in enumerate(parts):
         if not isinstance(value, dict) or part not in value:
-            raise DataConfigError(f"{where}: column {dotted!r} is missing; set the SFT response_key/prompt_key option")
+            path = ".".join(parts[: i + 1])
+            raise DataConfigError(
+                f"{where}: {path!r} is missing; set the SFT data.prompt_key/response_key (and prompt_dict_keys/"
+                "response_dict_keys) to where the text is"
+            )
         value = value[part]
     return value
 
 
 class SFTDataset:
     def __init__(self, files: str | list[str], tokenizer, *, prompt_key: str = "prompt",
-                 response_key: str = "response", max_length: int = 512):
+                 response_key: str = "response", max_length: int = 512,
+                 prompt_dict_keys: tuple[str, ...] = (), response_dict_keys: tuple[str, ...] = ()):
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise DataConfigError("the tokenizer needs a pad token and an eos token for SFT batches")
         self.tokenizer = tokenizer
@@ -38,8 +45,8 @@ class SFTDataset:
         paths = [files] if isinstance(files, str) else list(files)
         rows = [(f"{path} row {i}", row) for path in paths for i, row in enumerate(read_source(path, []))]
         for where, row in rows:
-            prompt = _get(row, prompt_key, where)
-            response = _get(row, response_key, where)
+            prompt = _get(row, prompt_key, where, tuple(prompt_dict_keys))
+            response = _get(row, response_key, where, tuple(response_dict_keys))
             if not isinstance(response, str) or not response:
                 raise DataConfigError(f"{where}: {response_key!r} must be a non-empty string")
             if isinstance(prompt, str):

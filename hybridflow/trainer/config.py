@@ -52,6 +52,7 @@ class DataConfig:
     reward_fn_key: str = "data_source"
     apply_chat_template_kwargs: dict = field(default_factory=dict)
     return_raw_chat: bool = False  # veRL's key; true: each prompt's chat messages ride along (non-tensor raw_prompt)
+    trust_remote_code: bool = False  # veRL's key: refused for a tokenizer with code of its own (verl_model_keys.py)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class ModelConfig:
     path: str | None = None  # None = the shipped base model of the built-in task
     enable_gradient_checkpointing: bool = False
     use_remove_padding: bool = True
+    trust_remote_code: bool = False  # veRL's key: refused for a model folder with code of its own (verl_model_keys.py)
 
 
 @dataclass
@@ -70,6 +72,9 @@ class PolicyModelConfig(ModelConfig):
     target_modules: Any = "all-linear"  # "all-linear" or a list of module names, e.g. [q_proj, v_proj]
     lora_dropout: float = 0.0
     exclude_modules: Any = None  # None, a list of module names, or a regex
+    # veRL's keys (trainer/verl_model_keys.py): attributes set on the actor's, ref's and rollout's transformers config
+    override_config: dict = field(default_factory=dict)
+    use_fused_kernels: bool = True  # always: log-probs from the response positions' hidden states, in chunks
 
 
 @dataclass
@@ -119,6 +124,8 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     grad_clip: float = 1.0
     recompute_old_log_prob: str = "auto"  # auto: skip the pass when the update is exactly on-policy | always
+    use_torch_compile: bool = False  # veRL's key; the forward is eager here (true is refused, verl_model_keys.py)
+    entropy_from_logits_with_chunking: bool = True  # veRL's key; always chunked here
     optim: OptimSection = field(default_factory=OptimSection)
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
 
@@ -161,6 +168,10 @@ class RolloutConfig:
     nnodes: int = 1
     n_gpus_per_node: int = 1
     update_weights_bucket_megabytes: int = 64
+    # veRL's keys, as far as hybridflow has what they switch (trainer/verl_model_keys.py)
+    mode: str = "sync"  # sync only: each batch is generated in-process (veRL's async = a vLLM server + agent loop)
+    load_format: str = "auto"  # auto | hf | safetensors (requires *.safetensors in model.path)
+    layered_summon: bool = True  # always: weight sync gathers one full tensor at a time
 
 
 @dataclass
@@ -169,6 +180,8 @@ class RefConfig:
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
+    use_torch_compile: bool = False  # veRL's key; the forward is eager here (true is refused, verl_model_keys.py)
+    entropy_from_logits_with_chunking: bool = True  # veRL's key; always chunked here
 
 
 @dataclass
@@ -549,8 +562,10 @@ def validate_config(cfg: HybridFlowConfig) -> None:
     if alg.filter_groups.max_num_gen_batches < 0:
         errors.append("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit)")
     from hybridflow.trainer.dynamic_sampling import dynamic_sampling_errors
+    from hybridflow.trainer.verl_model_keys import switch_errors
 
     errors += dynamic_sampling_errors(cfg)
+    errors += switch_errors(cfg)
     from hybridflow.rewards.managers import check_reward_manager_config
 
     crf = cfg.custom_reward_function

@@ -207,6 +207,9 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     # One folder, one history: refuse (or, with trainer.overwrite, archive) an old run before anything is written.
     prepare_run_dir(run_dir, resume_mode=t.resume_mode, overwrite=t.overwrite, total_steps=total_steps,
                     save_freq=t.save_freq)
+    from hybridflow.trainer.verl_model_keys import apply_model_overrides
+
+    apply_model_overrides(cfg, run_dir)  # model.override_config: actor, ref and rollout load RUN_DIR/model_override
     custom = load_reward_function(cfg)  # a bad reward file fails here, before Ray starts
     need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
     roles = 1 + int(bool(cfg.critic.enable)) + int(rm.enable)
