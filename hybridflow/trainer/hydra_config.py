@@ -175,11 +175,17 @@ def hydra_overrides(config_path: str | None, config_name: str, base: dict, comma
     base: the command's defaults as a plain dict (the interpolations' last resort). Raises ConfigError naming the
     file and the entry for a missing file, a bad defaults entry or an interpolation that does not resolve.
     """
+    # veRL's `--config-path=config` with `-m verl.trainer.main_ppo` is relative to main_ppo.py: veRL's own config
+    # folder, absent here; its top configs need no file (VERL_BASE_CONFIGS), any other name is then not found
     search = [os.path.abspath(os.path.expanduser(config_path))] if config_path else []
-    if config_path and not os.path.isdir(search[0]):
-        raise ConfigError(f"--config-path {config_path}: no such directory")
-    composer = _Composer(search, command)
-    composer.include(config_name, "", None, where="--config-name")
+    missing_dir = bool(search) and not os.path.isdir(search[0])
+    composer = _Composer([] if missing_dir else search, command)
+    try:
+        composer.include(config_name, "", None, where="--config-name")
+    except ConfigError as err:
+        if missing_dir and "not found" in str(err):
+            raise ConfigError(f"--config-path {config_path}: no such directory (and {err})") from None
+        raise
     if not composer.layers:
         return []  # only veRL's base config: hybridflow's defaults as they are
     try:

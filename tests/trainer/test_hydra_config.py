@@ -93,6 +93,10 @@ def test_missing_and_refused_config_names(tmp_path, name, match):
 
 def test_verl_base_config_alone_is_hybridflows_defaults():
     assert with_config_file(None, "ppo_trainer", ["data.train_batch_size=8"]) == ["data.train_batch_size=8"]
+    # veRL's `--config-path=config` means its own package folder (relative to main_ppo.py), absent here
+    assert with_config_file("config", "ppo_trainer.yaml", []) == []
+    with pytest.raises(ConfigError, match=r"--config-path config: no such directory"):
+        with_config_file("config", "my_own", [])
     with pytest.raises(ConfigError, match="needs --config-name"):
         with_config_file("somewhere", None, [])
 
