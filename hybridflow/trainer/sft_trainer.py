@@ -18,6 +18,14 @@ from hybridflow.trainer.config import ConfigError
 
 
 @dataclass
+class SFTMultiturn:
+    """veRL's data.multiturn: rows are conversations in a messages column, trained on every assistant turn."""
+
+    enable: bool = False
+    messages_key: str = "messages"
+
+
+@dataclass
 class SFTData:
     train_files: Any = None
     val_files: Any = None
@@ -30,6 +38,7 @@ class SFTData:
     train_batch_size: int = 64
     micro_batch_size_per_gpu: int = 16
     seed: int = 1
+    multiturn: SFTMultiturn = field(default_factory=SFTMultiturn)
 
 
 @dataclass
@@ -105,7 +114,8 @@ def run_sft(cfg: SFTConfig, *, eval_every: int = 0, stop_when=None) -> dict[str,
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     train = SFTDataset(d.train_files, tokenizer, prompt_key=d.prompt_key, response_key=d.response_key,
                        max_length=d.max_length, prompt_dict_keys=tuple(d.prompt_dict_keys),
-                       response_dict_keys=tuple(d.response_dict_keys))
+                       response_dict_keys=tuple(d.response_dict_keys),
+                       messages_key=d.multiturn.messages_key if d.multiturn.enable else None)
     world = t.nnodes * t.n_gpus_per_node
     if d.train_batch_size % world or (d.train_batch_size // world) % d.micro_batch_size_per_gpu:
         raise ConfigError(

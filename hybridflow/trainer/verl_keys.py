@@ -95,7 +95,6 @@ PLANNED: dict[str, str] = {
     "algorithm.rollout_correction.": "rollout importance-sampling corrections (issue #19)",
     "reward_model.rollout.": "generative reward models (issue #21)",
     "reward_model.model.fsdp_config.": "the reward model runs unsharded, one copy per rank (issue #21)",
-    "data.multiturn.": "multi-turn SFT data (issue #18)",
 }
 
 
@@ -128,6 +127,9 @@ UNSUPPORTED.update({
     "actor_rollout_ref.ref.log_prob_micro_batch_size": _GLOBAL_MICRO.format(
         per_gpu="actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
     "data.micro_batch_size": _GLOBAL_MICRO.format(per_gpu="data.micro_batch_size_per_gpu"),
+    # known to `hybridflow sft` (its schema takes them first); in an RL run they name no feature
+    "data.multiturn.": "data.multiturn.* is veRL's multi-turn SFT data, read by `hybridflow sft`; RL multi-turn "
+    "rollouts are actor_rollout_ref.rollout.multi_turn (issue #18)",
     "actor_rollout_ref.actor.use_token_level_loss": "veRL's older switch; use actor_rollout_ref.actor.loss_agg_mode="
     "token-mean (true) or seq-mean-token-mean (false)",
     "trainer.dump_high_diff_tokens": "dumping tokens whose rollout and actor log-probs differ is not implemented; the "

@@ -137,3 +137,45 @@ def test_sft_dict_keys_errors_name_the_path(tiny_model_path, tmp_path):
         from hybridflow.trainer.sft_trainer import load_sft_config
 
         load_sft_config([f"data.train_files={data}", f"model.path={tiny_model_path}", "model.strategy=megatron"])
+
+
+def test_multiturn_sft_trains_on_every_assistant_turn_only(tiny_model_path, tmp_path):
+    """veRL's data.multiturn: the loss mask covers each assistant turn's tokens (content and end-of-turn), not the
+    user turns between them; the prompt is everything before the first assistant turn."""
+    from transformers import AutoTokenizer
+
+    from hybridflow.data.sft_dataset import SFTDataset
+    from hybridflow.trainer.sft_trainer import sft_main
+
+    chat = [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "and 2+2"}, {"role": "assistant", "content": "4"}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"conversation": chat}) + "\n" for _ in range(4)))
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    ds = SFTDataset(str(data), tok, messages_key="conversation", max_length=256)
+    batch = ds.collate([0])
+    resp = batch.batch["responses"][0]
+    mask = batch.batch["response_mask"][0].bool()
+    trained = tok.decode(resp[mask])
+    assert trained == "2<|im_end|>\n4<|im_end|>\n", trained
+    assert tok.decode(batch.batch["prompts"][0]).endswith("<|im_start|>assistant\n")
+    assert "and 2+2" in tok.decode(resp[~mask])
+    summary = sft_main([
+        f"data.train_files={data}", "data.multiturn.enable=true", "data.multiturn.messages_key=conversation",
+        "data.train_batch_size=4", "data.micro_batch_size_per_gpu=4", f"model.path={tiny_model_path}",
+        f"trainer.default_local_dir={tmp_path / 'out'}", "trainer.total_training_steps=1", "trainer.logger=[jsonl]",
+        "trainer.num_threads_per_worker=1",
+    ])
+    assert summary["steps"] == 1
+
+
+def test_multiturn_rows_without_an_assistant_turn_are_named(tiny_model_path, tmp_path):
+    from transformers import AutoTokenizer
+
+    from hybridflow.data.schema import DataConfigError
+    from hybridflow.data.sft_dataset import SFTDataset
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(DataConfigError, match=r"chat.jsonl row 0: the conversation has no assistant turn"):
+        SFTDataset(str(data), AutoTokenizer.from_pretrained(tiny_model_path), messages_key="messages")
