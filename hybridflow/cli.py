@@ -36,6 +36,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from hybridflow.trainer.main import train_main, train_preset, user_errors
 
     try:
+        from hybridflow.trainer.hydra_config import with_config_file
+
+        args.overrides = with_config_file(args.config_path, args.config_name, args.overrides, "train")
         if args.print_config:
             import yaml
 
@@ -70,7 +73,9 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from hybridflow.trainer.sft_trainer import sft_main
 
     try:
-        sft_main(args.overrides)
+        from hybridflow.trainer.hydra_config import with_config_file
+
+        sft_main(with_config_file(args.config_path, args.config_name, args.overrides, "sft"))
     except ConfigError as e:
         print(f"hybridflow sft: {e}", file=sys.stderr)
         return 2
@@ -119,6 +124,15 @@ def _cmd_make_task(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hydra_flags_help(sub: argparse.ArgumentParser, verl_base: str) -> None:
+    """Listed in --help; main() takes them out of the arguments first (they may sit among the overrides)."""
+    sub.add_argument("--config-path", "-cp", dest="_config_path", metavar="DIR",
+                     help="veRL/Hydra: the directory of --config-name's YAML (and of its defaults list)")
+    sub.add_argument("--config-name", "-cn", dest="_config_name", metavar="NAME",
+                     help=f"veRL/Hydra: a YAML config composed with its defaults list ({verl_base} = hybridflow's "
+                     "defaults), applied under the key=value overrides")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybridflow",
@@ -141,10 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="validate everything a run checks before its first step (keys, types, batch arithmetic, data files, "
         "model config, reward function) without starting Ray; exit 2 on an error",
     )
+    _hydra_flags_help(train, "ppo_trainer")
     train.set_defaults(func=_cmd_train)
 
     sft = sub.add_parser("sft", help="supervised fine-tuning on prompt/response data with the same training engine")
     sft.add_argument("overrides", nargs="*", help="key=value overrides (see hybridflow/trainer/sft_trainer.py)")
+    _hydra_flags_help(sft, "sft_trainer")
     sft.set_defaults(func=_cmd_sft)
 
     export = sub.add_parser("export", help="turn a checkpoint folder into a Hugging Face model folder")
@@ -194,7 +210,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_path = config_name = None
+    if argv and argv[0] in ("train", "sft"):
+        # veRL's Hydra flags, anywhere among the key=value overrides (`--config-path=DIR` or `--config-path DIR`)
+        from hybridflow.trainer.config import ConfigError
+        from hybridflow.trainer.hydra_config import split_hydra_flags
+
+        try:
+            config_path, config_name, rest = split_hydra_flags(argv[1:])
+        except ConfigError as e:
+            print(f"hybridflow {argv[0]}: {e}", file=sys.stderr)
+            return 2
+        argv = [argv[0], *rest]
     args = parser.parse_args(argv)
+    args.config_path, args.config_name = config_path, config_name
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

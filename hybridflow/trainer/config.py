@@ -40,6 +40,9 @@ class DataConfig:
     max_prompt_length: int = 512
     max_response_length: int = 512
     train_batch_size: int = 32
+    # veRL's DAPO key: prompts per generation batch (None: train_batch_size); another size needs
+    # algorithm.filter_groups.enable (trainer/dynamic_sampling.py), which fills a step from several such batches
+    gen_batch_size: int | None = None
     val_batch_size: int | None = None  # None: the whole validation set in one batch
     val_max_samples: int = -1  # -1: all
     filter_overlong_prompts: bool = True
@@ -49,6 +52,7 @@ class DataConfig:
     reward_fn_key: str = "data_source"
     apply_chat_template_kwargs: dict = field(default_factory=dict)
     return_raw_chat: bool = False  # veRL's key; true: each prompt's chat messages ride along (non-tensor raw_prompt)
+    trust_remote_code: bool = False  # veRL's key: refused for a tokenizer with code of its own (verl_model_keys.py)
 
 
 @dataclass
@@ -56,6 +60,7 @@ class ModelConfig:
     path: str | None = None  # None = the shipped base model of the built-in task
     enable_gradient_checkpointing: bool = False
     use_remove_padding: bool = True
+    trust_remote_code: bool = False  # veRL's key: refused for a model folder with code of its own (verl_model_keys.py)
 
 
 @dataclass
@@ -67,6 +72,9 @@ class PolicyModelConfig(ModelConfig):
     target_modules: Any = "all-linear"  # "all-linear" or a list of module names, e.g. [q_proj, v_proj]
     lora_dropout: float = 0.0
     exclude_modules: Any = None  # None, a list of module names, or a regex
+    # veRL's keys (trainer/verl_model_keys.py): attributes set on the actor's, ref's and rollout's transformers config
+    override_config: dict = field(default_factory=dict)
+    use_fused_kernels: bool = True  # always: log-probs from the response positions' hidden states, in chunks
 
 
 @dataclass
@@ -129,6 +137,8 @@ class ActorConfig:
     # output_router_logits is true, else none). Router balance stats are logged for MoE models either way.
     router_aux_loss_coef: float | None = None
     router_replay: RouterReplaySection = field(default_factory=RouterReplaySection)
+    use_torch_compile: bool = False  # veRL's key; the forward is eager here (true is refused, verl_model_keys.py)
+    entropy_from_logits_with_chunking: bool = True  # veRL's key; always chunked here
     optim: OptimSection = field(default_factory=OptimSection)
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
 
@@ -171,6 +181,10 @@ class RolloutConfig:
     nnodes: int = 1
     n_gpus_per_node: int = 1
     update_weights_bucket_megabytes: int = 64
+    # veRL's keys, as far as hybridflow has what they switch (trainer/verl_model_keys.py)
+    mode: str = "sync"  # sync only: each batch is generated in-process (veRL's async = a vLLM server + agent loop)
+    load_format: str = "auto"  # auto | hf | safetensors (requires *.safetensors in model.path)
+    layered_summon: bool = True  # always: weight sync gathers one full tensor at a time
 
 
 @dataclass
@@ -179,6 +193,8 @@ class RefConfig:
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
+    use_torch_compile: bool = False  # veRL's key; the forward is eager here (true is refused, verl_model_keys.py)
+    entropy_from_logits_with_chunking: bool = True  # veRL's key; always chunked here
 
 
 @dataclass
@@ -212,6 +228,7 @@ class OverlongBuffer:
     enable: bool = False
     len: int = 16
     penalty_factor: float = 1.0
+    log: bool = False  # veRL's DAPO recipe key: also log reward/overlong_fraction and each row's penalty
 
 
 @dataclass
@@ -558,6 +575,11 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         )
     if alg.filter_groups.max_num_gen_batches < 0:
         errors.append("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit)")
+    from hybridflow.trainer.dynamic_sampling import dynamic_sampling_errors
+    from hybridflow.trainer.verl_model_keys import switch_errors
+
+    errors += dynamic_sampling_errors(cfg)
+    errors += switch_errors(cfg)
     from hybridflow.rewards.managers import check_reward_manager_config
 
     crf = cfg.custom_reward_function

@@ -108,7 +108,10 @@ def build_datasets(cfg: HybridFlowConfig, tokenizer):
         apply_chat_template_kwargs=dict(d.apply_chat_template_kwargs) or None,
     )
     train_ds = RLDataset(d.train_files, tokenizer, name="train", **ds_kwargs)
-    train_loader = RLDataLoader(train_ds, d.train_batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=True,
+    from hybridflow.trainer.dynamic_sampling import gen_batch_size
+
+    # one loader batch = one generation batch (data.gen_batch_size; DAPO's dynamic sampling may take several a step)
+    train_loader = RLDataLoader(train_ds, gen_batch_size(cfg), shuffle=d.shuffle, seed=d.seed, drop_last=True,
                                 return_raw_chat=d.return_raw_chat)
     val_loader = None
     if d.val_files:
@@ -128,7 +131,7 @@ def reward_spec(cfg: HybridFlowConfig, custom: Any = None):
     legacy = None
     if rm.overlong_buffer.enable:
         legacy = OverlongShaping(len=rm.overlong_buffer.len, max_resp_len=cfg.data.max_response_length,
-                                 penalty_factor=rm.overlong_buffer.penalty_factor)
+                                 penalty_factor=rm.overlong_buffer.penalty_factor, log=rm.overlong_buffer.log)
     return RewardManagerSpec(
         custom_path=crf.path, custom_name=crf.name, custom_kwargs=dict(crf.reward_kwargs), custom_fn=custom,
         reward_kwargs=dict(rm.reward_kwargs), max_response_length=cfg.data.max_response_length,
@@ -204,6 +207,9 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     # One folder, one history: refuse (or, with trainer.overwrite, archive) an old run before anything is written.
     prepare_run_dir(run_dir, resume_mode=t.resume_mode, overwrite=t.overwrite, total_steps=total_steps,
                     save_freq=t.save_freq)
+    from hybridflow.trainer.verl_model_keys import apply_model_overrides
+
+    apply_model_overrides(cfg, run_dir)  # model.override_config: actor, ref and rollout load RUN_DIR/model_override
     custom = load_reward_function(cfg)  # a bad reward file fails here, before Ray starts
     need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
     roles = 1 + int(bool(cfg.critic.enable)) + int(rm.enable)

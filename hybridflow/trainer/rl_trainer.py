@@ -15,7 +15,6 @@ pieces chosen by config: the advantage estimator, the policy loss, KL in the rew
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
@@ -26,7 +25,6 @@ import torch
 
 from hybridflow.algorithms import (
     apply_kl_penalty,
-    filter_groups,
     get_advantage_estimator,
     get_kl_controller,
     masked_mean,
@@ -36,6 +34,7 @@ from hybridflow.engines.mismatch import logprob_mismatch
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.checkpoint import CheckpointManager
+from hybridflow.trainer.dynamic_sampling import fill_step_with_informative_groups
 from hybridflow.trainer.metrics import (
     Timer,
     compute_data_metrics,
@@ -192,35 +191,21 @@ class RLTrainer:
         }
 
     def rollout_and_score(self, prompts: DataProto, timing: dict) -> tuple[DataProto, dict]:
-        """Generate n responses per prompt and score them; with DAPO dynamic sampling, keep generating from fresh
-        prompts until the batch holds train_batch_size groups whose rewards are not all equal."""
+        """Generate n responses per prompt and score them; with DAPO dynamic sampling (trainer/dynamic_sampling.py),
+        keep generating from fresh prompts until the batch holds train_batch_size groups whose rewards differ."""
         fg = self.cfg.algorithm.filter_groups
-        kept: list[DataProto] = []
         metrics: dict[str, float] = {}
-        target = self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n
-        attempts = itertools.count() if fg.enable and fg.max_num_gen_batches == 0 else range(
-            fg.max_num_gen_batches if fg.enable else 1
+        if not fg.enable:
+            return self.generate_and_score_once(prompts, salt=0, metrics=metrics, timing=timing), metrics
+        batch, dapo_metrics = fill_step_with_informative_groups(
+            prompts, self.next_prompts,
+            lambda p, attempt: self.generate_and_score_once(p, salt=attempt, metrics=metrics, timing=timing),
+            lambda b: self.filter_values(b, fg.metric),
+            groups_needed=self.cfg.data.train_batch_size, n=self.cfg.actor_rollout_ref.rollout.n,
+            max_gen_batches=fg.max_num_gen_batches,
         )
-        for attempt in attempts:
-            if attempt:
-                prompts = self.next_prompts()
-            batch = self.generate_and_score_once(prompts, salt=attempt, metrics=metrics, timing=timing)
-            if not fg.enable:
-                return batch, metrics
-            keep = filter_groups(batch.non_tensor_batch["uid"], self.filter_values(batch, fg.metric))
-            kept.append(batch[keep])
-            dropped = batch[~keep]
-            metrics[f"dapo/kept_groups_batch_{attempt}"] = float(keep.sum()) / self.cfg.actor_rollout_ref.rollout.n
-            if sum(len(b) for b in kept) >= target:
-                break
-        merged = DataProto.concat(kept) if kept else batch
-        metrics["dapo/num_gen_batches"] = float(len(kept))
-        if len(merged) < target:
-            # Not enough informative groups within the budget: train on what we have plus filtered-out groups.
-            logger.warning("dynamic sampling found %d/%d rows; topping up with filtered groups", len(merged), target)
-            filler = dropped[: target - len(merged)]  # whole groups: rows are in group order, n per group
-            merged = DataProto.concat([merged, filler]) if len(merged) else filler
-        return merged[:target], metrics
+        metrics.update(dapo_metrics)
+        return batch, metrics
 
     def generate_and_score_once(self, prompts: DataProto, *, salt: int, metrics: dict, timing: dict) -> DataProto:
         n = self.cfg.actor_rollout_ref.rollout.n

@@ -18,20 +18,33 @@ from hybridflow.trainer.config import ConfigError
 
 
 @dataclass
+class SFTMultiturn:
+    """veRL's data.multiturn: rows are conversations in a messages column, trained on every assistant turn."""
+
+    enable: bool = False
+    messages_key: str = "messages"
+
+
+@dataclass
 class SFTData:
     train_files: Any = None
     val_files: Any = None
     prompt_key: str = "prompt"
     response_key: str = "response"
+    # veRL's SFT keys: the prompt / response sit inside a dict column, reached key by key (e.g. extra_info -> question)
+    prompt_dict_keys: list = field(default_factory=list)
+    response_dict_keys: list = field(default_factory=list)
     max_length: int = 512
     train_batch_size: int = 64
     micro_batch_size_per_gpu: int = 16
     seed: int = 1
+    multiturn: SFTMultiturn = field(default_factory=SFTMultiturn)
 
 
 @dataclass
 class SFTModel:
-    path: str | None = None
+    path: str | None = None  # veRL's model.partial_pretrain is this key
+    strategy: str = "fsdp2"  # veRL's key: fsdp / fsdp2 both mean FSDP2 here
     param_dtype: str = "fp32"
     # LoRA SFT (veRL's fsdp_sft_trainer keys; PEFT, engines/lora.py): rank 0 = full fine-tuning. The saved model
     # (trainer.default_local_dir/huggingface) is the base with the adapter merged in, a plain transformers folder.
@@ -64,6 +77,8 @@ class SFTTrainerSection:
     logger: list = field(default_factory=lambda: ["console", "jsonl"])
     log_freq: int = 10
     seed: int = 1
+    project_name: str = "hybridflow-sft"  # the trackers' project / run names (veRL's keys)
+    experiment_name: str = "sft"
 
 
 @dataclass
@@ -79,7 +94,12 @@ def load_sft_config(overrides: list[str]) -> SFTConfig:
 
     cfg = merge_overrides(SFTConfig, overrides, what="SFT config")
     if not cfg.data.train_files or not cfg.model.path:
-        raise ConfigError("hybridflow sft needs data.train_files=... and model.path=...")
+        raise ConfigError("hybridflow sft needs data.train_files=... and model.path=... (veRL: model.partial_pretrain)")
+    from hybridflow.workers.engine_config import STRATEGIES
+
+    if cfg.model.strategy not in STRATEGIES:
+        raise ConfigError(f"model.strategy={cfg.model.strategy!r}: hybridflow's SFT trains with FSDP2 only "
+                          f"({' / '.join(STRATEGIES)}); remove the key or set it to fsdp2")
     return cfg
 
 
@@ -101,7 +121,9 @@ def run_sft(cfg: SFTConfig, *, eval_every: int = 0, stop_when=None) -> dict[str,
     d, t = cfg.data, cfg.trainer
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     train = SFTDataset(d.train_files, tokenizer, prompt_key=d.prompt_key, response_key=d.response_key,
-                       max_length=d.max_length)
+                       max_length=d.max_length, prompt_dict_keys=tuple(d.prompt_dict_keys),
+                       response_dict_keys=tuple(d.response_dict_keys),
+                       messages_key=d.multiturn.messages_key if d.multiturn.enable else None)
     world = t.nnodes * t.n_gpus_per_node
     if d.train_batch_size % world or (d.train_batch_size // world) % d.micro_batch_size_per_gpu:
         raise ConfigError(
@@ -129,7 +151,7 @@ def run_sft(cfg: SFTConfig, *, eval_every: int = 0, stop_when=None) -> dict[str,
     wg = WorkerGroup(resource_pool=pool, cls_with_init=ClassWithInitArgs(SFTWorker, engine_cfg), name_prefix="sft",
                      backend=t.backend, num_threads=threads)
     os.makedirs(t.default_local_dir, exist_ok=True)
-    tracker = Tracking(t.default_local_dir, list(t.logger), project="hybridflow-sft", experiment="sft")
+    tracker = Tracking(t.default_local_dir, list(t.logger), project=t.project_name, experiment=t.experiment_name)
     bar = ProgressBar(total, headline_keys=["train/nll"])
     rng = np.random.default_rng(d.seed)
     try:

@@ -70,9 +70,6 @@ PLANNED: dict[str, str] = {
     "actor_rollout_ref.rollout.enable_chunked_prefill": "chunked prefill (issue #21/#22)",
     "actor_rollout_ref.rollout.max_num_batched_tokens": "a prefill token budget (issue #21/#22)",
     "actor_rollout_ref.rollout.max_num_seqs": "a decode batch cap (issue #21/#22)",
-    "actor_rollout_ref.rollout.mode": "veRL's async server rollout mode (issue #19)",
-    "actor_rollout_ref.rollout.load_format": "skipping the rollout's own weight load (issue #21)",
-    "actor_rollout_ref.rollout.layered_summon": "layered FSDP weight gathering for sync (issue #20)",
     "actor_rollout_ref.rollout.multi_turn.": "multi-turn agent rollouts (issue #18)",
     "actor_rollout_ref.rollout.multi_stage_wake_up": "staged vLLM wake-up (issue #19)",
     "actor_rollout_ref.rollout.checkpoint_engine.": "bucketed weight streaming to a separate rollout (issue #19)",
@@ -81,26 +78,16 @@ PLANNED: dict[str, str] = {
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "Ulysses sequence parallelism (issue #20)",
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "Ulysses sequence parallelism (issue #20)",
     "critic.ulysses_sequence_parallel_size": "Ulysses sequence parallelism (issue #20)",
-    "actor_rollout_ref.actor.use_torch_compile": "a torch.compile'd training step (issue #22)",
-    "actor_rollout_ref.ref.use_torch_compile": "a torch.compile'd training step (issue #22)",
-    "actor_rollout_ref.model.use_fused_kernels": "fused log-prob kernels (issue #22)",
-    "actor_rollout_ref.model.fused_kernel_options.": "fused log-prob kernels (issue #22)",
     "actor_rollout_ref.model.lora_adapter_path": "starting LoRA RL from a saved PEFT adapter (issue #17)",
     "critic.model.lora_": "LoRA on the critic (issue #17); LoRA is on the actor (actor_rollout_ref.model.lora_rank)",
     "critic.model.target_modules": "LoRA on the critic (issue #17)",
     "model.lora_": "LoRA in SFT (issue #17)",
     "model.target_modules": "LoRA in SFT (issue #17)",
-    "actor_rollout_ref.model.override_config.": "model config overrides (issue #21)",
-    "actor_rollout_ref.model.trust_remote_code": "trust_remote_code model loading (issue #21)",
     "actor_rollout_ref.model.torch_dtype": "a model load dtype apart from fsdp_config.param_dtype (issue #21)",
-    "critic.model.trust_remote_code": "trust_remote_code model loading (issue #21)",
-    "data.trust_remote_code": "trust_remote_code tokenizer loading (issue #21)",
     "data.filter_overlong_prompts_workers": "parallel prompt filtering (issue #21)",
     "actor_rollout_ref.actor.checkpoint.": "choosing checkpoint contents (issue #21)",
     "actor_rollout_ref.actor.fsdp_config.": "this FSDP option (issue #21)",
     "actor_rollout_ref.ref.fsdp_config.": "this FSDP option (issue #21)",
-    "actor_rollout_ref.actor.entropy_from_logits_with_chunking": "always on here: entropy is computed in chunks",
-    "actor_rollout_ref.ref.entropy_from_logits_with_chunking": "always on here: entropy is computed in chunks",
     "actor_rollout_ref.actor.entropy_checkpointing": "entropy recomputation in backward (issue #22)",
     "actor_rollout_ref.actor.optim.lr_decay_style": "veRL Megatron's scheduler key; use optim.lr_scheduler_type",
     "actor_rollout_ref.ref.strategy": "the reference uses the actor's engine (FSDP2); remove the key",
@@ -108,16 +95,52 @@ PLANNED: dict[str, str] = {
     "algorithm.rollout_correction.": "rollout importance-sampling corrections (issue #19)",
     "reward_model.rollout.": "generative reward models (issue #21)",
     "reward_model.model.fsdp_config.": "the reward model runs unsharded, one copy per rank (issue #21)",
-    "data.prompt_dict_keys": "SFT's dict-valued prompt column (issue #21)",
-    "data.response_dict_keys": "SFT's dict-valued response column (issue #21)",
-    "data.multiturn.": "multi-turn SFT data (issue #18)",
-    "model.partial_pretrain": "SFT's model key (issue #21); use model.path",
-    "model.strategy": "SFT's strategy key; hybridflow's SFT uses FSDP2",
-    # SFT config keys of veRL's fsdp_sft_trainer that hybridflow's SFT schema does not have yet
-    "trainer.project_name": "SFT run naming (issue #21)",
-    "trainer.experiment_name": "SFT run naming (issue #21)",
-    "data.micro_batch_size": "veRL SFT's deprecated global micro-batch key (issue #21)",
 }
+
+
+# veRL's DAPO recipe (recipe/dapo/*.sh) and the vLLM engine knobs its scripts set
+ALIASES.update({
+    # the recipe's first scripts named the overlong buffer under custom_reward_function
+    "custom_reward_function.overlong_buffer.": "reward_model.overlong_buffer.",
+    "model.partial_pretrain": "model.path",  # veRL's SFT trainer names the model to fine-tune so
+})
+_VLLM_KNOB = (
+    "a vLLM engine option; the native engine has no such setting. With rollout.name=vllm pass it as "
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.{name}=VALUE"
+)
+_GLOBAL_MICRO = (
+    "veRL's deprecated global micro-batch key; use {per_gpu} (rows per forward on one rank)"
+)
+UNSUPPORTED.update({
+    "actor_rollout_ref.model.fused_kernel_options.": "hybridflow has one log-prob path (chunked rows from the "
+    "hidden states, use_fused_kernels=true always) and no kernel backends to choose; remove the key",
+    "actor_rollout_ref.rollout.enable_prefix_caching": _VLLM_KNOB.format(name="enable_prefix_caching")
+    + " (native already prefills each prompt once for its n samples)",
+    "actor_rollout_ref.rollout.max_model_len": _VLLM_KNOB.format(name="max_model_len")
+    + " (native sizes its cache from data.max_prompt_length + data.max_response_length)",
+    "actor_rollout_ref.rollout.quantization": _VLLM_KNOB.format(name="quantization")
+    + " (native on CPU: actor_rollout_ref.rollout.dtype=int8)",
+    "actor_rollout_ref.actor.ppo_micro_batch_size": _GLOBAL_MICRO.format(
+        per_gpu="actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size": _GLOBAL_MICRO.format(
+        per_gpu="actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": _GLOBAL_MICRO.format(
+        per_gpu="actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
+    "data.micro_batch_size": _GLOBAL_MICRO.format(per_gpu="data.micro_batch_size_per_gpu"),
+    # known to `hybridflow sft` (its schema takes them first); in an RL run they name no feature
+    "data.multiturn.": "data.multiturn.* is veRL's multi-turn SFT data, read by `hybridflow sft`; RL multi-turn "
+    "rollouts are actor_rollout_ref.rollout.multi_turn (issue #18)",
+    "actor_rollout_ref.actor.use_token_level_loss": "veRL's older switch; use actor_rollout_ref.actor.loss_agg_mode="
+    "token-mean (true) or seq-mean-token-mean (false)",
+    "trainer.dump_high_diff_tokens": "dumping tokens whose rollout and actor log-probs differ is not implemented; the "
+    "train-inference mismatch is logged as rollout/mismatch_* every step",
+    "trainer.dump_high_diff_dir": "dumping tokens whose rollout and actor log-probs differ is not implemented; the "
+    "train-inference mismatch is logged as rollout/mismatch_* every step",
+})
+PLANNED.update({
+    "actor_rollout_ref.ref.entropy_checkpointing": "entropy recomputation in backward (issue #22); the reference "
+    "computes no entropy here",
+})
 
 
 def alias_of(key: str) -> str | None:

@@ -1,0 +1,157 @@
+"""veRL's model-loading and engine switches, as far as hybridflow has the thing they switch.
+
+* ``actor_rollout_ref.model.override_config.*`` — attributes set on the transformers config of the actor, the
+  reference and the rollout (veRL sets them on the config before ``from_pretrained``). Here the driver writes a model
+  folder of its own, ``RUN_DIR/model_override/``: the overridden ``config.json`` beside links to every other file of
+  the model folder (weights, tokenizer), and every engine loads from it, so actor, reference and rollout (native,
+  hf or vllm) all see the same overridden config. An attribute the config does not have is an error, not a new key.
+* ``*.trust_remote_code`` — transformers would import Python code from the model folder (``auto_map``). hybridflow runs
+  only the architectures transformers (and its native engine) ship, so ``true`` is taken where the folder holds no
+  such code (loading is then the same with or without the flag, as in veRL) and refused where it does.
+* ``actor_rollout_ref.rollout.load_format`` — where the rollout's first weights come from. Every engine loads the
+  checkpoint at start (then the actor's weights are synced in before the first generation): ``auto`` / ``hf`` read
+  any transformers weights, ``safetensors`` requires ``*.safetensors`` files; veRL's ``dummy*`` (random init) is not
+  offered.
+* Switches whose one value is what hybridflow always does (the other value is refused with the reason):
+  ``rollout.layered_summon=true`` (weight sync gathers one tensor at a time, less than one layer),
+  ``model.use_fused_kernels=true`` and ``*.entropy_from_logits_with_chunking=true`` (log-probs and entropy come from
+  the hidden states of the response positions only, in chunks of rows: no [tokens, vocab] logits),
+  ``*.use_torch_compile=false`` (the training forward is eager), ``rollout.mode=sync`` (veRL's ``async`` serves vLLM
+  behind an agent loop; the step's samples are the same either way).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from typing import Any
+
+LOAD_FORMATS = ("auto", "hf", "safetensors")
+OVERRIDE_DIR = "model_override"  # inside the run folder (run_dir.py counts it as hybridflow's)
+
+
+def switch_errors(cfg: Any) -> list[str]:
+    """The switches of the module docstring set to a value hybridflow does not have, one message each."""
+    arr = cfg.actor_rollout_ref
+    errors = []
+    fixed = [
+        ("actor_rollout_ref.rollout.layered_summon", arr.rollout.layered_summon, True,
+         "weight sync always gathers the actor's parameters one full tensor at a time (less memory than a layer)"),
+        ("actor_rollout_ref.model.use_fused_kernels", arr.model.use_fused_kernels, True,
+         "log-probs and entropy always come from the response positions' hidden states in chunks of rows, never "
+         "from whole [tokens, vocab] logits; there is no unfused path"),
+        ("actor_rollout_ref.actor.entropy_from_logits_with_chunking", arr.actor.entropy_from_logits_with_chunking,
+         True, "entropy is always computed in chunks of rows"),
+        ("actor_rollout_ref.ref.entropy_from_logits_with_chunking", arr.ref.entropy_from_logits_with_chunking, True,
+         "entropy is always computed in chunks of rows"),
+        ("actor_rollout_ref.actor.use_torch_compile", arr.actor.use_torch_compile, False,
+         "the training forward runs eagerly: a torch.compile'd step is not offered (length-bucketed micro-batches "
+         "change shape every call)"),
+        ("actor_rollout_ref.ref.use_torch_compile", arr.ref.use_torch_compile, False,
+         "the reference forward runs eagerly: a torch.compile'd forward is not offered"),
+    ]
+    for key, value, only, why in fixed:
+        if value is not only:
+            errors.append(f"{key}={str(value).lower()}: {why}; remove the key or set it to {str(only).lower()}")
+    if arr.rollout.mode != "sync":
+        errors.append(
+            f"actor_rollout_ref.rollout.mode={arr.rollout.mode!r}: veRL's async mode serves vLLM behind an agent "
+            "loop (multi-turn rollouts), which hybridflow does not have; each batch is generated in-process with the "
+            "same samples as mode=sync (set sync or drop the key). To overlap generation with training use "
+            "trainer.rollout_mode=one_step_off or async"
+        )
+    if arr.rollout.load_format not in LOAD_FORMATS:
+        fix = ("random initial rollout weights are not offered: the engines load the checkpoint, then take the "
+               "actor's weights" if str(arr.rollout.load_format).startswith("dummy") else "")
+        errors.append(
+            f"actor_rollout_ref.rollout.load_format={arr.rollout.load_format!r}: choose one of {list(LOAD_FORMATS)}"
+            + (f" ({fix})" if fix else "")
+        )
+    return errors
+
+
+def _remote_code(folder: str, filename: str) -> bool:
+    try:
+        with open(os.path.join(folder, filename)) as f:
+            return bool(json.load(f).get("auto_map"))
+    except (OSError, ValueError):
+        return False
+
+
+def model_folder_errors(cfg: Any) -> list[str]:
+    """What the model folders cannot do for trust_remote_code, load_format and override_config (reads configs only)."""
+    arr = cfg.actor_rollout_ref
+    errors = []
+    actor_path = arr.model.path
+    folders = [("actor_rollout_ref.model", actor_path, arr.model.trust_remote_code, "config.json"),
+               ("data", actor_path, cfg.data.trust_remote_code, "tokenizer_config.json"),
+               ("critic.model", cfg.critic.model.path or actor_path, cfg.critic.model.trust_remote_code, "config.json"),
+               ("reward_model.model", cfg.reward_model.model.path, cfg.reward_model.model.trust_remote_code,
+                "config.json")]
+    for section, folder, trust, filename in folders:
+        if trust and folder and _remote_code(folder, filename):
+            errors.append(
+                f"{section}.trust_remote_code=true: {folder}/{filename} names Python code of its own (auto_map), "
+                "which hybridflow does not run; use a model of an architecture transformers ships"
+            )
+    if actor_path and arr.rollout.load_format == "safetensors" and not glob.glob(os.path.join(actor_path, "*.safetensors")):
+        errors.append(
+            f"actor_rollout_ref.rollout.load_format=safetensors: {actor_path} has no *.safetensors file; use "
+            "load_format=auto (any transformers weights) or save the model with safetensors"
+        )
+    if actor_path and arr.model.override_config:
+        try:
+            overridden_config(actor_path, dict(arr.model.override_config))
+        except (ValueError, OSError) as err:
+            errors.append(str(err))
+    return errors
+
+
+def overridden_config(model_path: str, overrides: dict[str, Any]):
+    """The model folder's transformers config with `overrides` set on it (nested dicts: sub-configs)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+
+    def apply(target: Any, values: dict[str, Any], prefix: str) -> None:
+        for key, value in values.items():
+            where = f"actor_rollout_ref.model.override_config.{prefix}{key}"
+            if not hasattr(target, key):
+                raise ValueError(
+                    f"{where}: the model's {type(target).__name__} has no attribute {key!r}; override_config sets "
+                    "attributes the config already has (see the model's config.json)"
+                )
+            current = getattr(target, key)
+            if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+                apply(current, value, f"{prefix}{key}.")
+            else:
+                setattr(target, key, value)
+
+    apply(config, overrides, "")
+    return config
+
+
+def write_override_folder(model_path: str, overrides: dict[str, Any], run_dir: str) -> str:
+    """RUN_DIR/model_override: the overridden config.json and links to every other file of `model_path`."""
+    out = os.path.join(run_dir, OVERRIDE_DIR)
+    config = overridden_config(model_path, overrides)
+    shutil.rmtree(out, ignore_errors=True)  # ours: written again at every start, from the current keys
+    os.makedirs(out)
+    for name in os.listdir(model_path):
+        if name != "config.json":
+            os.symlink(os.path.join(os.path.abspath(model_path), name), os.path.join(out, name))
+    config.save_pretrained(out)
+    return out
+
+
+def apply_model_overrides(cfg: Any, run_dir: str) -> None:
+    """With override_config set, point actor, reference and rollout at RUN_DIR/model_override (the critic keeps
+    the original folder: veRL's critic has an override_config of its own)."""
+    model = cfg.actor_rollout_ref.model
+    if not model.override_config:
+        return
+    if cfg.critic.model.path is None:
+        cfg.critic.model.path = model.path
+    model.path = write_override_folder(model.path, dict(model.override_config), run_dir)
