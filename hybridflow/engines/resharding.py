@@ -123,31 +123,38 @@ def resharded_parameters(named_params: Iterable[tuple[str, torch.Tensor]], piece
         def block_numel(dim: int, a: int, b: int, lo: int, hi: int, _row=row_size, _shape=shape) -> int:
             return (hi - lo) * (_row if dim == 0 else _row // _shape[dim] * (b - a))
 
-        # what this rank sends to each rank j: its rows of j's slice
+        # what this rank sends to each other rank j: its rows of j's slice (its own rows it copies, below)
         sends, send_sizes = [], []
         for j in range(world):
-            blocks = _blocks(pieces_of(name, tp_rank_of[j]), chunks[me], shape)
-            for dim, a, b, lo, hi in blocks:
-                rows = local.narrow(0, lo - chunks[me][0], hi - lo)
-                sends.append((rows if dim == 0 else rows.narrow(dim, a, b - a)).reshape(-1))
+            blocks = [] if j == me else _blocks(pieces_of(name, tp_rank_of[j]), chunks[me], shape)
+            sends += [_local_block(local, chunks[me][0], blk).reshape(-1) for blk in blocks]
             send_sizes.append(sum(block_numel(*blk) for blk in blocks))
         recv_plan = [_blocks(target, chunks[i], shape) for i in range(world)]
-        recv_sizes = [sum(block_numel(*blk) for blk in blocks) for blocks in recv_plan]
+        recv_sizes = [0 if i == me else sum(block_numel(*blk) for blk in blocks) for i, blocks in enumerate(recv_plan)]
         send = torch.cat(sends) if sends else local.new_empty(0)
         recv = local.new_empty(sum(recv_sizes))
         dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes)
-        part = _assemble(recv, recv_plan, recv_sizes, target, shape, local)
+        part = _assemble(recv, recv_plan, recv_sizes, target, shape, local, me, chunks[me][0])
         elem = local.element_size()
-        stats.bytes_sent += (sum(send_sizes) - send_sizes[me]) * elem
-        stats.bytes_received += (sum(recv_sizes) - recv_sizes[me]) * elem
+        stats.bytes_sent += sum(send_sizes) * elem
+        stats.bytes_received += sum(recv_sizes) * elem
         stats.peak_transient_bytes = max(stats.peak_transient_bytes, _nbytes(send) + _nbytes(recv) + _nbytes(part))
         yield _record(stats, name, part)
     stats.seconds = time.perf_counter() - stats._start
 
 
+def _local_block(local: torch.Tensor, first_row: int, block: tuple[int, int, int, int, int]) -> torch.Tensor:
+    """A view of block (dim, a, b, lo, hi) in a rank's row chunk `local` (whose first full-tensor row is first_row)."""
+    dim, a, b, lo, hi = block
+    rows = local.narrow(0, lo - first_row, hi - lo)
+    return rows if dim == 0 else rows.narrow(dim, a, b - a)
+
+
 def _assemble(recv: torch.Tensor, plan: list, sizes: list[int], target: Pieces, shape: torch.Size,
-              like: torch.Tensor) -> torch.Tensor:
-    """This rank's slice from the flat blocks `recv` (source i's blocks at offset sum(sizes[:i]), in plan[i]'s order)."""
+              local: torch.Tensor, me: int, first_row: int) -> torch.Tensor:
+    """This rank's slice: source i's blocks from the flat `recv` (at offset sum(sizes[:i]), in plan[i]'s order), its
+    own blocks straight from its shard `local`."""
+    like = local
     dim, ranges = (0, [(0, shape[0])]) if target is None else target
     out_shape = list(shape)
     out_shape[dim] = sum(b - a for a, b in ranges)
@@ -163,6 +170,9 @@ def _assemble(recv: torch.Tensor, plan: list, sizes: list[int], target: Pieces, 
                 dest = out.narrow(0, starts[(a, b)] + lo - a, hi - lo)
             else:
                 dest = out.narrow(0, lo, hi - lo).narrow(d, starts[(a, b)], b - a)
+            if i == me:
+                dest.copy_(_local_block(local, first_row, (d, a, b, lo, hi)))
+                continue
             dest.copy_(recv[pos : pos + dest.numel()].view(dest.shape))
             pos += dest.numel()
         offset += sizes[i]
