@@ -23,13 +23,21 @@ def prompts(rows: int = 5, length: int = 7) -> DataProto:
                                 "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)})
 
 
-@pytest.fixture(scope="module")
-def group(ray_session, tiny_model_path):
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks_odd_vocab"])
+def group(request, ray_session, tiny_model_path, tmp_path_factory):
+    """2 ranks: one TP-2 group over 2 FSDP2 shards. 4 ranks: two TP-2 groups over 4 shards, with a vocabulary of
+    289 rows (uneven FSDP2 chunks 73/73/73/70 and an uneven vocabulary split 145/144)."""
+    from hybridflow.engines.tiny import TinyModelSpec, write_tiny_model
+
+    world = request.param
+    path = tiny_model_path
+    if world == 4:
+        path = write_tiny_model(tmp_path_factory.mktemp("odd_vocab"), TinyModelSpec(vocab_size=289), seed=0)
     ship_by_value()
-    wg = WorkerGroup(ResourcePool([2], num_cpus_per_process=0.5, name="tp_rollout"), ClassWithInitArgs(TPCheckWorker),
-                     name_prefix="tprl", num_threads=1)
-    info = wg.setup(tiny_model_path, 2)
-    assert info[0]["sharded_params"] == info[0]["params"]  # the actor really is FSDP2-sharded over the 2 ranks
+    wg = WorkerGroup(ResourcePool([world], num_cpus_per_process=0.5, name=f"tp_rollout{world}"),
+                     ClassWithInitArgs(TPCheckWorker), name_prefix=f"tprl{world}", num_threads=1)
+    info = wg.setup(path, 2)
+    assert info[0]["sharded_params"] == info[0]["params"]  # the actor really is FSDP2-sharded over the ranks
     yield wg
     wg.shutdown()
 
@@ -38,8 +46,10 @@ def check_tp_matches_tp1_and_actor(wg) -> None:
     batch = prompts()
     for greedy in (True, False):
         tp1, tp2 = wg.generate(batch, 1, greedy), wg.generate(batch, 2, greedy)
-        # both TP ranks produced the same rows (one random stream per group, tokens broadcast from TP rank 0)
-        assert torch.equal(tp2[0].batch["responses"], tp2[1].batch["responses"])
+        # every TP rank produced the same rows (one random stream per group, tokens broadcast from TP rank 0), and
+        # so did every group (the same prompts and seed here)
+        for other in tp2[1:]:
+            assert torch.equal(tp2[0].batch["responses"], other.batch["responses"])
         assert torch.equal(tp1[0].batch["responses"], tp2[0].batch["responses"]), f"greedy={greedy}"
         assert torch.allclose(tp1[0].batch["rollout_log_probs"], tp2[0].batch["rollout_log_probs"], atol=1e-5)
         out = tp2[0]
