@@ -78,8 +78,13 @@ def test_tp2_rollout_matches_tp1_and_the_actor_after_each_resharded_sync(group):
         assert r["peak_transient_bytes"] <= f["peak_transient_bytes"] * 2
 
 
-def test_grpo_steps_with_tp2_rollout_and_fsdp2_training(ray_session, arithmetic_files, tiny_model_path, tmp_path):
-    """The main job: 2 ranks train with FSDP2 and generate as one TP-2 group (one chunk, rank 0's rows)."""
+@pytest.mark.parametrize("placement", [
+    ("trainer.n_gpus_per_node=2",),  # hybrid engine: the actor's 2 FSDP2 ranks generate as one TP-2 group
+    # a rollout group of its own (2 ranks, one TP-2 group) fed full tensors by a 1-rank actor: each keeps its slice
+    ("actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.n_gpus_per_node=2"),
+], ids=["hybrid_fsdp2", "separate_rollout_group"])
+def test_grpo_steps_with_tp2_rollout(ray_session, arithmetic_files, tiny_model_path, tmp_path, placement):
+    """The main job with a TP-2 rollout: one chunk per TP group, rows from its TP rank 0, exact log-probs."""
     import json
 
     from e2e_helpers import tiny_run_overrides
@@ -89,7 +94,7 @@ def test_grpo_steps_with_tp2_rollout_and_fsdp2_training(ray_session, arithmetic_
 
     run_dir = str(tmp_path / "run")
     cfg = load_config(tiny_run_overrides(arithmetic_files, tiny_model_path, run_dir, "trainer.backend=ray",
-                                         "trainer.n_gpus_per_node=2", "trainer.total_training_steps=3",
+                                         *placement, "trainer.total_training_steps=3",
                                          "actor_rollout_ref.rollout.tensor_model_parallel_size=2"))
     assert run_training(cfg, progress=False).global_step == 3
     rows = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
