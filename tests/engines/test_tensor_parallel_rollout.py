@@ -63,6 +63,10 @@ def check_tp_matches_tp1_and_actor(wg) -> None:
 
 def test_tp2_rollout_matches_tp1_and_the_actor_after_each_resharded_sync(group):
     wg = group
+    # before any sync: the fixed-shape TP step decodes what the eager TP-1 loop decodes
+    batch = prompts()
+    static, eager = wg.generate(batch, "static", True)[0], wg.generate(batch, 1, True)[0]
+    assert torch.equal(static.batch["responses"], eager.batch["responses"])
     stats = wg.sync(2)  # start from the actor's weights (the engines loaded the checkpoint: the same values)
     check_tp_matches_tp1_and_actor(wg)
     for seed in (5, 6):  # two updates, each followed by a resharded sync

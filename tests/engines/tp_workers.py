@@ -29,12 +29,14 @@ class TPCheckWorker(Worker):
         torch.manual_seed(0)
         self.actor = FSDPEngine(EngineConfig(model_path=model_path, micro_batch_size_per_gpu=8))
         self.rollouts = {1: NativeRollout(model_path, decode="eager"),
-                         tp: NativeRollout(model_path, decode="eager", tensor_parallel_size=tp)}
+                         tp: NativeRollout(model_path, decode="eager", tensor_parallel_size=tp),
+                         # the fixed-shape decode step (CUDA graphs' path, uncaptured), loaded from the checkpoint
+                         "static": NativeRollout(model_path, decode="static", tensor_parallel_size=tp)}
         sharded = sum(hasattr(p, "to_local") for p in self.actor.model.parameters())
         return {"sharded_params": sharded, "params": len(list(self.actor.model.parameters()))}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def generate(self, prompts: DataProto, tp: int, greedy: bool) -> DataProto:
+    def generate(self, prompts: DataProto, tp: int | str, greedy: bool) -> DataProto:
         params = SamplingParams(greedy=greedy, temperature=0.9, top_k=50, n=2, max_new_tokens=12, seed=11)
         return self.rollouts[tp].generate(prompts, params)
 
