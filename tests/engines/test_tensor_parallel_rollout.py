@@ -86,7 +86,9 @@ def test_tp2_rollout_matches_tp1_and_the_actor_after_each_resharded_sync(group):
     ("trainer.n_gpus_per_node=2",),  # hybrid engine: the actor's 2 FSDP2 ranks generate as one TP-2 group
     # a rollout group of its own (2 ranks, one TP-2 group) fed full tensors by a 1-rank actor: each keeps its slice
     ("actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.n_gpus_per_node=2"),
-], ids=["hybrid_fsdp2", "separate_rollout_group"])
+    # LoRA: the merged weights W + (alpha/r) B A are gathered whole (lora.py) and each TP rank keeps its slice
+    ("trainer.n_gpus_per_node=2", "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8"),
+], ids=["hybrid_fsdp2", "separate_rollout_group", "hybrid_lora"])
 def test_grpo_steps_with_tp2_rollout(ray_session, arithmetic_files, tiny_model_path, tmp_path, placement):
     """The main job with a TP-2 rollout: one chunk per TP group, rows from its TP rank 0, exact log-probs."""
     import json
