@@ -196,11 +196,12 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self, version: int | None = None) -> float:
-        """Hybrid engine: gather the actor's FSDP2 shards one tensor at a time into the rollout engine."""
+        """Hybrid engine: the actor's FSDP2 shards into the rollout engine, one tensor at a time (full tensors; a
+        tensor-parallel native rollout receives only its slice of each, engines/resharding.py)."""
         start = time.perf_counter()
         if getattr(self.rollout, "tensor_parallel", None) is not None and self.actor.peft_model is None:
             # each rank receives only its TP slice of each tensor, straight from the FSDP2 shards
-            self.last_sync_stats = sync_tensor_parallel(self.actor.model, self.rollout)
+            sync_tensor_parallel(self.actor.model, self.rollout)
         else:
             self.rollout.update_weights(self.actor.named_full_parameters())
         if version is not None:
