@@ -38,12 +38,23 @@ def git_commit() -> dict:
     return {"commit": git("rev-parse", "HEAD"), "short": git("rev-parse", "--short", "HEAD"), "dirty": bool(status)}
 
 
+def cpu_flags() -> list[str]:
+    """The vector-ISA flags of this CPU that decide matmul speed (avx2, avx512*, amx*), from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((x for x in f if x.startswith("flags")), "")
+    except OSError:
+        return []
+    return sorted({x for x in line.split(":", 1)[-1].split() if x.startswith(("avx", "amx", "fma"))})
+
+
 def machine_info() -> dict:
     import psutil
 
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_flags": cpu_flags(),
         "cpu_count": os.cpu_count(),
         "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "load_average_at_start": [round(x, 2) for x in _LOAD_AT_START],

@@ -170,7 +170,7 @@ class RolloutConfig:
     enforce_eager: bool | None = None
     free_cache_engine: bool | None = None
     gpu_memory_utilization: float | None = None  # vllm on GPUs
-    tensor_model_parallel_size: int = 1  # veRL's key; 1 only for now (tensor-parallel rollout: issue #20)
+    tensor_model_parallel_size: int = 1  # ranks per tensor-parallel rollout group (native: tensor_parallel.py)
     calculate_log_probs: bool = True  # False: generated rows carry no rollout_log_probs (no mismatch metrics)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     # Options for the engine's constructor: ``engine_kwargs.<option>`` for the chosen engine, or veRL's
@@ -471,6 +471,7 @@ def validate_config(cfg: HybridFlowConfig) -> None:
     from hybridflow.algorithms.objective import check_loss_agg_mode
     from hybridflow.algorithms.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
     from hybridflow.engines.rollout.registry import rollout_config_errors
+    from hybridflow.trainer.parallel_checks import layout_errors
     from hybridflow.trainer.rollout_checks import placement_errors, rollout_correction_errors
     from hybridflow.workers.actor_rollout_ref import actor_loss_config
     from hybridflow.workers.engine_config import STRATEGIES, lora_settings
@@ -516,12 +517,7 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         )
     if t.placement not in ("colocate", "split"):
         errors.append(f"trainer.placement={t.placement!r}: choose 'colocate' or 'split'")
-    if rollout.tensor_model_parallel_size != 1:
-        errors.append(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: "
-            "tensor-parallel rollout is not in hybridflow yet (issue #20); set it to 1 (each rank generates with "
-            "the whole model)"
-        )
+    errors += layout_errors(cfg)  # tensor-parallel sizes against the rank counts (parallel_checks.py)
     if rollout.gpu_memory_utilization is not None and not 0 < rollout.gpu_memory_utilization <= 1:
         errors.append(
             f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]"

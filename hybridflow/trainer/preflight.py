@@ -22,6 +22,7 @@ def preflight_errors(cfg: Any, *, train_ds: Any = None, val_ds: Any = None,
         if ds is not None:
             errors += _scorer_errors(cfg, ds)
     errors += _device_errors(cfg, cluster_resources)
+    errors += _model_layout_errors(cfg)
     if cluster_resources is not None:
         errors += _cluster_errors(cfg, cluster_resources)
     else:
@@ -44,6 +45,13 @@ def _rollout_model_errors(cfg: Any) -> list[str]:
     except (ValueError, ImportError):
         return []  # validate_config names it
     return [f"actor_rollout_ref.rollout.name={cfg.actor_rollout_ref.rollout.name}: {m}" for m in engine.model_errors(path)]
+
+
+def _model_layout_errors(cfg: Any) -> list[str]:
+    """The model's heads / KV heads / MLP width against the rollout's tensor-parallel size (parallel_checks.py)."""
+    from hybridflow.trainer.parallel_checks import model_layout_errors
+
+    return model_layout_errors(cfg)
 
 
 def _estimator_errors(cfg: Any) -> list[str]:

@@ -32,6 +32,7 @@ from hybridflow.common.metrics import measure_peak_flops, reduce_metrics
 from hybridflow.common.seeds import derive_seed
 from hybridflow.engines.fsdp_engine import FSDPEngine
 from hybridflow.engines.mismatch import logprob_mismatch
+from hybridflow.engines.resharding import sync_tensor_parallel
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.engines.rollout.layout import pad_responses
 from hybridflow.engines.rollout.registry import rollout_engine_kwargs
@@ -145,6 +146,10 @@ class ActorRolloutRefWorker(Worker):
                 # LoRA in the hybrid engine with vLLM: vLLM applies the adapter itself, syncs send only the adapter
                 **({"lora_rank": int(arr.model.lora_rank)} if self._adapter_sync_wanted() else {}),
             )
+            # tensor-parallel rollout: consecutive ranks form a TP group; each group gets one chunk of the prompts
+            # and its TP rank 0 returns the rows (generate_sequences' mesh_name="rollout")
+            t = int(r.tensor_model_parallel_size)
+            self.register_dp_mesh("rollout", self.rank // t, self.world_size // t, self.rank % t == 0)
         info = {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads()}
         if self.actor is not None and self.actor.device.type == "cpu":
             # This rank's own matmul peak at its thread count, measured where the training runs (the driver's
@@ -153,12 +158,12 @@ class ActorRolloutRefWorker(Worker):
         return info
 
     # ------------------------------------------------------------------ rollout
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh_name="rollout")
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Prompts [B, P] -> B * n responses; meta_info carries the sampling parameters and the step's seed."""
         return self._generate(prompts)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, mesh_name="rollout", blocking=False)
     def generate_sequences_async(self, prompts: DataProto) -> DataProto:
         """generate_sequences as a non-blocking group call (a DataProtoFuture): the separate rollout group generates
         while the driver goes on with the actor (trainer.rollout_mode=one_step_off / async)."""
@@ -175,7 +180,8 @@ class ActorRolloutRefWorker(Worker):
             n=m.get("n", 1),
             max_new_tokens=m["max_new_tokens"],
             stop_token_ids=list(m.get("stop_token_ids", [])),
-            seed=derive_seed(m.get("seed", 0), self.rank),
+            # one random stream per TP group (its data-parallel rank): every TP rank samples the same tokens
+            seed=derive_seed(m.get("seed", 0), self.get_dp_mesh("rollout").dp_rank),
         )
         if not self.weights_valid:
             raise RuntimeError(
@@ -210,9 +216,14 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self, version: int | None = None) -> float:
-        """Hybrid engine: gather the actor's FSDP2 shards one tensor at a time into the rollout engine."""
+        """Hybrid engine: the actor's FSDP2 shards into the rollout engine, one tensor at a time (full tensors; a
+        tensor-parallel native rollout receives only its slice of each, engines/resharding.py)."""
         start = time.perf_counter()
-        self._push_to_rollout()
+        if getattr(self.rollout, "tensor_parallel", None) is not None and self.actor.peft_model is None:
+            # each rank receives only its TP slice of each tensor, straight from the FSDP2 shards
+            sync_tensor_parallel(self.actor.model, self.rollout)
+        else:
+            self._push_to_rollout()
         if version is not None:
             self.policy_version = int(version)
         return time.perf_counter() - start

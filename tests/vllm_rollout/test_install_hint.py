@@ -35,3 +35,15 @@ def test_verl_switches_reach_vllm():
     ]).actor_rollout_ref.rollout
     assert rollout_engine_kwargs(rollout) == {"enforce_eager": False, "gpu_memory_utilization": 0.6,
                                               "enable_sleep_mode": True}
+
+
+def test_tensor_parallel_size_reaches_vllm():
+    """rollout.tensor_model_parallel_size becomes vLLM's tensor_parallel_size, on the workers' own torch.distributed
+    world (every TP rank runs the engine in its worker process: vLLM's external launcher)."""
+    from hybridflow.engines.rollout.registry import rollout_engine_kwargs
+    from hybridflow.trainer.config import load_config
+
+    rollout = load_config(["actor_rollout_ref.rollout.name=vllm", "trainer.n_gpus_per_node=2",
+                           "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]).actor_rollout_ref.rollout
+    assert rollout_engine_kwargs(rollout) == {"tensor_parallel_size": 2,
+                                              "distributed_executor_backend": "external_launcher"}

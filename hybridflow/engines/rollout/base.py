@@ -76,6 +76,9 @@ class RolloutEngine(ABC):
     # False for an engine that cannot take new weights (a frozen server, say): config validation refuses to train
     # with it, since the policy being trained would never be the one sampling.
     SUPPORTS_WEIGHT_UPDATES: bool = True
+    # True for an engine that splits the model over actor_rollout_ref.rollout.tensor_model_parallel_size ranks
+    # (each rank of a TP group gets the same prompts; the worker returns TP rank 0's results)
+    TENSOR_PARALLEL: bool = False
 
     @classmethod
     def options_from_config(cls, rollout: Any) -> dict[str, Any]:
@@ -110,6 +113,13 @@ class RolloutEngine(ABC):
                     f"actor_rollout_ref.rollout.{switch} has no effect with {where}; remove it (it applies to "
                     f"{'vllm' if switch == 'gpu_memory_utilization' else 'native and vllm'})"
                 )
+        tp = getattr(rollout, "tensor_model_parallel_size", 1)
+        if tp != 1 and not cls.TENSOR_PARALLEL:
+            errors.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: {where} does not split the "
+                          "model over ranks; set it to 1, or use rollout.name=native (or vllm on GPUs)")
+        if "tensor_parallel_size" in dict(getattr(rollout, "engine_kwargs", {}) or {}):
+            errors.append("actor_rollout_ref.rollout.engine_kwargs.tensor_parallel_size: set "
+                          "actor_rollout_ref.rollout.tensor_model_parallel_size instead (the workers' layout follows it)")
         accepted = cls.accepted_options()
         if accepted is not None:
             from hybridflow.engines.rollout.registry import rollout_engine_kwargs

@@ -79,7 +79,7 @@ class NativeDecoder:
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device, max_positions: int, int8: bool = False,
                  prepack: bool | None = None):
-        self.shape = s = resolve(config)
+        self.shape = s = self._resolve_shape(config)
         self.spec = s.spec
         if prepack is None:  # auto: where it was measured to pay (onednn_linear.MIN_PACKED_WIDTH)
             prepack = s.hidden_size >= MIN_PACKED_WIDTH
@@ -132,6 +132,10 @@ class NativeDecoder:
             self.layers.append(layer)
         self.rope = rotary_tables(config, {layer.rope for layer in s.layers}, s.head_dim, max_positions, dtype, device)
         self.max_positions = max_positions if self.rope.limit is None else min(max_positions, self.rope.limit)
+
+    def _resolve_shape(self, config) -> DecoderShape:
+        """The shape the tensors are allocated for; a tensor-parallel rank's is its slice (tensor_parallel.py)."""
+        return resolve(config)
 
     # ------------------------------------------------------------------ weights
     def expected_names(self) -> set[str]:
@@ -281,6 +285,10 @@ class NativeDecoder:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [..., hidden] (a tensor-parallel rank holds a vocabulary slice: tensor_parallel.py)."""
+        return F.embedding(tokens, self.embed)
+
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         """Embed tokens [...] at positions [...] and run every layer; returns the last hidden states [..., hidden].
 
@@ -289,7 +297,7 @@ class NativeDecoder:
         """
         s, spec = self.shape, self.spec
         lead = tokens.shape
-        x = F.embedding(tokens, self.embed)
+        x = self._embed(tokens)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         tables = {key: (cos[positions].unsqueeze(-2), self.rope.sin[key][positions].unsqueeze(-2))

@@ -37,6 +37,7 @@ from hybridflow.engines.rollout.moe import RouteRecorder
 from hybridflow.engines.rollout.native_model import NativeDecoder
 from hybridflow.engines.rollout.sampling import row_keys, sample_tokens
 from hybridflow.engines.rollout.static_decode import DECODE_MODES, GraphDecoder
+from hybridflow.engines.rollout.tensor_parallel import TensorParallelDecoder, same_tokens, tp_group_of
 from hybridflow.protocol import DataProto
 
 __all__ = ["NativeRollout", "resolve_dtype"]
@@ -69,6 +70,7 @@ class NativeRollout(RolloutEngine):
 
     DTYPES = ("fp32", "bf16", "int8")
     SWITCHES = ("enforce_eager", "free_cache_engine")
+    TENSOR_PARALLEL = True  # tensor_parallel.py
 
     @classmethod
     def model_errors(cls, model_path: str) -> list[str]:
@@ -90,6 +92,8 @@ class NativeRollout(RolloutEngine):
             kwargs["decode"] = "eager" if rollout.enforce_eager else "auto"
         if rollout.free_cache_engine is not None:
             kwargs["free_cache_engine"] = bool(rollout.free_cache_engine)
+        if rollout.tensor_model_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = int(rollout.tensor_model_parallel_size)
         return kwargs
 
     def __init__(
@@ -105,6 +109,7 @@ class NativeRollout(RolloutEngine):
         decode: str = "auto",
         free_cache_engine: bool = False,
         record_routes: bool = False,
+        tensor_parallel_size: int = 1,
     ):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -127,9 +132,15 @@ class NativeRollout(RolloutEngine):
         self._seed_source = torch.Generator().manual_seed(int(seed))
         # prepack: on CPU in fp32, matmul weights in oneDNN's packed layout (onednn_linear.py); False: plain F.linear;
         # None: packed from hidden size 256 up (where it was measured to pay)
-        self.model = NativeDecoder(
-            self.config, self.dtype, self.device, self.max_model_len, int8=self.int8, prepack=prepack
-        )
+        # tensor_parallel_size > 1: this rank holds its TP slice of every weight (tensor_parallel.py)
+        self.tensor_parallel = tp_group_of(tensor_parallel_size) if tensor_parallel_size > 1 else None
+        if self.tensor_parallel is None:
+            self.model = NativeDecoder(
+                self.config, self.dtype, self.device, self.max_model_len, int8=self.int8, prepack=prepack
+            )
+        else:
+            self.model = TensorParallelDecoder(self.config, self.dtype, self.device, self.max_model_len,
+                                               tp=self.tensor_parallel, int8=self.int8, prepack=prepack)
         if self.model.max_positions < self.max_model_len:  # longrope: its short factors only (rope.py)
             logger.warning("native rollout: %s's rope switches factors past %d positions; generating within "
                            "max_model_len=%d instead of %d", self.config.model_type, self.model.max_positions,
@@ -140,6 +151,10 @@ class NativeRollout(RolloutEngine):
             raise ValueError(f"native rollout: decode={decode!r}; choose one of {list(DECODE_MODES)}")
         if decode == "auto":  # MoE expert dispatch has data-dependent shapes, which a CUDA graph cannot replay
             decode = "cuda_graph" if self.device.type == "cuda" and not self.model.shape.moe else "eager"
+            decode = "eager" if self.tensor_parallel is not None else decode  # TP collectives are not captured
+        if decode == "cuda_graph" and self.tensor_parallel is not None:
+            raise ValueError("native rollout: decode='cuda_graph' does not capture the tensor-parallel collectives; "
+                             "use decode='eager' (actor_rollout_ref.rollout.enforce_eager=true)")
         if decode == "cuda_graph" and self.model.shape.moe:
             raise ValueError("native rollout: decode='cuda_graph' cannot capture the expert dispatch of a "
                              f"{self.config.model_type} checkpoint (data-dependent group sizes); use decode='eager' "
@@ -164,6 +179,11 @@ class NativeRollout(RolloutEngine):
         """Copy HF-named full tensors (any device/dtype) into the fused weights, one at a time."""
         for name, tensor in named_tensors:
             self.model.load(name, tensor)
+
+    def update_weight_slices(self, named_slices: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Tensor parallel: this rank's slices of HF-named tensors (TensorParallelDecoder.tp_pieces), one at a time."""
+        for name, part in named_slices:
+            self.model.load_slice(name, part)
 
     def release_memory(self) -> None:
         # Eager decoding: the KV cache lives only inside generate(); give the allocator's cached blocks back.
@@ -234,10 +254,10 @@ class NativeRollout(RolloutEngine):
             result.batch["routed_experts"] = recorded.masked_fill(~mask.bool()[:, :, None, None], -1)
         return result
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor | None, step: int):
-        return sample_tokens(logits, greedy=params.greedy, temperature=params.temperature, top_k=params.top_k,
-                             top_p=params.top_p, keys=keys, step=step)
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor | None, step: int):
+        tokens, log_probs = sample_tokens(logits, greedy=params.greedy, temperature=params.temperature,
+                                          top_k=params.top_k, top_p=params.top_p, keys=keys, step=step)
+        return same_tokens(tokens, self.tensor_parallel), log_probs
 
 
 class _Responses:

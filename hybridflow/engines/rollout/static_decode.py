@@ -105,7 +105,8 @@ class GraphDecoder:
             tokens=torch.zeros(rows, dtype=torch.long, device=device),
             positions=torch.zeros(rows, dtype=torch.long, device=device),
             column=torch.zeros(1, dtype=torch.long, device=device),
-            logits=torch.zeros(rows, s.vocab_size, dtype=torch.float32, device=device),
+            # a tensor-parallel decoder's shape holds its vocabulary slice; its logits are the full vocabulary
+            logits=torch.zeros(rows, getattr(m, "full_shape", s).vocab_size, dtype=torch.float32, device=device),
         )
 
     def prompt_writer(self, buffers: StepBuffers, prompt_mask: torch.Tensor, n: int) -> _PromptWriter:

@@ -156,6 +156,7 @@ class VLLMRollout(RolloutEngine):
     name = "vllm"
     DTYPES = ("fp32", "bf16", "fp16")
     SWITCHES = ("enforce_eager", "free_cache_engine", "gpu_memory_utilization")
+    TENSOR_PARALLEL = True
 
     @classmethod
     def options_from_config(cls, rollout: Any) -> dict[str, Any]:
@@ -168,6 +169,11 @@ class VLLMRollout(RolloutEngine):
             kwargs["gpu_memory_utilization"] = float(rollout.gpu_memory_utilization)
         if rollout.free_cache_engine is not None:
             kwargs["enable_sleep_mode"] = bool(rollout.free_cache_engine)
+        if rollout.tensor_model_parallel_size > 1:
+            # every rank of a TP group builds the engine in its own worker process, on the ranks' torch.distributed
+            # world (vLLM's external launcher), and gets the same prompts; the worker returns TP rank 0's rows
+            kwargs["tensor_parallel_size"] = int(rollout.tensor_model_parallel_size)
+            kwargs["distributed_executor_backend"] = "external_launcher"
         return kwargs
 
     def __init__(

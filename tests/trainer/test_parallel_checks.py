@@ -1,0 +1,43 @@
+"""Start-up errors of the tensor-parallel layout: each names the numbers to change (config.py + preflight.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridflow.trainer.config import ConfigError, load_config
+from hybridflow.trainer.preflight import preflight_errors
+
+TP = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ([f"{TP}=2", "trainer.n_gpus_per_node=3"], r"=2 does not divide the 3 rollout ranks \(trainer.nnodes\*trainer"),
+    ([f"{TP}=4", "trainer.nnodes=2", "trainer.n_gpus_per_node=2"], r"=4 is larger than the 2 ranks of one node"),
+    ([f"{TP}=0"], r"=0 must be >= 1"),
+    ([f"{TP}=2", "actor_rollout_ref.hybrid_engine=false", "trainer.backend=ray",
+      "actor_rollout_ref.rollout.n_gpus_per_node=3"], r"does not divide the 3 rollout ranks \(actor_rollout_ref.rollout"),
+    ([f"{TP}=2", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.name=hf"], r"hf does not split the model"),
+])
+def test_layout_errors_name_the_numbers(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides)
+
+
+def test_a_layout_that_fits_is_taken():
+    cfg = load_config([f"{TP}=2", "trainer.n_gpus_per_node=2"])
+    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+
+
+@pytest.mark.parametrize("tp, match", [
+    (3, r"num_attention_heads=4 does not split over 3 tensor-parallel ranks"),
+    (4, r"num_key_value_heads=2 does not split over 4 tensor-parallel ranks"),
+])
+def test_heads_that_do_not_split_are_a_preflight_error(tiny_model_path, tp, match):
+    batch = ["data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=12",
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]  # splits over 3 and 4 ranks
+    cfg = load_config([f"{TP}={tp}", f"trainer.n_gpus_per_node={tp}", f"actor_rollout_ref.model.path={tiny_model_path}",
+                       *batch])
+    errors = preflight_errors(cfg)
+    assert any(__import__("re").search(match, e) for e in errors), errors
+    fits = load_config([f"{TP}=2", "trainer.n_gpus_per_node=2", f"actor_rollout_ref.model.path={tiny_model_path}"])
+    assert not [e for e in preflight_errors(fits) if "tensor-parallel" in e]
