@@ -104,7 +104,8 @@ class SessionEngine:
             raise ValueError(f"native sessions: max_cached_tokens must be >= 1 or None, got {max_cached_tokens}")
         self.engine, self.model = engine, engine.model
         self.max_batch_size, self.max_cached_tokens = int(max_batch_size), max_cached_tokens
-        self.stop_token_ids = frozenset(int(t) for t in (stop_token_ids or engine.eos_token_ids))
+        stops = engine.eos_token_ids if stop_token_ids is None else stop_token_ids
+        self.stop_token_ids = frozenset(int(t) for t in stops)
         self.cache = BatchCache(self.model)
         self.rows: list[_Row] = []
         self.waiting: deque[TurnRequest] = deque()
