@@ -94,7 +94,10 @@ class RolloutEngineGenerator:
         """The episode is over: free its K/V (thread-safe; a no-op without sessions)."""
         if self.sessions is not None:
             with self._lock:
-                self._inbox.append(("end", session))
+                if self._serving:  # the serving thread owns the sessions: it applies this before its next step
+                    self._inbox.append(("end", session))
+                else:
+                    self.sessions.end_session(session)
 
     async def generate(self, prompt_token_ids: list[int], max_new_tokens: int, sampling: SamplingParams,
                        session: Hashable | None = None) -> Generation:

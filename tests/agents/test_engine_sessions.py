@@ -1,0 +1,43 @@
+"""The agent loop over the native engine's sessions (K/V kept between turns): the same episodes as the HFGenerator
+reference (greedy, and sampled: the same per-turn random streams), rollout log-probs equal to the training engine's
+one forward over the final trajectories (fp32, 1e-5), and every episode's K/V freed when it ends."""
+
+from __future__ import annotations
+
+import pytest
+from agent_helpers import Countdown
+
+from hybridflow.agents import AgentLoop, AgentLoopConfig, HFGenerator, collate_episodes
+from hybridflow.agents.engine_generator import RolloutEngineGenerator
+from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine, OptimConfig
+from hybridflow.engines.mismatch import logprob_mismatch
+from hybridflow.engines.rollout.base import SamplingParams
+from hybridflow.engines.rollout.registry import create_rollout_engine
+
+CFG = AgentLoopConfig(max_tokens_per_turn=10, max_response_tokens=150, max_assistant_turns=4, seed=3)
+ROWS = [{"prompt": [{"role": "user", "content": f"Count {i}."}], "start": i} for i in range(4)]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(greedy=True), SamplingParams(temperature=0.8, top_k=30,
+                                                                                 top_p=0.95, seed=7)],
+                         ids=["greedy", "sampled"])
+def test_kept_kv_episodes_equal_the_reference_and_log_probs_the_training_engine(tiny_lm, tiny_model_path, sampling):
+    model, tok = tiny_lm
+    engine = create_rollout_engine("native", tiny_model_path, dtype="fp32", seed=0, num_threads=1)
+    gen = RolloutEngineGenerator(engine, max_cached_tokens=4096)
+    episodes = AgentLoop(gen, tok, CFG, env_factory=Countdown).run_sync(ROWS, sampling)
+    reference = AgentLoop(HFGenerator(model, [tok.eos_token_id]), tok, CFG, env_factory=Countdown).run_sync(
+        ROWS, sampling)
+    assert [e.trajectory.context_ids() for e in episodes] == [e.trajectory.context_ids() for e in reference]
+    assert all(e.trajectory.num_assistant_turns > 1 for e in episodes)
+    stats = gen.stats
+    assert stats["reused_tokens"] > stats["prefill_tokens"] and stats["max_running_rows"] > 1, stats
+    assert gen.sessions.memory()["parked_sessions"] == 0  # end_session freed every episode's K/V
+
+    batch = collate_episodes(episodes, engine.pad_token_id)
+    train = FSDPEngine(EngineConfig(model_path=tiny_model_path, role="ref", optim=OptimConfig(lr=1e-3),
+                                    micro_batch_size_per_gpu=4))
+    temperature = 1.0 if sampling.greedy else sampling.temperature
+    log_probs = train.compute_log_prob(batch, temperature=temperature)["log_probs"]
+    mismatch = logprob_mismatch(batch.batch["rollout_log_probs"], log_probs, batch.batch["response_mask"])
+    assert mismatch["mismatch/max_abs"] <= 1e-5, mismatch
