@@ -47,7 +47,23 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "load_average_at_start": [round(x, 2) for x in _LOAD_AT_START],
+        "cpu_flags": cpu_flags(),
     }
+
+
+def cpu_flags() -> list[str]:
+    """The vector-ISA flags of this CPU that torch's CPU kernels dispatch on (from /proc/cpuinfo; [] elsewhere)."""
+    wanted = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8",
+              "avx_vnni", "neon", "asimd", "sve")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in wanted if flag in have]
+    except OSError:
+        pass
+    return []
 
 
 def versions(*modules: str) -> dict:
