@@ -108,12 +108,13 @@ def main() -> None:
                 start = time.perf_counter()
                 episodes = loop.run_sync(rows, SamplingParams(temperature=1.0))
                 wall = time.perf_counter() - start
+                calls = getattr(gen, "calls", 0) - calls_before if hasattr(gen, "calls") else None
+                stats = {k: v - stats_before.get(k, 0) for k, v in getattr(gen, "stats", {}).items()
+                         if k != "max_running_rows"}  # this run's counts (max_running_rows is a running maximum)
                 if best is None or wall < best[0]:
-                    best = (wall, episodes, calls_before, stats_before)
-            wall, episodes, calls_before, stats_before = best
+                    best = (wall, episodes, calls, stats)
+            wall, episodes, calls, stats = best
             generated = sum(e.trajectory.num_generated_tokens for e in episodes)
-            stats = {k: v - stats_before.get(k, 0) for k, v in getattr(gen, "stats", {}).items()
-                     if k != "max_running_rows"}
             results[name] = {
                 "wall_s": round(wall, 3),
                 "episodes_per_s": round(len(episodes) / wall, 3),
@@ -121,7 +122,7 @@ def main() -> None:
                 "generated_tokens": generated,
                 "mean_trajectory_tokens": sum(len(e.trajectory.context_ids()) for e in episodes) / len(episodes),
                 "turns_per_episode": sum(e.trajectory.num_assistant_turns for e in episodes) / len(episodes),
-                "engine_calls": getattr(gen, "calls", calls_before) - calls_before if hasattr(gen, "calls") else None,
+                "engine_calls": calls,  # engine.generate calls; sessions: scheduler steps
                 # sessions only: tokens prefilled vs K/V reused, evictions (engines/rollout/sessions.py)
                 "session_stats": stats or None,
             }
