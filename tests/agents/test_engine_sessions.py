@@ -41,3 +41,21 @@ def test_kept_kv_episodes_equal_the_reference_and_log_probs_the_training_engine(
     log_probs = train.compute_log_prob(batch, temperature=temperature)["log_probs"]
     mismatch = logprob_mismatch(batch.batch["rollout_log_probs"], log_probs, batch.batch["response_mask"])
     assert mismatch["mismatch/max_abs"] <= 1e-5, mismatch
+
+
+def test_a_turn_past_the_token_cap_fails_the_run_with_the_numbers_and_the_generator_recovers(tiny_lm, tiny_model_path):
+    """A cap that holds one first turn at a time: the other episodes' turns wait for it (never a hang); a later turn
+    that cannot fit even alone is an error naming the cap; the same generator then serves the next run."""
+    from hybridflow.engines.rollout.sessions import SessionMemoryError
+
+    _, tok = tiny_lm
+    engine = create_rollout_engine("native", tiny_model_path, dtype="fp32", seed=0, num_threads=1)
+    gen = RolloutEngineGenerator(engine, max_cached_tokens=64)
+    one_turn = AgentLoopConfig(max_tokens_per_turn=10, max_assistant_turns=1)
+    episodes = AgentLoop(gen, tok, one_turn, env_factory=Countdown).run_sync(ROWS, SamplingParams(greedy=True))
+    assert all(e.trajectory.num_generated_tokens == 10 for e in episodes)
+    assert gen.stats["max_running_rows"] == 1  # each first turn reserves 45+ of the 64 tokens: one at a time
+    with pytest.raises(SessionMemoryError, match="max_cached_tokens=64"):
+        AgentLoop(gen, tok, CFG, env_factory=Countdown).run_sync(ROWS[:2], SamplingParams(greedy=True))
+    again = AgentLoop(gen, tok, one_turn, env_factory=Countdown).run_sync(ROWS[:2], SamplingParams(greedy=True))
+    assert [e.trajectory.response_ids for e in again] == [e.trajectory.response_ids for e in episodes[:2]]

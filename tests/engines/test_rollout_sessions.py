@@ -11,6 +11,7 @@ import torch
 from test_native_archs import write_arch_model
 from transformers import AutoModelForCausalLM
 
+from hybridflow.agents.generator import HFGenerator
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.engines.rollout.layout import read_prompts
 from hybridflow.engines.rollout.sessions import SessionMemoryError, TurnRequest
@@ -95,7 +96,7 @@ def test_kept_kv_greedy_equals_reprefill_and_log_probs_match_a_forward(model_pat
 
 def test_turns_join_a_running_decode_and_sample_as_if_alone(tiny_model_path):
     """A long turn keeps decoding while a short session's turns leave the batch and rejoin it; every sampled turn
-    draws the tokens it draws when run alone (per-row random streams), log-probs equal within 1e-5."""
+    draws the tokens it draws when run alone on transformers (per-row random streams), log-probs equal within 1e-5."""
     engine = _engine(tiny_model_path)
     sampling = SamplingParams(temperature=0.9, top_k=40, top_p=0.95)
 
@@ -118,11 +119,12 @@ def test_turns_join_a_running_decode_and_sample_as_if_alone(tiny_model_path):
         short_context = short.context + short.token_ids + _observation(1, turn)
     _drain(sessions)
     assert sessions.stats["joined_running"] >= 4 and sessions.stats["reused_tokens"] > 0
+    # each turn alone, on transformers, in the stream of its seed (HFGenerator: the agent loop's reference)
+    reference = HFGenerator(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32), [10**6])
     for r in [long_turn, *shorts]:
-        alone = engine.open_sessions(stop_token_ids=[])
-        (solo,) = _drain(alone, [req(None, r.context, r.max_new_tokens, r.sampling.seed)])
-        assert solo.token_ids == r.token_ids
-        assert torch.allclose(torch.tensor(solo.log_probs), torch.tensor(r.log_probs), atol=1e-5, rtol=0)
+        alone = reference._decode(r.context, r.max_new_tokens, r.sampling)
+        assert alone.token_ids == r.token_ids
+        assert torch.allclose(torch.tensor(alone.log_probs), torch.tensor(r.log_probs), atol=1e-5, rtol=0)
 
 
 def test_token_cap_evicts_parked_sessions_lru_and_refuses_what_cannot_fit(tiny_model_path):
