@@ -59,3 +59,23 @@ def test_a_turn_past_the_token_cap_fails_the_run_with_the_numbers_and_the_genera
         AgentLoop(gen, tok, CFG, env_factory=Countdown).run_sync(ROWS[:2], SamplingParams(greedy=True))
     again = AgentLoop(gen, tok, one_turn, env_factory=Countdown).run_sync(ROWS[:2], SamplingParams(greedy=True))
     assert [e.trajectory.response_ids for e in again] == [e.trajectory.response_ids for e in episodes[:2]]
+
+
+def test_an_engine_error_fails_the_turns_it_holds_and_the_next_call_works(tiny_model_path):
+    """A token id past the vocabulary makes the engine step raise: every turn in that step gets the error (no hang),
+    the session state is dropped, and the next turns are served normally."""
+    import asyncio
+
+    engine = create_rollout_engine("native", tiny_model_path, dtype="fp32", seed=0, num_threads=1)
+    gen = RolloutEngineGenerator(engine)
+    greedy = SamplingParams(greedy=True)
+
+    async def both():
+        return await asyncio.gather(gen.generate([5, 6, 7], 4, greedy, session="ok"),
+                                    gen.generate([5, 10**6], 4, greedy, session="bad"), return_exceptions=True)
+
+    results = asyncio.run(both())
+    assert all(isinstance(r, IndexError) for r in results), results
+    assert gen.sessions.idle and gen.sessions.memory()["parked_sessions"] == 0
+    again = asyncio.run(gen.generate([5, 6, 7], 4, greedy, session="ok"))
+    assert len(again.token_ids) == 4 and again.finish_reason == "length"
