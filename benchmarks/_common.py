@@ -38,27 +38,32 @@ def git_commit() -> dict:
     return {"commit": git("rev-parse", "HEAD"), "short": git("rev-parse", "--short", "HEAD"), "dirty": bool(status)}
 
 
-def cpu_flags() -> list[str]:
-    """The vector-ISA flags of this CPU that decide matmul speed (avx2, avx512*, amx*), from /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((x for x in f if x.startswith("flags")), "")
-    except OSError:
-        return []
-    return sorted({x for x in line.split(":", 1)[-1].split() if x.startswith(("avx", "amx", "fma"))})
-
-
 def machine_info() -> dict:
     import psutil
 
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
-        "cpu_flags": cpu_flags(),
         "cpu_count": os.cpu_count(),
         "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "load_average_at_start": [round(x, 2) for x in _LOAD_AT_START],
+        "cpu_flags": cpu_flags(),
     }
+
+
+def cpu_flags() -> list[str]:
+    """The vector-ISA flags of this CPU that torch's CPU kernels dispatch on (from /proc/cpuinfo; [] elsewhere)."""
+    wanted = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8",
+              "avx_vnni", "neon", "asimd", "sve")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    have = set(line.split(":", 1)[1].split())
+                    return [flag for flag in wanted if flag in have]
+    except OSError:
+        pass
+    return []
 
 
 def versions(*modules: str) -> dict:

@@ -1,26 +1,37 @@
-"""A Generator over any RolloutEngine (native, hf, vllm): concurrent episodes' turns are batched into one call.
+"""A Generator over any RolloutEngine (native, hf, vllm): concurrent episodes' turns share the engine.
 
-Episodes ask for their next turn one by one; this adapter queues the requests, waits ``max_wait_s`` for the other
-episodes' requests to arrive, and sends up to ``max_batch_size`` of them (same sampling settings) to
-``engine.generate`` as one left-padded prompt batch in the layout of engines/rollout/base.py. Each request gets back
-its own row, cut to its own ``max_new_tokens`` (a longer batch limit only lets other rows run on; the first k tokens
-of a row are the same draw either way).
+Two ways, chosen by what the engine offers (``keep_kv``: None picks the first the engine has):
 
-What this does not do (yet): keep an episode's KV cache between its turns (each turn re-prefills the whole context),
-or take a request out of a running batch while it waits on a tool. Sampling seeds: one per engine call (the first
-request's), so a sampled episode's tokens depend on which other requests shared its batch; greedy is unaffected.
+* **sessions** (engines with ``open_sessions``: the native one, engines/rollout/sessions.py). Each episode is a
+  session: its K/V stays on the engine between turns, and a turn prefills only the tokens after the kept ones (the
+  last generated token and the observation). One serving thread runs the engine's continuous-batching step loop
+  while the event loop keeps running tools and environments: a turn that finishes leaves the decode batch at once
+  (its episode may now wait on a tool), a turn that arrives joins the running decode at the next step. Each turn
+  samples with its own seed (sampling.seed, else one drawn by the engine) in its own random stream, the stream
+  HFGenerator uses, so an episode's tokens do not depend on the other episodes. The loop passes
+  ``session=<episode>`` and calls ``end_session`` when the episode ends (its K/V is freed); a turn without a session
+  is served the same way and its K/V dropped when it ends.
+* **re-prefill** (hf, vllm, plugins; or ``keep_kv=False``): requests are queued, the adapter waits ``max_wait_s``
+  for the other episodes' requests and sends up to ``max_batch_size`` of them (same sampling settings) to
+  ``engine.generate`` as one left-padded batch (engines/rollout/base.py's layout); each turn re-prefills its whole
+  context (vllm's prefix caching reuses the shared prefix). Each request gets back its own row, cut to its own
+  ``max_new_tokens``. Seeds: one per engine call (the first request's), so a sampled episode's tokens depend on
+  which other requests shared its batch; greedy is unaffected.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 
 from hybridflow.agents.generator import Generation
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
+from hybridflow.engines.rollout.sessions import TurnRequest
 from hybridflow.protocol import DataProto
 
 __all__ = ["RolloutEngineGenerator"]
@@ -31,10 +42,15 @@ def _batch_key(s: SamplingParams) -> tuple:
 
 
 class RolloutEngineGenerator:
-    """`engine`: a RolloutEngine; `pad_token_id` / `stop_token_ids` default to the engine's own attributes."""
+    """`engine`: a RolloutEngine; `pad_token_id` / `stop_token_ids` default to the engine's own attributes.
+
+    `keep_kv`: None (keep each episode's K/V when the engine can), True (require it), False (re-prefill every turn).
+    `max_cached_tokens`: the session engine's cap on K/V tokens held (None: no cap; see sessions.py for eviction).
+    """
 
     def __init__(self, engine: RolloutEngine, pad_token_id: int | None = None, stop_token_ids: list[int] | None = None,
-                 max_batch_size: int = 64, max_wait_s: float = 0.005):
+                 max_batch_size: int = 64, max_wait_s: float = 0.005, keep_kv: bool | None = None,
+                 max_cached_tokens: int | None = None):
         self.engine = engine
         self.pad_token_id = int(pad_token_id if pad_token_id is not None else engine.pad_token_id)  # type: ignore[attr-defined]
         stops = stop_token_ids if stop_token_ids is not None else getattr(engine, "eos_token_ids", None)
@@ -46,15 +62,53 @@ class RolloutEngineGenerator:
         self.max_batch_size, self.max_wait_s = max_batch_size, max_wait_s
         self._pending: list[tuple[list[int], int, SamplingParams, asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
-        self.calls = 0  # engine.generate calls made (batches)
+        self.calls = 0  # engine.generate calls made (batches); sessions: decode/prefill steps
         self.requests = 0
+        can_keep = callable(getattr(engine, "open_sessions", None))
+        if keep_kv and not can_keep:
+            raise ValueError(f"RolloutEngineGenerator(keep_kv=True): the {type(engine).__name__} engine cannot keep "
+                             "K/V between turns (no open_sessions); use keep_kv=None/False or the native engine")
+        if max_cached_tokens is not None and not (keep_kv or (keep_kv is None and can_keep)):
+            raise ValueError("RolloutEngineGenerator: max_cached_tokens caps kept K/V, but this generator re-prefills "
+                             "every turn (keep_kv=False or an engine without sessions); drop max_cached_tokens")
+        self.sessions = None
+        if keep_kv or (keep_kv is None and can_keep):
+            self.sessions = engine.open_sessions(  # type: ignore[attr-defined]
+                max_batch_size=max_batch_size, max_cached_tokens=max_cached_tokens, stop_token_ids=self.stop_token_ids)
+        self._inbox: list[tuple[str, Any]] = []  # (op, payload) from the event loop to the serving thread
+        self._lock = threading.Lock()
+        self._serving = False  # a serving thread is running (or about to start)
+        self._server: asyncio.Task | None = None
 
-    async def generate(self, prompt_token_ids: list[int], max_new_tokens: int, sampling: SamplingParams) -> Generation:
+    @property
+    def supports_sessions(self) -> bool:
+        """True when turns of one episode should pass session=<key> (and end_session at the end)."""
+        return self.sessions is not None
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The session engine's counters (sessions.py: prefill_tokens, reused_tokens, evictions, ...); {} otherwise."""
+        return dict(self.sessions.stats) if self.sessions is not None else {}
+
+    def end_session(self, session: Hashable) -> None:
+        """The episode is over: free its K/V (thread-safe; a no-op without sessions)."""
+        if self.sessions is not None:
+            with self._lock:
+                if self._serving:  # the serving thread owns the sessions: it applies this before its next step
+                    self._inbox.append(("end", session))
+                else:
+                    self.sessions.end_session(session)
+
+    async def generate(self, prompt_token_ids: list[int], max_new_tokens: int, sampling: SamplingParams,
+                       session: Hashable | None = None) -> Generation:
         if not prompt_token_ids or max_new_tokens < 1:
             raise ValueError(f"generate() needs a non-empty context and max_new_tokens >= 1, got "
                              f"{len(prompt_token_ids)} tokens, max_new_tokens={max_new_tokens}")
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
+        if self.sessions is not None:
+            return await self._generate_in_session(list(prompt_token_ids), int(max_new_tokens), sampling, session,
+                                                   future)
         self._pending.append((list(prompt_token_ids), int(max_new_tokens), sampling, future))
         if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
             self._worker = loop.create_task(self._drain())
@@ -102,3 +156,72 @@ class RolloutEngineGenerator:
             finish = "stop" if tokens and tokens[-1] in stops else "length"
             results.append(Generation(tokens, log_probs, finish))
         return results
+
+    # ------------------------------------------------------------------ sessions: one serving thread
+    async def _generate_in_session(self, context: list[int], max_new_tokens: int, sampling: SamplingParams,
+                                   session: Hashable | None, future: asyncio.Future) -> Generation:
+        request = TurnRequest(session, context, max_new_tokens, sampling, tag=(asyncio.get_running_loop(), future))
+        with self._lock:
+            self._inbox.append(("turn", request))
+            start, self._serving = not self._serving, True
+        if start:
+            self._server = asyncio.get_running_loop().create_task(self._serve_soon())
+        result = await future
+        self.requests += 1
+        return result
+
+    async def _serve_soon(self) -> None:
+        await asyncio.sleep(self.max_wait_s)  # let the other episodes' first turns arrive and prefill together
+        await asyncio.to_thread(self._serve)
+
+    def _serve(self) -> None:
+        """Run scheduler steps until nothing is waiting or running; hand each finished turn back to its loop."""
+        sessions = self.sessions
+        assert sessions is not None
+        while True:
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+                for op, payload in inbox:
+                    if op == "end":
+                        sessions.end_session(payload)
+                    else:
+                        try:
+                            sessions.submit(payload)
+                        except Exception as e:  # a bad request fails its own turn only
+                            payload.error = e
+                            _deliver(payload)
+                if sessions.idle:
+                    self._serving = False  # the next generate() starts a new serving thread
+                    return
+            try:
+                done = sessions.step()
+            except Exception as e:  # an engine error fails every turn it holds (raised in each episode)
+                with self._lock:
+                    for request in sessions.abort():
+                        request.error = e
+                        _deliver(request)
+                    for op, payload in self._inbox:
+                        if op == "turn":
+                            payload.error = e
+                            _deliver(payload)
+                    self._inbox, self._serving = [], False
+                return
+            self.calls += 1
+            for request in done:
+                _deliver(request)
+
+
+def _deliver(request: TurnRequest) -> None:
+    """Complete the request's future on its own event loop (from the serving thread)."""
+    loop, future = request.tag
+
+    def complete() -> None:
+        if future.done():  # the episode was cancelled meanwhile
+            return
+        if request.error is not None:
+            future.set_exception(request.error)
+        else:
+            future.set_result(Generation(list(request.token_ids), list(request.log_probs),
+                                         request.finish_reason or "length"))
+
+    loop.call_soon_threadsafe(complete)

@@ -7,7 +7,11 @@ temperature 1) and why it stopped: ``"stop"`` (the last token is an eos / stop t
 
 ``HFGenerator`` is the reference: a plain prefill + KV-cache decode loop over a transformers causal LM, one request
 at a time (a lock), run in a thread so the event loop keeps serving tools and environments meanwhile. The rollout
-engines (native, hf, vllm) are to implement the same protocol with batching and KV kept across turns.
+engines (native, hf, vllm) serve the same protocol through engine_generator.RolloutEngineGenerator, with batching.
+
+Optional: a generator whose ``supports_sessions`` is true also takes ``generate(..., session=<key>)`` (one key per
+episode, its turns one after another) and ``end_session(key)`` when the episode ends, so that it can keep the
+episode's K/V between turns; the agent loop passes both.
 """
 
 from __future__ import annotations

@@ -345,8 +345,10 @@ class _EpisodeRun:
             if budget <= 0:
                 return "response_budget"
             sampling = dataclasses.replace(self.sampling, seed=self._seed(traj.num_assistant_turns))
+            # a generator with sessions keeps this episode's K/V between its turns (agents/engine_generator.py)
+            session = {"session": self} if getattr(self.loop.generator, "supports_sessions", False) else {}
             gen = await self.loop.generator.generate(traj.context_ids(), min(cfg.max_tokens_per_turn, budget),
-                                                     sampling)
+                                                     sampling, **session)
             if not gen.token_ids or len(gen.token_ids) > min(cfg.max_tokens_per_turn, budget):
                 raise RuntimeError(f"the generator returned {len(gen.token_ids)} tokens for a turn limited to "
                                    f"{min(cfg.max_tokens_per_turn, budget)} (row {self.index})")
@@ -479,6 +481,8 @@ class _EpisodeRun:
     async def _release(self) -> None:
         ep = self.ep
         assert ep is not None
+        if getattr(self.loop.generator, "supports_sessions", False):
+            self.loop.generator.end_session(self)  # type: ignore[attr-defined]  # free the episode's K/V
         for name, future in self.states.items():
             if not future.done() or future.cancelled() or future.exception() is not None:
                 continue

@@ -179,6 +179,14 @@ class NativeRollout(RolloutEngine):
         """Copy HF-named full tensors (any device/dtype) into the fused weights, one at a time."""
         for name, tensor in named_tensors:
             self.model.load(name, tensor)
+        self.weights_version = getattr(self, "weights_version", 0) + 1  # kept session K/V is stale (sessions.py)
+
+    def open_sessions(self, **kwargs):
+        """Multi-turn generation with each episode's K/V kept between its turns and turns batched continuously:
+        a SessionEngine (sessions.py; kwargs: max_batch_size, max_cached_tokens, stop_token_ids)."""
+        from hybridflow.engines.rollout.sessions import SessionEngine
+
+        return SessionEngine(self, **kwargs)
 
     def update_weight_slices(self, named_slices: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Tensor parallel: this rank's slices of HF-named tensors (TensorParallelDecoder.tp_pieces), one at a time."""

@@ -40,9 +40,11 @@ def row_keys(seed: int, prompt_index: torch.Tensor, sample_index: torch.Tensor) 
     return _mix32(h ^ (sample_index.long() * 0x85EBCA6B & _MASK32))
 
 
-def uniform_from_keys(keys: torch.Tensor, step: int) -> torch.Tensor:
-    """U[0, 1) as float64 [rows] for decode step `step`, 53 random bits from two hash draws per row."""
-    h = _mix32(keys ^ _mix32(torch.full_like(keys, step)))
+def uniform_from_keys(keys: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """U[0, 1) as float64 [rows] for decode step `step` (one int, or each row's own [rows]: continuous batching),
+    53 random bits from two hash draws per row."""
+    steps = torch.full_like(keys, step) if isinstance(step, int) else step.to(keys.dtype)
+    h = _mix32(keys ^ _mix32(steps))
     hi = _mix32(h ^ 0x68E31DA4) >> 5  # 27 bits
     lo = _mix32(h ^ 0xB5297A4D) >> 6  # 26 bits
     return (hi.double() * 67108864.0 + lo.double()) / 9007199254740992.0
@@ -80,7 +82,7 @@ def sample_tokens(
     top_k: int,
     top_p: float,
     keys: torch.Tensor | None,
-    step: int,
+    step: int | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose one token per row. logits [rows, V] (any float dtype) -> (tokens [rows] int64, log_probs [rows] fp32).
 

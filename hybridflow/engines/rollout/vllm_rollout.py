@@ -150,7 +150,8 @@ class VLLMRollout(RolloutEngine):
         enforce_eager: skip CUDA graphs / torch.compile: faster start-up, and weights can be swapped freely.
         num_threads: on CPU, bind vLLM's OMP threads to this many cores (default: all this process may use);
             an exported VLLM_CPU_OMP_THREADS_BIND wins.
-        **kw: passed to ``vllm.LLM`` unchanged (e.g. enable_sleep_mode=True on GPUs, tensor_parallel_size).
+        **kw: passed to ``vllm.LLM`` unchanged (e.g. enable_sleep_mode=True on GPUs, tensor_parallel_size;
+            enable_prefix_caching=False to turn prefix caching off, which is on by default here).
     """
 
     name = "vllm"
@@ -213,6 +214,9 @@ class VLLMRollout(RolloutEngine):
             enforce_eager=enforce_eager,
             logprobs_mode="processed_logprobs",  # log_softmax(logits / T): see the module docstring
             gpu_memory_utilization=gpu_memory_utilization,
+            # multi-turn episodes re-send their whole history each turn (agents/engine_generator.py): prefix caching
+            # reuses its KV blocks instead of recomputing them; update_weights resets the cache. kw may turn it off.
+            enable_prefix_caching=True,
         )
         if not self.on_gpu:
             _set_cpu_env(num_threads)
