@@ -47,7 +47,30 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "load_average_at_start": [round(x, 2) for x in _LOAD_AT_START],
+        "cpu_flags": cpu_flags(),
     }
+
+
+# CPU feature flags that decide which matmul kernels run (and whether bf16 is native or emulated).
+_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> dict:
+    """The matmul-relevant flags of /proc/cpuinfo (Linux), the CPU model, and ``native_bf16``: True when the CPU
+    has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16), so bf16 matmuls are not emulated in fp32."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and ":" in line:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and ":" in line:
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    present = {name: name in flags for name in _FLAGS}
+    return {"model": model, **present, "native_bf16": present["avx512_bf16"] or present["amx_bf16"]}
 
 
 def versions(*modules: str) -> dict:
