@@ -67,6 +67,9 @@ class PolicyModelConfig(ModelConfig):
     target_modules: Any = "all-linear"  # "all-linear" or a list of module names, e.g. [q_proj, v_proj]
     lora_dropout: float = 0.0
     exclude_modules: Any = None  # None, a list of module names, or a regex
+    # true: actor and ref pack each micro-batch's rows into one row with per-row attention (engines/packing.py)
+    # instead of bucketing them by length; no padding is computed at all
+    use_sequence_packing: bool = False
 
 
 @dataclass
