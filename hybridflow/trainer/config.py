@@ -150,6 +150,10 @@ class RolloutConfig:
     enforce_eager: bool | None = None
     free_cache_engine: bool | None = None
     gpu_memory_utilization: float | None = None  # vllm on GPUs
+    # native: prefill the prompts in groups of at most max_num_batched_tokens padded tokens (chunked_prefill.py);
+    # enable_chunked_prefill=true alone: the default budget, 8192
+    enable_chunked_prefill: bool | None = None
+    max_num_batched_tokens: int | None = None
     tensor_model_parallel_size: int = 1  # veRL's key; 1 only for now (tensor-parallel rollout: issue #20)
     calculate_log_probs: bool = True  # False: generated rows carry no rollout_log_probs (no mismatch metrics)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
@@ -493,6 +497,11 @@ def validate_config(cfg: HybridFlowConfig) -> None:
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: "
             "tensor-parallel rollout is not in hybridflow yet (issue #20); set it to 1 (each rank generates with "
             "the whole model)"
+        )
+    if rollout.max_num_batched_tokens is not None and rollout.max_num_batched_tokens <= 0:
+        errors.append(
+            f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens}: give a positive "
+            "prefill token budget (e.g. 8192) or leave it unset"
         )
     if rollout.gpu_memory_utilization is not None and not 0 < rollout.gpu_memory_utilization <= 1:
         errors.append(
