@@ -51,19 +51,26 @@ def machine_info() -> dict:
     }
 
 
-def cpu_flags() -> list[str]:
-    """The vector-ISA flags of this CPU that torch's CPU kernels dispatch on (from /proc/cpuinfo; [] elsewhere)."""
-    wanted = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8",
-              "avx_vnni", "neon", "asimd", "sve")
+# CPU feature flags that decide which matmul kernels run (and whether bf16 is native or emulated).
+_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> dict:
+    """The matmul-relevant flags of /proc/cpuinfo (Linux), the CPU model, and ``native_bf16``: True when the CPU
+    has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16), so bf16 matmuls are not emulated in fp32."""
+    model, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    have = set(line.split(":", 1)[1].split())
-                    return [flag for flag in wanted if flag in have]
+                if line.startswith("model name") and ":" in line:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and ":" in line:
+                    flags = set(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return []
+    present = {name: name in flags for name in _FLAGS}
+    return {"model": model, **present, "native_bf16": present["avx512_bf16"] or present["amx_bf16"]}
 
 
 def versions(*modules: str) -> dict:

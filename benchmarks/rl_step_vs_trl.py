@@ -42,6 +42,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (
     ROOT,
+    cpu_flags,
     document,
     emit,
     grpo_overrides,
@@ -55,6 +56,12 @@ from _common import (
 
 KL_COEF = 0.04
 LR = 1e-6
+# bf16 in hybridflow: bf16 compute over fp32 master weights in training (as TRL's bf16=True autocast), bf16 rollout.
+BF16_OVERRIDES = (
+    "actor_rollout_ref.actor.fsdp_config.param_dtype=bf16",
+    "actor_rollout_ref.ref.fsdp_config.param_dtype=bf16",
+    "actor_rollout_ref.rollout.dtype=bf16",
+)
 
 
 # ----------------------------------------------------------------------------------------------------- TRL's venv
@@ -135,7 +142,7 @@ def trl_worker(spec: dict) -> dict:
         warmup_steps=0,
         weight_decay=0.0,
         max_grad_norm=1.0,
-        bf16=False,
+        bf16=spec.get("dtype") == "bf16",  # autocast bf16 over fp32 weights (hybridflow's param_dtype=bf16 too)
         fp16=False,
         gradient_checkpointing=False,
         model_init_kwargs={"dtype": "float32"},
@@ -240,8 +247,10 @@ def thread_env(threads: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------- one size
-def compare_size(size: str, args, trl_python: str, workdir: str) -> dict:
-    model_path = write_benchmark_model(os.path.join(workdir, f"model_{size}"), size)
+def compare_size(size: str, args, trl_python: str, workdir: str, dtype: str = "fp32") -> dict:
+    model_path = os.path.join(workdir, f"model_{size}")
+    if not os.path.isdir(model_path):
+        write_benchmark_model(model_path, size)
     train_file = task_subset(workdir, args.prompts * (args.steps + 1))  # the file hybridflow's runs read too
     rows = args.prompts * args.n
     hf_steps: dict[str, list[dict]] = {b: [] for b in args.backends}
@@ -261,7 +270,7 @@ def compare_size(size: str, args, trl_python: str, workdir: str) -> dict:
                 spec = dict(
                     root=ROOT, model_path=model_path, train_file=train_file, prompts=args.prompts, n=args.n,
                     response_length=args.response_length, steps=args.steps, threads=args.threads,
-                    output_dir=run_dir,
+                    output_dir=run_dir, dtype=dtype,
                 )
                 os.makedirs(run_dir, exist_ok=True)
                 res = run_trl(trl_python, spec, run_dir, args.run_timeout_s)
@@ -273,7 +282,7 @@ def compare_size(size: str, args, trl_python: str, workdir: str) -> dict:
                 overrides = grpo_overrides(
                     model_path=model_path, run_dir=run_dir, prompts_per_step=args.prompts, n=args.n,
                     max_response_length=args.response_length, steps=args.steps, threads=args.threads, backend=backend,
-                    kl_coef=KL_COEF, lr=LR,
+                    kl_coef=KL_COEF, lr=LR, extra=BF16_OVERRIDES if dtype == "bf16" else (),
                 )
                 res = run_hybridflow(overrides, args.threads, run_dir, args.run_timeout_s)
                 hf_steps[backend] += res["rows"][args.warmup :]
@@ -313,7 +322,8 @@ def compare_size(size: str, args, trl_python: str, workdir: str) -> dict:
         }
     expected = rows * args.response_length
     prompt_tokens = median([r["prompt_length/mean"] for rs in hf_steps.values() for r in rs])
-    floor = model_math_floor(model_path, args, prompt_tokens, args.threads, measure_peak(args.threads))
+    floor = model_math_floor(model_path, args, prompt_tokens, args.threads, measure_peak(args.threads, dtype))
+    floor["dtype"] = dtype
     floor["floor_over_trl"] = round(floor["floor_step_s"] / trl_step, 3)
     for r in out["hybridflow"].values():
         r["floor_over_step"] = round(floor["floor_step_s"] / r["median_step_s"], 3)
@@ -351,16 +361,17 @@ def model_math_floor(model_path: str, args, prompt_tokens: float, threads: int, 
     }
 
 
-def measure_peak(threads: int) -> float:
-    """Best fp32 FLOP/s of 1024^3 matmuls with `threads` torch threads (restores the thread count)."""
+def measure_peak(threads: int, dtype: str = "fp32") -> float:
+    """Best FLOP/s of 1024^3 matmuls in `dtype` with `threads` torch threads (restores the thread count)."""
     import torch
 
     from hybridflow.trainer.metrics import measure_peak_flops
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     try:
-        return max(measure_peak_flops(device="cpu", repeats=10) for _ in range(3))
+        return max(measure_peak_flops(device="cpu", dtype=torch_dtype, repeats=10) for _ in range(3))
     finally:
         torch.set_num_threads(before)
 
@@ -373,7 +384,8 @@ def side_by_side_config(args, size: str) -> dict:
         "prompts": "built-in arithmetic task train.parquet, file order, same chat template",
         "prompts_per_step": args.prompts, "samples_per_prompt": args.n, "completions_per_step": rows,
         "response_length": args.response_length, "kl_coef": KL_COEF, "lr": LR, "threads": args.threads,
-        "dtype": "fp32", "gradient_checkpointing": False,
+        "dtype": "fp32 (results under the size's name); bf16 under '<size>_bf16', see config.bf16",
+        "gradient_checkpointing": False,
     }
     return {
         "common": common,
@@ -398,7 +410,7 @@ def side_by_side_config(args, size: str) -> dict:
                 "num_generations": args.n, "steps_per_generation": 1, "gradient_accumulation_steps": 1,
                 "num_iterations": 1, "max_completion_length": args.response_length, "beta": KL_COEF,
                 "learning_rate": LR, "lr_scheduler_type": "constant", "weight_decay": 0.0, "max_grad_norm": 1.0,
-                "bf16": False, "gradient_checkpointing": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                "bf16": "False (fp32) / True (bf16 column)", "gradient_checkpointing": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
                 "shuffle_dataset": False, "loss_type": "dapo (default)",
             },
             "torch.set_num_threads": args.threads,
@@ -421,6 +433,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="steps per run")
     p.add_argument("--warmup", type=int, default=1, help="first steps of each run left out")
+    p.add_argument("--dtypes", default=None,
+                   help="fp32 and/or bf16; default fp32, plus bf16 on CPUs with native bf16 (AVX512-BF16 / AMX)")
     p.add_argument("--trl-venv", default=os.path.join(ROOT, ".venv-trl"))
     p.add_argument("--run-timeout-s", type=float, default=900)
     p.add_argument("--trl-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -436,21 +450,33 @@ def main() -> None:
     args.backends = [b for b in args.backends.split(",") if b]
     sizes = [s for s in args.sizes.split(",") if s]
 
+    flags = cpu_flags()
+    dtypes = (args.dtypes or ("fp32,bf16" if flags["native_bf16"] else "fp32")).split(",")
     trl_env = ensure_trl_venv(args.trl_venv)
     results, configs = {}, {}
     with tempfile.TemporaryDirectory(prefix="rl_step_vs_trl_") as workdir:
         for size in sizes:
             configs[size] = side_by_side_config(args, size)
-            results[size] = compare_size(size, args, trl_env["python"], workdir)
+            for dtype in dtypes:
+                # fp32 results under the size's name (as before); the bf16 column under "<size>_bf16"
+                key = size if dtype == "fp32" else f"{size}_{dtype}"
+                results[key] = compare_size(size, args, trl_env["python"], workdir, dtype)
     config = {
         "quick": args.quick, "rounds": args.rounds, "steps_per_run": args.steps, "warmup_steps_dropped": args.warmup,
-        "sizes": sizes, "side_by_side": configs,
+        "sizes": sizes, "dtypes": dtypes, "side_by_side": configs,
+        "bf16": {"hybridflow": list(BF16_OVERRIDES), "trl": "GRPOConfig(bf16=True), weights loaded fp32 (autocast)"},
     }
     doc = document("rl_step_vs_trl", config, results)
     doc["versions"]["trl_venv"] = {k: v for k, v in trl_env.items() if k != "python"}
     doc["goal"] = "hybridflow median step time <= 1/3 of TRL's at the mid size"
     mid = results.get("mid", {}).get("hybridflow", {})
     doc["goal_met"] = {b: r["ratio_vs_trl"] <= 1 / 3 for b, r in mid.items()} if mid else None
+    doc["goal_issue_22"] = "fp32 mid step <= 1.5x model-math floor; bf16: hybridflow ahead of TRL and <= 1.5x bf16 floor"
+    doc["step_over_floor"] = {
+        key: {b: round(r["median_step_s"] / res["model_math_floor"]["floor_step_s"], 2)
+              for b, r in res["hybridflow"].items()}
+        for key, res in results.items()
+    }
     emit(doc)
 
 

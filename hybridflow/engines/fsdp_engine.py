@@ -36,6 +36,7 @@ from torch import nn
 
 from hybridflow import device as hf_device
 from hybridflow.engines import micro_batch as mb
+from hybridflow.engines import packing
 from hybridflow.engines.checkpoint_io import load_engine_state, save_engine_state
 from hybridflow.engines.hf_model import HeadOnPositions, hf_name, load_model, load_tokenizer
 from hybridflow.engines.lora import LoraSettings, adapter_disabled, apply_lora, base_name, merged_parameters
@@ -69,6 +70,8 @@ class EngineConfig:
     seed: int = 0  # same seed on every rank -> same initial value head
     optim: OptimConfig = field(default_factory=OptimConfig)
     use_remove_padding: bool = True  # strip rows to real tokens and bucket by length (False: plain padded forward)
+    # True: each micro-batch's rows end to end in one [1, T] row, attention per row (packing.py); no padding at all
+    use_sequence_packing: bool = False
     entropy_chunk_size: int = 2048  # tokens whose [chunk, vocab] logits are held at once
     num_threads: int | None = None  # torch intra-op threads for this rank (None: leave as is)
     # Forward-only passes (compute_log_prob, compute_values) hold no activations for backward, so they may use
@@ -144,6 +147,8 @@ class FSDPEngine:
                 hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not self.trainable:
             hf_model.requires_grad_(False)
+        if config.use_sequence_packing:
+            packing.enable_packed_attention(hf_model)
         self.model: nn.Module = HeadOnPositions(hf_model, is_critic=self.is_critic)
         self.sharded = self.distributed and self.world_size > 1
         offload = self.device.type != "cpu"
@@ -230,7 +235,7 @@ class FSDPEngine:
             rows = rows if c.infer_micro_batch_size_per_gpu is None else c.infer_micro_batch_size_per_gpu
         attention_mask = data.batch["attention_mask"]
         starts, ends = mb.real_token_spans(attention_mask)
-        if self.config.use_remove_padding:
+        if self.config.use_remove_padding or self.config.use_sequence_packing:
             lengths = (ends - starts).tolist()
         else:
             lengths = [attention_mask.shape[1]] * len(data)
@@ -252,14 +257,14 @@ class FSDPEngine:
         position_ids = batch.get("position_ids")
         if position_ids is None:
             position_ids = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
-        bucket = mb.build_bucket(
-            batch["input_ids"].to(self.device),
-            batch["attention_mask"].to(self.device),
-            position_ids.to(self.device),
-            resp_len,
-            remove_padding=self.config.use_remove_padding,
-            pad_token_id=self.tokenizer.pad_token_id or 0,
-        )
+        args = (batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device), position_ids.to(self.device))
+        pad = self.tokenizer.pad_token_id or 0
+        if self.config.use_sequence_packing:
+            bucket = packing.build_packed(*args, resp_len, pad_token_id=pad)
+            attention_kwargs = bucket.attention_kwargs()
+        else:
+            bucket = mb.build_bucket(*args, resp_len, remove_padding=self.config.use_remove_padding, pad_token_id=pad)
+            attention_kwargs = None
         self.router_tap.set_replay(self._replay_routes(batch, bucket) if self.config.router_replay else None)
         with self._autocast(), self.router_tap.capture():
             flat = self.model(
@@ -272,10 +277,13 @@ class FSDPEngine:
                 temperature=temperature,
                 calculate_entropy=calculate_entropy,
                 chunk_size=self.config.entropy_chunk_size,
+                attention_kwargs=attention_kwargs,
             )
         if self.model.training and len(self.router_tap):
             mask = bucket.attention_mask
-            if mask is None:  # rows stripped to their real tokens, then right-padded to the longest: route only those
+            if self.config.use_sequence_packing:  # one row of real tokens only
+                mask = None
+            elif mask is None:  # rows stripped to their real tokens, then right-padded to the longest: route only those
                 starts, ends = mb.real_token_spans(batch["attention_mask"])
                 width = bucket.input_ids.shape[1]
                 mask = (torch.arange(width)[None, :] < (ends - starts)[:, None]).to(self.device)
@@ -298,10 +306,15 @@ class FSDPEngine:
                              f"batch is {tuple(batch['attention_mask'].shape)}; the routes must come with their rows")
         if bucket.attention_mask is None:  # rows stripped to their real tokens, right-padded to the longest
             starts, ends = mb.real_token_spans(batch["attention_mask"])
-            cols = torch.arange(bucket.input_ids.shape[1], device=routes.device)
+            packed = self.config.use_sequence_packing  # bucket [1, T]: the rows' real tokens, in row order
+            width = int((ends - starts).max()) if packed else bucket.input_ids.shape[1]
+            cols = torch.arange(width, device=routes.device)
             src = (starts[:, None] + cols[None, :]).clamp(max=routes.shape[1] - 1)
             routes = routes.gather(1, src[:, :, None, None].expand(-1, -1, *routes.shape[2:]))
-            routes = routes.masked_fill((cols[None, :] >= (ends - starts)[:, None])[:, :, None, None], -1)
+            padding = cols[None, :] >= (ends - starts)[:, None]
+            if packed:
+                return routes[~padding].to(self.device)
+            routes = routes.masked_fill(padding[:, :, None, None], -1)
         return routes.reshape(-1, *routes.shape[2:]).to(self.device)
 
     @contextlib.contextmanager

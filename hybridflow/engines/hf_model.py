@@ -20,6 +20,7 @@ __all__ = [
     "hf_name",
     "load_model",
     "load_tokenizer",
+    "log_probs_and_entropy",
     "log_probs_from_logits",
 ]
 
@@ -86,13 +87,24 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return -(log_p.exp() * log_p).sum(dim=-1)
 
 
+def log_probs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both from one ``[N, V]`` log-softmax: ``(log p(target) [N], entropy [N])`` float32.
+
+    Calling `log_probs_from_logits` and `entropy_from_logits` separately runs two vocabulary-wide reductions and
+    keeps two ``[N, V]`` fp32 buffers for backward; this shares the one log-softmax.
+    """
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    return log_p.gather(-1, target_ids[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(dim=-1)
+
+
 class HeadOnPositions(nn.Module):
     """A transformers model whose head runs only at selected positions.
 
     ``forward(input_ids [b, L], position_ids [b, L], attention_mask [b, L] | None, select_rows [N], select_cols [N],
-    target_ids [N], temperature, calculate_entropy, chunk_size)`` returns
+    target_ids [N], temperature, calculate_entropy, chunk_size, attention_kwargs)`` returns
       * causal LM: ``{"log_probs": [N], "entropy": [N] (if asked)}`` float32, of softmax(logits / temperature);
       * critic: ``{"values": [N]}`` float32.
+    ``attention_kwargs`` go to the backbone's attention layers (packing.py's row boundaries of a packed row).
     It is one module so that FSDP2's root hooks gather the embedding, final norm and head around the whole forward.
     """
 
@@ -117,10 +129,12 @@ class HeadOnPositions(nn.Module):
         temperature: float = 1.0,
         calculate_entropy: bool = False,
         chunk_size: int = 2048,
+        attention_kwargs: dict | None = None,
     ) -> dict[str, torch.Tensor]:
         backbone, head = self._parts()
         hidden = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+            **(attention_kwargs or {}),
         ).last_hidden_state
         selected = hidden[select_rows, select_cols]  # [N, H]
         if self.is_critic:
@@ -134,9 +148,12 @@ class HeadOnPositions(nn.Module):
             if cap:
                 logits = torch.tanh(logits / cap) * cap
             logits = logits.float() / temperature
-            log_probs.append(log_probs_from_logits(logits, target_ids[lo : lo + chunk_size]))
             if calculate_entropy:
-                entropies.append(entropy_from_logits(logits))
+                lp, ent = log_probs_and_entropy(logits, target_ids[lo : lo + chunk_size])
+                log_probs.append(lp)
+                entropies.append(ent)
+            else:
+                log_probs.append(log_probs_from_logits(logits, target_ids[lo : lo + chunk_size]))
         empty = hidden[:0, 0, 0].float()  # stays on the autograd graph, so an all-empty micro-batch can backward
         out = {"log_probs": torch.cat(log_probs) if log_probs else empty}
         if calculate_entropy:

@@ -75,6 +75,9 @@ class PolicyModelConfig(ModelConfig):
     # veRL's keys (trainer/verl_model_keys.py): attributes set on the actor's, ref's and rollout's transformers config
     override_config: dict = field(default_factory=dict)
     use_fused_kernels: bool = True  # always: log-probs from the response positions' hidden states, in chunks
+    # true: actor and ref pack each micro-batch's rows into one row with per-row attention (engines/packing.py)
+    # instead of bucketing them by length; no padding is computed at all
+    use_sequence_packing: bool = False
 
 
 @dataclass
@@ -170,6 +173,10 @@ class RolloutConfig:
     enforce_eager: bool | None = None
     free_cache_engine: bool | None = None
     gpu_memory_utilization: float | None = None  # vllm on GPUs
+    # native: prefill the prompts in groups of at most max_num_batched_tokens padded tokens (chunked_prefill.py);
+    # enable_chunked_prefill=true alone: the default budget, 8192
+    enable_chunked_prefill: bool | None = None
+    max_num_batched_tokens: int | None = None
     tensor_model_parallel_size: int = 1  # ranks per tensor-parallel rollout group (native: tensor_parallel.py)
     calculate_log_probs: bool = True  # False: generated rows carry no rollout_log_probs (no mismatch metrics)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
@@ -517,6 +524,11 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         )
     if t.placement not in ("colocate", "split"):
         errors.append(f"trainer.placement={t.placement!r}: choose 'colocate' or 'split'")
+    if rollout.max_num_batched_tokens is not None and rollout.max_num_batched_tokens <= 0:
+        errors.append(
+            f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens}: give a positive "
+            "prefill token budget (e.g. 8192) or leave it unset"
+        )
     errors += layout_errors(cfg)  # tensor-parallel sizes against the rank counts (parallel_checks.py)
     if rollout.gpu_memory_utilization is not None and not 0 < rollout.gpu_memory_utilization <= 1:
         errors.append(

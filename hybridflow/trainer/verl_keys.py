@@ -67,8 +67,6 @@ UNSUPPORTED: dict[str, str] = {
 
 # prefix -> the open issue whose work adds the feature (refused until it lands)
 PLANNED: dict[str, str] = {
-    "actor_rollout_ref.rollout.enable_chunked_prefill": "chunked prefill (issue #21/#22)",
-    "actor_rollout_ref.rollout.max_num_batched_tokens": "a prefill token budget (issue #21/#22)",
     "actor_rollout_ref.rollout.max_num_seqs": "a decode batch cap (issue #21/#22)",
     "actor_rollout_ref.rollout.multi_turn.": "multi-turn agent rollouts (issue #18)",
     "actor_rollout_ref.rollout.multi_stage_wake_up": "staged vLLM wake-up (issue #19)",

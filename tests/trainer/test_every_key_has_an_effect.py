@@ -108,6 +108,7 @@ RUNS = {
         "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=sequence",
         "algorithm.rollout_correction.rollout_rs_threshold=4.0",
         "algorithm.rollout_correction.rollout_rs_threshold_lower=0.1",
+        "actor_rollout_ref.model.use_sequence_packing=true",
     ],
     "ppo_critic_rm": [
         "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",

@@ -61,6 +61,16 @@ class SamplingParams:
             raise ValueError(f"n and max_new_tokens must be >= 1, got n={self.n}, max_new_tokens={self.max_new_tokens}")
 
 
+# veRL's rollout engine switches (None: not given) -> the engines that honour them, for the refusal message
+_SWITCH_ENGINES = {
+    "enforce_eager": "native and vllm",
+    "free_cache_engine": "native and vllm",
+    "gpu_memory_utilization": "vllm",
+    "enable_chunked_prefill": "native",
+    "max_num_batched_tokens": "native",
+}
+
+
 class RolloutEngine(ABC):
     """Generates responses for a batch of prompts; holds its own copy of the policy weights.
 
@@ -107,11 +117,11 @@ class RolloutEngine(ABC):
         where = f"actor_rollout_ref.rollout.name={rollout.name}"
         if rollout.dtype not in cls.DTYPES:
             errors.append(f"actor_rollout_ref.rollout.dtype={rollout.dtype!r}: {where} runs {list(cls.DTYPES)}")
-        for switch in ("enforce_eager", "free_cache_engine", "gpu_memory_utilization"):
+        for switch, engines in _SWITCH_ENGINES.items():
             if getattr(rollout, switch, None) is not None and switch not in cls.SWITCHES:
                 errors.append(
                     f"actor_rollout_ref.rollout.{switch} has no effect with {where}; remove it (it applies to "
-                    f"{'vllm' if switch == 'gpu_memory_utilization' else 'native and vllm'})"
+                    f"{engines})"
                 )
         tp = getattr(rollout, "tensor_model_parallel_size", 1)
         if tp != 1 and not cls.TENSOR_PARALLEL:

@@ -25,6 +25,7 @@ import torch
 from hybridflow import device as hf_device
 from hybridflow.engines.rollout.arch_specs import resolve
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
+from hybridflow.engines.rollout.chunked_prefill import chunked_prefill
 from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows
 from hybridflow.engines.rollout.layout import (
     assemble_output,
@@ -69,7 +70,8 @@ class NativeRollout(RolloutEngine):
     docstring."""
 
     DTYPES = ("fp32", "bf16", "int8")
-    SWITCHES = ("enforce_eager", "free_cache_engine")
+    SWITCHES = ("enforce_eager", "free_cache_engine", "enable_chunked_prefill", "max_num_batched_tokens")
+    DEFAULT_PREFILL_BUDGET = 8192  # veRL's max_num_batched_tokens default, used when only chunking is switched on
     TENSOR_PARALLEL = True  # tensor_parallel.py
 
     @classmethod
@@ -94,6 +96,13 @@ class NativeRollout(RolloutEngine):
             kwargs["free_cache_engine"] = bool(rollout.free_cache_engine)
         if rollout.tensor_model_parallel_size > 1:
             kwargs["tensor_parallel_size"] = int(rollout.tensor_model_parallel_size)
+        # a prefill token budget (chunked_prefill.py): max_num_batched_tokens, or the default when only
+        # enable_chunked_prefill=true is given
+        budget = getattr(rollout, "max_num_batched_tokens", None)
+        if budget is None and getattr(rollout, "enable_chunked_prefill", None):
+            budget = cls.DEFAULT_PREFILL_BUDGET
+        if budget is not None:
+            kwargs["max_num_batched_tokens"] = int(budget)
         return kwargs
 
     def __init__(
@@ -110,6 +119,7 @@ class NativeRollout(RolloutEngine):
         free_cache_engine: bool = False,
         record_routes: bool = False,
         tensor_parallel_size: int = 1,
+        max_num_batched_tokens: int | None = None,
     ):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -129,6 +139,10 @@ class NativeRollout(RolloutEngine):
         self.pad_token_id, self.eos_token_ids = special_token_ids(self.tokenizer, self.generation_config, self.config)
         self.max_model_len = int(max_model_len or self.config.max_position_embeddings)
         self.compact_fraction = float(compact_fraction)
+        if max_num_batched_tokens is not None and int(max_num_batched_tokens) <= 0:
+            raise ValueError(f"native rollout: max_num_batched_tokens={max_num_batched_tokens}; give a positive "
+                             "prefill token budget or leave it unset")
+        self.max_num_batched_tokens = None if max_num_batched_tokens is None else int(max_num_batched_tokens)
         self._seed_source = torch.Generator().manual_seed(int(seed))
         # prepack: on CPU in fp32, matmul weights in oneDNN's packed layout (onednn_linear.py); False: plain F.linear;
         # None: packed from hidden size 256 up (where it was measured to pay)
@@ -321,7 +335,8 @@ class _EagerSteps:
         rows = torch.arange(B * n, device=engine.device)
         self.running = RunningRows(prompt_index=rows // n, sample_index=rows % n, n=n)
         self.row_bias = prompt_bias[self.running.prompt_index]  # [rows, P], follows the rows through compaction
-        self.prefill_logits = self.model.prefill(ids, pos, mask, self.cache).repeat_interleave(n, dim=0)
+        self.prefill_logits = chunked_prefill(self.model, ids, pos, mask, self.cache,
+                                              engine.max_num_batched_tokens).repeat_interleave(n, dim=0)
 
     def maybe_drop_stopped(self, out: _Responses, step: int) -> torch.Tensor | None:
         if not (out.n_done and out.n_done >= self.compact_fraction * out.running):
@@ -346,7 +361,8 @@ class _StaticSteps:
         self.graphs, self.prompt_len = engine._graphs, P
         self.buffers = self.graphs.buffers(B * n, P + max_new)
         writer = self.graphs.prompt_writer(self.buffers, mask, n)
-        self.prefill_logits = engine.model.prefill(ids, pos, mask, writer).repeat_interleave(n, dim=0)
+        self.prefill_logits = chunked_prefill(engine.model, ids, pos, mask, writer,
+                                              engine.max_num_batched_tokens).repeat_interleave(n, dim=0)
 
     def maybe_drop_stopped(self, out: _Responses, step: int) -> torch.Tensor | None:
         if out.running - out.n_done > self.buffers.rows // 2:

@@ -1,0 +1,152 @@
+"""True sequence packing: a micro-batch's rows laid end to end in one ``[1, T]`` row, attention kept per row.
+
+The alternative to length bucketing (micro_batch.py). Bucketing pads every row of a micro-batch to its longest row;
+packing concatenates the rows' real tokens (``T`` = their sum, no padding at all), restarts ``position_ids`` at each
+row, and runs attention block-diagonally: each token attends causally to the tokens of its own row only.
+
+Attention runs through ``hybridflow_varlen``, registered with transformers' ``AttentionInterface`` (so the
+modeling code of any model built on that interface calls it) and given the row boundaries
+``cu_seq_lens_q/k [b + 1]`` (int32) and ``max_length_q/k`` as forward kwargs, the names transformers' flash-attention
+path reads. On CUDA with ``flash_attn`` installed it calls ``flash_attn_varlen_func``; elsewhere (CPU) it runs
+PyTorch SDPA once per row with ``is_causal=True``, so it never builds or computes a ``[T, T]`` score matrix (an SDPA
+block-diagonal mask over the packed row would cost ``T**2`` instead of ``sum(len**2)``). transformers builds no mask
+for an attention name it has no mask function for, which is what we want here.
+
+Results equal the bucketed computation up to float rounding (tests/engines/test_packing.py checks log-probs and
+gradients to 1e-5 in fp32).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.engines.micro_batch import Bucket, build_bucket, real_token_spans
+
+__all__ = ["VARLEN_ATTENTION", "PackedBucket", "build_packed", "enable_packed_attention", "varlen_attention"]
+
+VARLEN_ATTENTION = "hybridflow_varlen"
+
+
+@dataclass
+class PackedBucket(Bucket):
+    """A `Bucket` whose ``input_ids`` / ``position_ids`` are ``[1, T]`` (rows end to end, positions restarting per
+    row), ``select_rows`` all 0 and ``select_cols`` indices into T; ``cu_seq_lens [b + 1]`` int32 row boundaries."""
+
+    cu_seq_lens: torch.Tensor | None = None
+    max_length: int = 0
+
+    def attention_kwargs(self) -> dict:
+        """The forward kwargs `varlen_attention` (and transformers' flash-attention path) read."""
+        return {
+            "cu_seq_lens_q": self.cu_seq_lens,
+            "cu_seq_lens_k": self.cu_seq_lens,
+            "max_length_q": self.max_length,
+            "max_length_k": self.max_length,
+        }
+
+
+def build_packed(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_length: int,
+    pad_token_id: int = 0,
+) -> PackedBucket:
+    """Padded rows ``[b, P+R]`` (one micro-batch, rollout layout) -> a `PackedBucket` of ``T = sum(real tokens)``."""
+    stripped = build_bucket(input_ids, attention_mask, position_ids, response_length, True, pad_token_id)
+    b, width = stripped.input_ids.shape
+    starts, ends = real_token_spans(attention_mask)
+    lens = ends - starts
+    real = torch.arange(width, device=input_ids.device)[None, :] < lens[:, None]  # [b, width]
+    offsets = torch.cumsum(lens, 0) - lens
+    cu = torch.zeros(b + 1, dtype=torch.int32, device=input_ids.device)
+    cu[1:] = torch.cumsum(lens, 0).to(torch.int32)
+    return PackedBucket(
+        input_ids=stripped.input_ids[real][None, :],
+        position_ids=stripped.position_ids[real][None, :],
+        attention_mask=None,
+        select_rows=torch.zeros_like(stripped.select_rows),
+        select_cols=offsets[stripped.select_rows] + stripped.select_cols,
+        target_ids=stripped.target_ids,
+        out_rows=stripped.out_rows,
+        out_cols=stripped.out_cols,
+        cu_seq_lens=cu,
+        max_length=int(lens.max()),
+    )
+
+
+def _flash_varlen():
+    if not (torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None):
+        return None
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
+
+
+def varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [1, H, T, D]``, ``key/value [1, Hkv, T, D]`` -> ``[1, T, H, D]``.
+
+    Block-diagonal causal attention over the rows ``cu_seq_lens_q`` delimits. Without ``cu_seq_lens_q`` (a call
+    that is not packed, e.g. generation through the same model) every batch row is one sequence.
+    """
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise ValueError(
+            f"{VARLEN_ATTENTION}: sliding-window / soft-capped attention is not supported by sequence packing; "
+            "set use_sequence_packing=false for this model"
+        )
+    groups = getattr(module, "num_key_value_groups", 1)
+    p = dropout if module.training else 0.0
+    if cu_seq_lens_q is None:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=p, is_causal=attention_mask is None,
+            scale=scaling, enable_gqa=groups > 1,
+        )
+        return out.transpose(1, 2).contiguous(), None
+    if query.shape[0] != 1:
+        raise ValueError(f"{VARLEN_ATTENTION}: packed input must be one row [1, T], got batch {query.shape[0]}")
+    flash = _flash_varlen() if query.is_cuda else None
+    if flash is not None:
+        # flash-attn's layout is [T, H, D]; it repeats no KV heads itself (GQA is native)
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
+        out = flash(q, k, v, cu, cu, max_length_q, max_length_q, dropout_p=p, softmax_scale=scaling, causal=True)
+        return out[None], None
+    bounds = cu_seq_lens_q.tolist()
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi], dropout_p=p, is_causal=True, scale=scaling,
+            enable_gqa=groups > 1,
+        )
+        for lo, hi in itertools.pairwise(bounds)
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def enable_packed_attention(hf_model: torch.nn.Module) -> str:
+    """Switch a transformers model to `varlen_attention` (registered once); returns the implementation name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+    hf_model.set_attn_implementation(VARLEN_ATTENTION)
+    if getattr(hf_model.config, "_attn_implementation", None) != VARLEN_ATTENTION:
+        raise ValueError(
+            f"{type(hf_model).__name__} did not take the {VARLEN_ATTENTION} attention implementation (its modeling "
+            "code does not use transformers' AttentionInterface); set use_sequence_packing=false for this model"
+        )
+    return VARLEN_ATTENTION
