@@ -20,16 +20,14 @@ from transformers import AutoModelForCausalLM
 from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.engines.mismatch import logprob_mismatch
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
-from hybridflow.engines.tiny import build_char_tokenizer
+from hybridflow.engines.tiny import build_char_tokenizer, write_tiny_model
 from hybridflow.trainer.config import ConfigError, load_config
 from hybridflow.trainer.main import run_training
 
 PROMPTS = ["12+34=", "a longer prompt here", "x", "what is 7*8?"] * 2
 
 
-@pytest.fixture(scope="module")
-def tied_moe(tmp_path_factory) -> str:
-    path = write_arch_model(tmp_path_factory.mktemp("r3") / "model", "qwen3_moe", seed=0)
+def _tie_routers(path: str) -> str:
     model = AutoModelForCausalLM.from_pretrained(path)
     torch.manual_seed(1)
     with torch.no_grad():
@@ -40,14 +38,20 @@ def tied_moe(tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture(scope="module")
+def tied_moe(tmp_path_factory) -> str:
+    return _tie_routers(write_arch_model(tmp_path_factory.mktemp("r3") / "model", "qwen3_moe", seed=0))
+
+
 def _rollout(path: str):
     engine = create_rollout_engine("native", path, record_routes=True, decode="eager", num_threads=1)
     return engine.generate(make_prompts(build_char_tokenizer(), PROMPTS),
                            SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=5))
 
 
-def _actor(path: str, replay: bool) -> FSDPEngine:
-    return FSDPEngine(EngineConfig(model_path=path, router_replay=replay, optim=OptimConfig(lr=1e-3)))
+def _actor(path: str, replay: bool, packing: bool = False) -> FSDPEngine:
+    return FSDPEngine(EngineConfig(model_path=path, router_replay=replay, optim=OptimConfig(lr=1e-3),
+                                   use_sequence_packing=packing))
 
 
 def test_replay_removes_the_routing_mismatch(tied_moe):
@@ -71,6 +75,18 @@ def test_replay_removes_the_routing_mismatch(tied_moe):
     with_replay = logprob_mismatch(b["rollout_log_probs"], replayed, b["response_mask"])
     assert without["mismatch/max_abs"] > 1e-3, without  # the tie really flips experts between the engines
     assert with_replay["mismatch/max_abs"] <= 1e-5, with_replay
+
+
+def test_replay_follows_sequence_packing(tmp_path):
+    """Packing lays the rows' real tokens end to end in one row; the routes follow them there. (A model without
+    sliding windows: packing refuses those.)"""
+    path = _tie_routers(write_tiny_model(tmp_path / "m", "unit", arch="qwen3_moe", seed=0))
+    out = _rollout(path)
+    b = out.batch
+    free = _actor(path, replay=False, packing=True).compute_log_prob(out, temperature=1.0)["log_probs"]
+    packed = _actor(path, replay=True, packing=True).compute_log_prob(out, temperature=1.0)["log_probs"]
+    assert logprob_mismatch(b["rollout_log_probs"], free, b["response_mask"])["mismatch/max_abs"] > 1e-4
+    assert logprob_mismatch(b["rollout_log_probs"], packed, b["response_mask"])["mismatch/max_abs"] <= 1e-5
 
 
 def test_replayed_update_trains_the_router(tied_moe):
