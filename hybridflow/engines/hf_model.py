@@ -118,11 +118,25 @@ class HeadOnPositions(nn.Module):
         calculate_entropy: bool = False,
         chunk_size: int = 2048,
     ) -> dict[str, torch.Tensor]:
-        backbone, head = self._parts()
+        backbone, _ = self._parts()
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         selected = hidden[select_rows, select_cols]  # [N, H]
+        empty = hidden[:0, 0, 0].float()  # stays on the autograd graph, so an all-empty micro-batch can backward
+        return self.head_outputs(selected, target_ids, temperature, calculate_entropy, chunk_size, empty)
+
+    def head_outputs(
+        self,
+        selected: torch.Tensor,
+        target_ids: torch.Tensor | None,
+        temperature: float,
+        calculate_entropy: bool,
+        chunk_size: int,
+        empty: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """The head on ``selected [N, H]`` hidden states -> forward()'s outputs, each ``[N]`` float32."""
+        _, head = self._parts()
         if self.is_critic:
             return {"values": head(selected).squeeze(-1).float()}
         log_probs, entropies = [], []
@@ -137,7 +151,6 @@ class HeadOnPositions(nn.Module):
             log_probs.append(log_probs_from_logits(logits, target_ids[lo : lo + chunk_size]))
             if calculate_entropy:
                 entropies.append(entropy_from_logits(logits))
-        empty = hidden[:0, 0, 0].float()  # stays on the autograd graph, so an all-empty micro-batch can backward
         out = {"log_probs": torch.cat(log_probs) if log_probs else empty}
         if calculate_entropy:
             out["entropy"] = torch.cat(entropies) if entropies else empty
