@@ -31,19 +31,19 @@ __all__ = ["TrainMesh", "build_train_mesh", "check_mesh_sizes", "clip_grads_", "
 
 def check_mesh_sizes(world_size: int, tp: int, sp: int, fsdp_size: int = -1, where: str = "") -> None:
     """Start-up check: every size positive and ``tp * sp`` divides the world. ValueError naming the numbers."""
-    at = f" ({where})" if where else ""
+    at = f"{where}: " if where else ""
     for name, value in (("tensor_model_parallel_size", tp), ("ulysses_sequence_parallel_size", sp)):
         if value < 1:
-            raise ValueError(f"{name}={value}{at} must be >= 1")
+            raise ValueError(f"{at}{name}={value} must be >= 1")
     if world_size % (tp * sp):
         raise ValueError(
-            f"the training world of {world_size} ranks is not divisible by tensor_model_parallel_size ({tp}) x "
-            f"ulysses_sequence_parallel_size ({sp}) = {tp * sp}{at}; choose sizes whose product divides {world_size} "
+            f"{at}the training world of {world_size} ranks is not divisible by tensor_model_parallel_size ({tp}) x "
+            f"ulysses_sequence_parallel_size ({sp}) = {tp * sp}; choose sizes whose product divides {world_size} "
             "(trainer.n_gpus_per_node x trainer.nnodes)"
         )
     if (tp > 1 or sp > 1) and fsdp_size not in (-1, world_size // tp):
         raise ValueError(
-            f"fsdp_size={fsdp_size}{at} (hybrid sharding) cannot be combined with tensor/sequence parallelism "
+            f"{at}fsdp_size={fsdp_size} (hybrid sharding) cannot be combined with tensor/sequence parallelism "
             f"(tp={tp}, sp={sp}); leave fsdp_size at -1"
         )
 

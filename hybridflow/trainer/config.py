@@ -88,6 +88,9 @@ class FSDPSection:
     optimizer_offload: bool = False
     fsdp_size: int = -1
     param_dtype: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights)
+    # training tensor parallelism (engines/tensor_parallel_train.py): ranks that split every projection; veRL's name
+    # for the TP size of its engines (the rollout's is actor_rollout_ref.rollout.tensor_model_parallel_size)
+    tensor_model_parallel_size: int = 1
 
 
 @dataclass
@@ -118,6 +121,7 @@ class ActorConfig:
     recompute_old_log_prob: str = "auto"  # auto: skip the pass when the update is exactly on-policy | always
     optim: OptimSection = field(default_factory=OptimSection)
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
+    ulysses_sequence_parallel_size: int = 1  # ranks that split every sequence (engines/ulysses.py)
 
 
 @dataclass
@@ -166,6 +170,7 @@ class RefConfig:
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_gpu: int = 16384
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
+    ulysses_sequence_parallel_size: int = 1
 
 
 @dataclass
@@ -192,6 +197,7 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"
     grad_clip: float = 1.0
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
+    ulysses_sequence_parallel_size: int = 1
 
 
 @dataclass
@@ -369,12 +375,13 @@ def classify_overrides(overrides: list[str], schema: type | None = None) -> dict
     out: dict[str, list[str]] = {"taken": [], "renamed": [], "refused": [], "unknown": []}
     for item in overrides:
         key, _ = _parse_override(item)
-        if key not in known and (why := refusal(key)):
-            out["refused"].append(why)
-        elif key in known or key.startswith(free_form):
+        ours = alias_of(key)
+        if key in known or key.startswith(free_form):
             out["taken"].append(key)
-        elif (ours := alias_of(key)) and (ours in known or ours.startswith(free_form)):
+        elif ours and (ours in known or ours.startswith(free_form)):  # renamed before refused, as merge_overrides
             out["renamed"].append(f"{key} -> {ours}")
+        elif why := refusal(key):
+            out["refused"].append(why)
         else:
             out["unknown"].append(key)
     return out
@@ -571,6 +578,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
             "set it, or drop reward_model.sandbox (the built-in scorers are hybridflow's own code)"
         )
     errors += _pre_step_config_errors(cfg)
+    from hybridflow.trainer.parallel_checks import model_parallel_errors
+
+    errors += model_parallel_errors(cfg)
     if t.fault_injection:
         from hybridflow.common.faults import parse_fault_spec
 

@@ -112,6 +112,7 @@ class ActorRolloutRefWorker(Worker):
                     infer_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
                     infer_use_dynamic_bsz=arr.rollout.log_prob_use_dynamic_bsz,
                     infer_max_token_len=arr.rollout.log_prob_max_token_len_per_gpu,
+                    ulysses_sequence_parallel_size=actor.ulysses_sequence_parallel_size,
                 )
             )
             self.objective = build_actor_objective(actor_loss_config(actor, cfg.algorithm.rollout_correction))
@@ -127,6 +128,7 @@ class ActorRolloutRefWorker(Worker):
                     micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
                     use_dynamic_bsz=arr.ref.log_prob_use_dynamic_bsz,
                     max_token_len=arr.ref.log_prob_max_token_len_per_gpu,
+                    ulysses_sequence_parallel_size=arr.ref.ulysses_sequence_parallel_size,
                 )
             )
         if self.is_rollout:
