@@ -22,7 +22,9 @@ from hybridflow.protocol import DataProto
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-OPTIM = OptimConfig(lr=1e-3, weight_decay=0.01, grad_clip=1.0)
+# Adam's first step moves each weight by ~lr * g / |g|: where |g| is near eps, float-rounding differences of g show
+# up scaled by lr, so the step after the (1e-5-equal) gradients is compared at a small lr.
+OPTIM = OptimConfig(lr=1e-4, weight_decay=0.01, grad_clip=1.0)
 # token budget: the ranks' shards get different micro-batch counts, which the engine must even out
 ENGINE = {"use_dynamic_bsz": True, "max_tokens_per_micro_batch": 80}
 ROWS = 8
