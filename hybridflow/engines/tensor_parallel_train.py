@@ -7,7 +7,8 @@ Per decoder layer, `torch.distributed.tensor.parallel.parallelize_module` turns
   * ``self_attn.o_proj`` and ``mlp.down_proj`` into RowwiseParallel (weight ``[out, in/tp]``; the partial outputs
     are summed by one all-reduce per block),
 so attention runs on the local heads untouched (transformers reshapes with ``-1`` heads). Norms and the embedding
-stay replicated over TP (FSDP still shards them over dp). An untied output head is split over the vocabulary
+stay replicated over TP (FSDP still shards them over dp); the per-head q/k norms of Qwen3 and Gemma 3 become
+replicated DTensors over an input sharded on the heads dim, so their gradient is summed over the TP ranks' heads. An untied output head is split over the vocabulary
 (ColwiseParallel) and its logits gathered (``output_layouts=Replicate()``), so log-softmax and entropy see the whole
 vocabulary; a tied head stays whole with its embedding, as one tensor.
 
@@ -55,13 +56,24 @@ def check_tensor_parallel(hf_config, tp: int, where: str = "tensor_model_paralle
 def apply_tensor_parallel(hf_model: nn.Module, tp_mesh) -> None:
     """Split `hf_model`'s projections over `tp_mesh` in place (see the module docstring); call before fully_shard."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     plan = {name: ColwiseParallel() for name in _COLWISE}
     plan.update({name: RowwiseParallel() for name in _ROWWISE})
     backbone = getattr(hf_model, hf_model.base_model_prefix)
     for layer in backbone.layers:
-        parallelize_module(layer, tp_mesh, plan)
+        layer_plan = dict(plan)
+        for norm in ("q_norm", "k_norm"):  # Qwen3 / Gemma 3: RMSNorm over head_dim of [b, L, heads/tp, d]
+            if hasattr(layer.self_attn, norm):
+                # each rank sees only its heads, so the shared weight's gradient is a partial sum: as a DTensor
+                # over an input sharded on the heads dim, its gradient is all-reduced over TP by DTensor itself
+                layer_plan[f"self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(layer, tp_mesh, layer_plan)
     head = hf_model.get_output_embeddings()
     tied = head is not None and head.weight is backbone.get_input_embeddings().weight
     if head is not None and not tied:

@@ -97,6 +97,9 @@ def _on_all(actors, method, *per_rank):
 CASES = [
     # world, tp, sp, arch, tied embeddings
     pytest.param(2, 2, 1, "qwen2", True, id="tp2-qwen2"),
+    # per-head q/k RMSNorm weights see only a rank's heads: their gradient must be summed over TP
+    pytest.param(2, 2, 1, "qwen3", True, id="tp2-qwen3-qk-norm"),
+    pytest.param(2, 2, 1, "gemma3_text", True, id="tp2-gemma3-qk-norm"),
     pytest.param(2, 1, 2, "qwen3", True, id="sp2-qwen3"),
     pytest.param(4, 2, 1, "llama", False, id="tp2xdp2-llama-vocab-parallel-head"),
     pytest.param(4, 1, 4, "qwen2", True, id="sp4-qwen2-kv-heads-repeated"),
