@@ -38,6 +38,12 @@ def pg_loss(micro: DataProto, outputs: dict[str, torch.Tensor]):
     return loss, {"loss": loss.detach()}
 
 
+def value_loss(micro: DataProto, outputs: dict[str, torch.Tensor]):
+    mask = micro.batch["response_mask"].float()
+    err = (outputs["values"] - micro.batch["returns"]) ** 2 * mask
+    return err.sum() / micro.meta_info["global_num_tokens"], {}
+
+
 def full_grads(engine: FSDPEngine) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in engine.model.named_parameters():
@@ -48,16 +54,21 @@ def full_grads(engine: FSDPEngine) -> dict[str, torch.Tensor]:
 
 @ray.remote(num_cpus=1)
 class ParallelRank:
-    def __init__(self, rank: int, world: int, init_method: str, path: str, tp: int, sp: int) -> None:
+    def __init__(self, rank: int, world: int, init_method: str, path: str, tp: int, sp: int,
+                 role: str = "actor") -> None:
         import torch.distributed as dist
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
-        self.engine = FSDPEngine(EngineConfig(model_path=path, optim=OPTIM, tensor_parallel_size=tp,
+        self.engine = FSDPEngine(EngineConfig(model_path=path, role=role, optim=OPTIM, tensor_parallel_size=tp,
                                               ulysses_sequence_parallel_size=sp, **ENGINE))
+        self.loss = value_loss if role == "critic" else pg_loss
+
+    def values(self, shard: DataProto):
+        return self.engine.compute_values(shard)
 
     def grads(self, shard: DataProto):
-        self.engine.forward_backward(shard, pg_loss)
+        self.engine.forward_backward(shard, self.loss)
         grads = full_grads(self.engine)
         norm = self.engine._clip_grad_norm()
         self.engine.optimizer.zero_grad(set_to_none=True)
@@ -153,6 +164,26 @@ def test_model_parallel_training_equals_one_rank(ray_session, tmp_path, world, t
             _on_all(actors, "load", [ckpt] * world)
             back = _on_all(actors, "state")[0]
             assert all(torch.equal(back[k], states[0][k]) for k in back)
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+@pytest.mark.parametrize("tp, sp", [(2, 1), (1, 2)], ids=["tp2", "sp2"])
+def test_critic_values_and_gradients_with_tp_or_sp_equal_one_rank(ray_session, tiny_model_path, tp, sp):
+    batch = make_batch(rows=ROWS, prompt_len=8, response_len=16, seed=7)
+    single = FSDPEngine(EngineConfig(model_path=tiny_model_path, role="critic", optim=OPTIM, **ENGINE))
+    ref_values = single.compute_values(batch)
+    single.forward_backward(batch, value_loss)
+    ref_grads = full_grads(single)
+    init = f"tcp://127.0.0.1:{_port()}"
+    actors = [ParallelRank.remote(r, 2, init, tiny_model_path, tp, sp, "critic") for r in range(2)]
+    try:
+        shards = [batch[: ROWS // 2], batch[ROWS // 2 :]]
+        values = torch.cat(_on_all(actors, "values", shards))
+        assert float((values - ref_values).abs().max()) <= 1e-5
+        grads, _ = _on_all(actors, "grads", shards)[0]
+        assert max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads) <= 1e-5
     finally:
         for a in actors:
             ray.kill(a)
