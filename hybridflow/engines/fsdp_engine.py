@@ -84,6 +84,10 @@ class EngineConfig:
     # MoE (moe_train.py): weight of the router load-balancing loss; None: the model config's (transformers' rule)
     router_aux_loss_coef: float | None = None
     router_replay: bool = False  # R3: forwards use the rollout's experts (batch column routed_experts)
+    # Model parallelism inside the training world (train_mesh.py): tensor-parallel ranks split every projection,
+    # Ulysses sequence-parallel ranks split every sequence; data parallelism gets world / (tp * sp) groups.
+    tensor_parallel_size: int = 1
+    ulysses_sequence_parallel_size: int = 1
 
     def validate(self) -> None:
         if self.role not in ROLES:
@@ -108,6 +112,12 @@ class EngineConfig:
                              f"got {self.router_aux_loss_coef}")
         if self.lora.enabled and self.role != "actor":
             raise ValueError(f"LoRA (lora_rank={self.lora.rank}) is for the actor engine, this one is {self.role!r}")
+        if self.tensor_parallel_size > 1 and self.lora.enabled:
+            raise ValueError(f"tensor_model_parallel_size={self.tensor_parallel_size} with LoRA (lora_rank="
+                             f"{self.lora.rank}) is not supported: PEFT's layers cannot be split; use one of them")
+        if self.ulysses_sequence_parallel_size > 1 and not self.use_remove_padding:
+            raise ValueError(f"ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} needs "
+                             "use_remove_padding=True (the stripped, causal-only layout)")
 
 
 class FSDPEngine:
@@ -125,6 +135,7 @@ class FSDPEngine:
         self.is_critic = config.role == "critic"
         self.trainable = config.role != "ref"
 
+        self.train_mesh = self._build_train_mesh()
         self.tokenizer = load_tokenizer(config.model_path)
         torch.manual_seed(config.seed)  # a fresh value head must be identical on every rank
         hf_model = load_model(config.model_path, config.role)
@@ -149,7 +160,7 @@ class FSDPEngine:
             hf_model.requires_grad_(False)
         if config.use_sequence_packing:
             packing.enable_packed_attention(hf_model)
-        self.model: nn.Module = HeadOnPositions(hf_model, is_critic=self.is_critic)
+        self.model: nn.Module = self._wrap(hf_model)
         self.sharded = self.distributed and self.world_size > 1
         offload = self.device.type != "cpu"
         # param_offload on one rank: no FSDP offload policy to do it, so the engine moves the model per call
@@ -165,6 +176,46 @@ class FSDPEngine:
         self.global_step = 0
 
     # ------------------------------------------------------------------ setup
+    def _build_train_mesh(self):
+        """The (dp, sp, tp) mesh when tensor or sequence parallelism is on, else None (plain FSDP below)."""
+        tp, sp = self.config.tensor_parallel_size, self.config.ulysses_sequence_parallel_size
+        if tp == 1 and sp == 1:
+            return None
+        from hybridflow.engines.train_mesh import build_train_mesh, check_mesh_sizes
+
+        check_mesh_sizes(self.world_size, tp, sp, self.config.fsdp_size, where=f"{self.config.role} engine")
+        if not self.distributed:
+            raise ValueError(f"tensor_model_parallel_size={tp} / ulysses_sequence_parallel_size={sp} need "
+                             "torch.distributed with tp * sp ranks; this engine runs without a process group")
+        return build_train_mesh(hf_device.device_name(), self.world_size, self.rank, tp, sp)
+
+    def _wrap(self, hf_model: nn.Module) -> nn.Module:
+        """HeadOnPositions, tensor-parallel projections (before FSDP) and the sequence-parallel head where asked."""
+        mesh = self.train_mesh
+        if mesh is None:
+            return HeadOnPositions(hf_model, is_critic=self.is_critic)
+        from hybridflow.engines.tensor_parallel_train import apply_tensor_parallel, check_tensor_parallel
+        from hybridflow.engines.ulysses import SequenceParallelHead, check_sequence_parallel
+
+        check_tensor_parallel(hf_model.config, mesh.tp_size)
+        check_sequence_parallel(hf_model.config, mesh.sp_size, mesh.tp_size)
+        if mesh.tp_size > 1:
+            apply_tensor_parallel(hf_model, mesh.tp_mesh)
+        if mesh.sp_size > 1:
+            return SequenceParallelHead(hf_model, self.is_critic, mesh.sp_group, mesh.sp_size, mesh.sp_rank)
+        return HeadOnPositions(hf_model, is_critic=self.is_critic)
+
+    @property
+    def _grad_ranks(self) -> int:
+        """Ranks FSDP averages gradients over (the loss is scaled by it so that they add up instead)."""
+        return self.train_mesh.fsdp_size if self.train_mesh is not None else self.world_size
+
+    def _gather_rows(self, data: DataProto) -> tuple[DataProto, slice]:
+        """The rows this rank computes (its model group's) and where its own rows sit in them."""
+        if self.train_mesh is None:
+            return data, slice(0, len(data))
+        return self.train_mesh.gather_rows(data)
+
     def _shard(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -173,7 +224,9 @@ class FSDPEngine:
         if self.world_size % fsdp_size:
             raise ValueError(f"fsdp_size {fsdp_size} must divide the world size {self.world_size}")
         kind = hf_device.device_name()
-        if fsdp_size == self.world_size:
+        if self.train_mesh is not None:
+            self.mesh = self.train_mesh.fsdp_mesh  # TP parameters are DTensors on the tp dim of the same mesh
+        elif fsdp_size == self.world_size:
             self.mesh = init_device_mesh(kind, (self.world_size,), mesh_dim_names=("dp",))
         else:
             self.mesh = init_device_mesh(
@@ -331,6 +384,7 @@ class FSDPEngine:
             hf_device.empty_cache()
 
     def _run_no_grad(self, data: DataProto, **kwargs: Any) -> dict[str, torch.Tensor]:
+        data, own = self._gather_rows(data)
         self.model.eval()
         results: dict[str, torch.Tensor] = {}
         with torch.no_grad(), self._params_on_device():
@@ -341,7 +395,7 @@ class FSDPEngine:
                         results[key] = value.new_zeros(len(data), value.shape[1])
                     results[key][torch.as_tensor(group, device=value.device)] = value
         self._reshard()
-        return {k: v.cpu() for k, v in results.items()}
+        return {k: v[own].cpu() for k, v in results.items()}
 
     # ------------------------------------------------------------------ forward-only operations
     def compute_log_prob(
@@ -423,8 +477,9 @@ class FSDPEngine:
         global_meta = {
             "global_num_tokens": float(totals[0]),
             "global_num_seqs": float(totals[1]),
-            "dp_size": self.world_size,
+            "dp_size": self.world_size if self.train_mesh is None else self.train_mesh.dp_size,
         }
+        data, _ = self._gather_rows(data)  # after the global counts: those count each row once
 
         self.model.train()
         sums: dict[str, float] = {}
@@ -439,7 +494,7 @@ class FSDPEngine:
             if not torch.isfinite(loss.detach()).all():
                 local_nonfinite = 1.0
             # FSDP averages gradients over ranks; loss_fn already divided by the global count, so undo the average.
-            (loss * self.world_size).backward()
+            (loss * self._grad_ranks).backward()
             for key, value in (metrics or {}).items():
                 number = _as_number(value)
                 if number is not None:
@@ -469,6 +524,10 @@ class FSDPEngine:
         if not params:
             return 0.0
         max_norm = self.config.optim.grad_clip if self.config.optim.grad_clip > 0 else float("inf")
+        if self.train_mesh is not None:
+            from hybridflow.engines.train_mesh import clip_grads_
+
+            return clip_grads_(params, max_norm, self.device)
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, error_if_nonfinite=False, foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()

@@ -131,12 +131,26 @@ class HeadOnPositions(nn.Module):
         chunk_size: int = 2048,
         attention_kwargs: dict | None = None,
     ) -> dict[str, torch.Tensor]:
-        backbone, head = self._parts()
+        backbone, _ = self._parts()
         hidden = backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
             **(attention_kwargs or {}),
         ).last_hidden_state
         selected = hidden[select_rows, select_cols]  # [N, H]
+        empty = hidden[:0, 0, 0].float()  # stays on the autograd graph, so an all-empty micro-batch can backward
+        return self.head_outputs(selected, target_ids, temperature, calculate_entropy, chunk_size, empty)
+
+    def head_outputs(
+        self,
+        selected: torch.Tensor,
+        target_ids: torch.Tensor | None,
+        temperature: float,
+        calculate_entropy: bool,
+        chunk_size: int,
+        empty: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """The head on ``selected [N, H]`` hidden states -> forward()'s outputs, each ``[N]`` float32."""
+        _, head = self._parts()
         if self.is_critic:
             return {"values": head(selected).squeeze(-1).float()}
         log_probs, entropies = [], []
@@ -154,7 +168,6 @@ class HeadOnPositions(nn.Module):
                 entropies.append(ent)
             else:
                 log_probs.append(log_probs_from_logits(logits, target_ids[lo : lo + chunk_size]))
-        empty = hidden[:0, 0, 0].float()  # stays on the autograd graph, so an all-empty micro-batch can backward
         out = {"log_probs": torch.cat(log_probs) if log_probs else empty}
         if calculate_entropy:
             out["entropy"] = torch.cat(entropies) if entropies else empty

@@ -99,6 +99,9 @@ class FSDPSection:
     optimizer_offload: bool = False
     fsdp_size: int = -1
     param_dtype: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights)
+    # training tensor parallelism (engines/tensor_parallel_train.py): ranks that split every projection; veRL's name
+    # for the TP size of its engines (the rollout's is actor_rollout_ref.rollout.tensor_model_parallel_size)
+    tensor_model_parallel_size: int = 1
 
 
 @dataclass
@@ -144,6 +147,7 @@ class ActorConfig:
     entropy_from_logits_with_chunking: bool = True  # veRL's key; always chunked here
     optim: OptimSection = field(default_factory=OptimSection)
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
+    ulysses_sequence_parallel_size: int = 1  # ranks that split every sequence (engines/ulysses.py)
 
 
 @dataclass
@@ -202,6 +206,7 @@ class RefConfig:
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
     use_torch_compile: bool = False  # veRL's key; the forward is eager here (true is refused, verl_model_keys.py)
     entropy_from_logits_with_chunking: bool = True  # veRL's key; always chunked here
+    ulysses_sequence_parallel_size: int = 1
 
 
 @dataclass
@@ -228,6 +233,7 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"
     grad_clip: float = 1.0
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
+    ulysses_sequence_parallel_size: int = 1
 
 
 @dataclass
@@ -406,12 +412,13 @@ def classify_overrides(overrides: list[str], schema: type | None = None) -> dict
     out: dict[str, list[str]] = {"taken": [], "renamed": [], "refused": [], "unknown": []}
     for item in overrides:
         key, _ = _parse_override(item)
-        if key not in known and (why := refusal(key)):
-            out["refused"].append(why)
-        elif key in known or key.startswith(free_form):
+        ours = alias_of(key)
+        if key in known or key.startswith(free_form):
             out["taken"].append(key)
-        elif (ours := alias_of(key)) and (ours in known or ours.startswith(free_form)):
+        elif ours and (ours in known or ours.startswith(free_form)):  # renamed before refused, as merge_overrides
             out["renamed"].append(f"{key} -> {ours}")
+        elif why := refusal(key):
+            out["refused"].append(why)
         else:
             out["unknown"].append(key)
     return out
@@ -499,6 +506,11 @@ def validate_config(cfg: HybridFlowConfig) -> None:
             errors.append(f"{key}.{problem}")
     errors += rollout_config_errors(rollout)
     errors += _router_replay_errors(actor.router_replay.mode, rollout.name)
+    if actor.router_replay.mode == "R3" and (actor.ulysses_sequence_parallel_size > 1
+                                             or actor.fsdp_config.tensor_model_parallel_size > 1):
+        errors.append("actor_rollout_ref.actor.router_replay.mode=R3 does not combine with sequence / tensor-parallel "
+                      "training (each rank routes part of a row); set ulysses_sequence_parallel_size and "
+                      "fsdp_config.tensor_model_parallel_size to 1, or turn router replay off")
     if arr.model.lora_rank < 0:
         errors.append(
             f"actor_rollout_ref.model.lora_rank={arr.model.lora_rank}: give 0 (no LoRA) or a positive rank such as 8"
@@ -615,6 +627,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
             "set it, or drop reward_model.sandbox (the built-in scorers are hybridflow's own code)"
         )
     errors += _pre_step_config_errors(cfg)
+    from hybridflow.trainer.parallel_checks import model_parallel_errors
+
+    errors += model_parallel_errors(cfg)
     if t.fault_injection:
         from hybridflow.common.faults import parse_fault_spec
 

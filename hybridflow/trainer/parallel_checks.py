@@ -1,15 +1,18 @@
-"""Start-up checks of the parallel layout: tensor-parallel rollout (``rollout.tensor_model_parallel_size``) and, where
-the config has them, the training's tensor / sequence parallel sizes.
+"""Start-up checks of the parallel layout: tensor-parallel rollout (``rollout.tensor_model_parallel_size``) and the
+training engines' tensor / Ulysses sequence parallelism (``<role>.fsdp_config.tensor_model_parallel_size``,
+``<role>.ulysses_sequence_parallel_size``).
 
-`layout_errors` judges the numbers alone (called by config.validate_config); `model_layout_errors` also reads the
-model's config (heads, KV heads, MLP width; called by preflight). Each message names the numbers and what to change.
+`layout_errors` judges the rollout numbers alone (called by config.validate_config); `model_layout_errors` also reads
+the model's config (heads, KV heads, MLP width; called by preflight); `model_parallel_errors` checks each training
+engine's sizes (the engine repeats them when it builds its mesh). Each message names the numbers and what to change.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-__all__ = ["layout_errors", "model_layout_errors"]
+__all__ = ["layout_errors", "model_layout_errors", "model_parallel_errors"]
 
 TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 
@@ -38,15 +41,6 @@ def layout_errors(cfg: Any) -> list[str]:
         errors.append(f"{TP_KEY}={tp} is larger than the {per_node} ranks of one node (n_gpus_per_node): a "
                       f"tensor-parallel group all-reduces twice per layer and must stay inside one node; set it to at "
                       f"most {per_node}")
-    # the training side (issue #20's TP/SP training); getattr: these keys exist once that work is in
-    actor = cfg.actor_rollout_ref.actor
-    train_tp = int(getattr(actor, "tensor_model_parallel_size", 1) or 1)
-    sp = int(getattr(actor, "ulysses_sequence_parallel_size", 1) or 1)
-    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    if train_tp * sp > 1 and world % (train_tp * sp):
-        errors.append(f"the {world} training ranks (trainer.nnodes*trainer.n_gpus_per_node) do not split into "
-                      f"tensor-parallel {train_tp} x sequence-parallel {sp} = {train_tp * sp} groups; make the rank "
-                      "count a multiple of it or lower the sizes")
     return errors
 
 
@@ -75,4 +69,60 @@ def model_layout_errors(cfg: Any) -> list[str]:
         if value is not None and value % tp:
             errors.append(f"{path}: the model's {key}={value} does not split over {tp} tensor-parallel ranks; set "
                           f"{TP_KEY} to a divisor of it")
+    return errors
+
+
+def _roles(cfg: Any) -> list[tuple[str, str, Any, int, str | None]]:
+    """(tp key, sp key, tp, sp, model path) of each training engine."""
+    arr = cfg.actor_rollout_ref
+    a, r, c = "actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"
+    return [
+        (f"{a}.fsdp_config.tensor_model_parallel_size", f"{a}.ulysses_sequence_parallel_size",
+         arr.actor.fsdp_config.tensor_model_parallel_size, arr.actor.ulysses_sequence_parallel_size, arr.model.path),
+        (f"{r}.fsdp_config.tensor_model_parallel_size", f"{r}.ulysses_sequence_parallel_size",
+         arr.ref.fsdp_config.tensor_model_parallel_size, arr.ref.ulysses_sequence_parallel_size, arr.model.path),
+        (f"{c}.fsdp_config.tensor_model_parallel_size", f"{c}.ulysses_sequence_parallel_size",
+         cfg.critic.fsdp_config.tensor_model_parallel_size, cfg.critic.ulysses_sequence_parallel_size,
+         cfg.critic.model.path or arr.model.path),
+    ]
+
+
+def model_parallel_errors(cfg: Any) -> list[str]:
+    """One line per problem: sizes below 1, tp * sp not dividing the world, TP wider than a node, a model whose
+    heads / KV heads / MLP width the sizes do not divide, LoRA with TP, SP without use_remove_padding."""
+    from hybridflow.engines.tensor_parallel_train import check_tensor_parallel
+    from hybridflow.engines.train_mesh import check_mesh_sizes
+    from hybridflow.engines.ulysses import check_sequence_parallel
+
+    t = cfg.trainer
+    world = t.nnodes * t.n_gpus_per_node
+    errors: list[str] = []
+    for tp_key, sp_key, tp, sp, path in _roles(cfg):
+        if tp == 1 and sp == 1:
+            continue
+        where = f"{tp_key}={tp}, {sp_key}={sp}"
+        try:
+            check_mesh_sizes(world, tp, sp, -1, where=where)
+        except ValueError as err:
+            errors.append(str(err))
+            continue
+        if tp > t.n_gpus_per_node:
+            errors.append(f"{tp_key}={tp} is larger than a node (trainer.n_gpus_per_node={t.n_gpus_per_node}); "
+                          "tensor-parallel ranks exchange activations every layer and must share a node")
+        if tp > 1 and cfg.actor_rollout_ref.model.lora_rank > 0 and not tp_key.startswith("critic"):
+            errors.append(f"{tp_key}={tp} with LoRA (actor_rollout_ref.model.lora_rank="
+                          f"{cfg.actor_rollout_ref.model.lora_rank}) is not supported; use one of them")
+        model = cfg.critic.model if tp_key.startswith("critic") else cfg.actor_rollout_ref.model
+        if sp > 1 and not model.use_remove_padding:
+            errors.append(f"{sp_key}={sp} needs use_remove_padding=true on that model (the stripped layout)")
+        if path and os.path.isdir(path):  # a missing model folder is reported by the model checks
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(path)
+            for check, args in ((check_tensor_parallel, (hf_config, tp, tp_key)),
+                                (check_sequence_parallel, (hf_config, sp, tp, sp_key))):
+                try:
+                    check(*args)
+                except ValueError as err:
+                    errors.append(str(err))
     return errors

@@ -11,6 +11,13 @@ from __future__ import annotations
 
 # veRL key (or prefix ending in ".") -> hybridflow key (or prefix)
 ALIASES: dict[str, str] = {
+    # newer veRL keeps the Ulysses size in each engine's fsdp_config; its older (and hybridflow's) place is the role
+    "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size":
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size":
+        "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+    "critic.model.fsdp_config.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
+    "critic.fsdp_config.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
     "critic.model.fsdp_config.": "critic.fsdp_config.",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
     "trainer.max_critic_ckpt_to_keep": "trainer.max_ckpt_to_keep",
@@ -73,9 +80,6 @@ PLANNED: dict[str, str] = {
     "actor_rollout_ref.rollout.checkpoint_engine.": "bucketed weight streaming to a separate rollout (issue #19)",
     "actor_rollout_ref.rollout.expert_parallel_size": "expert-parallel rollout (issue #17/#20)",
     "actor_rollout_ref.rollout.data_parallel_size": "rollout data parallelism apart from training (issue #19)",
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "Ulysses sequence parallelism (issue #20)",
-    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "Ulysses sequence parallelism (issue #20)",
-    "critic.ulysses_sequence_parallel_size": "Ulysses sequence parallelism (issue #20)",
     "actor_rollout_ref.model.lora_adapter_path": "starting LoRA RL from a saved PEFT adapter (issue #17)",
     "critic.model.lora_": "LoRA on the critic (issue #17); LoRA is on the actor (actor_rollout_ref.model.lora_rank)",
     "critic.model.target_modules": "LoRA on the critic (issue #17)",

@@ -115,6 +115,7 @@ class ActorRolloutRefWorker(Worker):
                     infer_max_token_len=arr.rollout.log_prob_max_token_len_per_gpu,
                     router_aux_loss_coef=actor.router_aux_loss_coef,
                     router_replay=actor.router_replay.mode == "R3",
+                    ulysses_sequence_parallel_size=actor.ulysses_sequence_parallel_size,
                 )
             )
             self.objective = build_actor_objective(actor_loss_config(actor, cfg.algorithm.rollout_correction))
@@ -130,6 +131,7 @@ class ActorRolloutRefWorker(Worker):
                     micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
                     use_dynamic_bsz=arr.ref.log_prob_use_dynamic_bsz,
                     max_token_len=arr.ref.log_prob_max_token_len_per_gpu,
+                    ulysses_sequence_parallel_size=arr.ref.ulysses_sequence_parallel_size,
                 )
             )
         if self.is_rollout:

@@ -36,6 +36,7 @@ class CriticWorker(Worker):
                 use_dynamic_bsz=critic.use_dynamic_bsz,
                 max_token_len=critic.ppo_max_token_len_per_gpu,
                 optim=optim_config(critic.optim, critic.grad_clip, critic.optim.total_training_steps),
+                ulysses_sequence_parallel_size=critic.ulysses_sequence_parallel_size,
             )
         )
         self.objective = build_critic_objective(CriticLossConfig(cliprange_value=critic.cliprange_value))

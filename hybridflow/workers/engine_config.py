@@ -58,6 +58,7 @@ def engine_config(
     infer_max_token_len: int | None = None,
     router_aux_loss_coef: float | None = None,
     router_replay: bool = False,
+    ulysses_sequence_parallel_size: int = 1,
 ) -> EngineConfig:
     """One engine's config. The ``infer_*`` settings size the forward-only passes (log-probs, values), which hold
     no activations for backward and may use larger micro-batches than training; None: the training settings."""
@@ -72,6 +73,8 @@ def engine_config(
         param_offload=fsdp.param_offload,
         optimizer_offload=fsdp.optimizer_offload,
         fsdp_size=fsdp.fsdp_size,
+        tensor_parallel_size=fsdp.tensor_model_parallel_size,
+        ulysses_sequence_parallel_size=ulysses_sequence_parallel_size,
         seed=seed,
         use_remove_padding=model.use_remove_padding,
         infer_micro_batch_size_per_gpu=infer_micro_batch_size,
