@@ -330,7 +330,7 @@ class FSDPEngine:
                 temperature=temperature,
                 calculate_entropy=calculate_entropy,
                 chunk_size=self.config.entropy_chunk_size,
-                attention_kwargs=attention_kwargs,
+                **({"attention_kwargs": attention_kwargs} if attention_kwargs is not None else {}),
             )
         if self.model.training and len(self.router_tap):
             mask = bucket.attention_mask

@@ -115,6 +115,9 @@ def model_parallel_errors(cfg: Any) -> list[str]:
         model = cfg.critic.model if tp_key.startswith("critic") else cfg.actor_rollout_ref.model
         if sp > 1 and not model.use_remove_padding:
             errors.append(f"{sp_key}={sp} needs use_remove_padding=true on that model (the stripped layout)")
+        if sp > 1 and getattr(model, "use_sequence_packing", False):
+            errors.append(f"{sp_key}={sp} does not combine with use_sequence_packing=true (sequence parallelism "
+                          "splits the bucketed rows); turn one of them off")
         if path and os.path.isdir(path):  # a missing model folder is reported by the model checks
             from transformers import AutoConfig
 
