@@ -130,7 +130,8 @@ class AgentRollout:
         self.max_response_length = int(cfg.data.max_response_length)
         self.engine = engine
         self.pad_token_id = int(getattr(engine, "pad_token_id", None) or tokenizer.pad_token_id or 0)
-        env_factory = environment_factory(mt.environment, mt.environment_kwargs) if mt.environment else None
+        env_name, env_kwargs = mt.environment, mt.environment_kwargs
+        env_factory = environment_factory(env_name, env_kwargs) if env_name else None
         self.loop = AgentLoop(
             RolloutEngineGenerator(engine),
             tokenizer,
