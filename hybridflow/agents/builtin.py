@@ -23,7 +23,7 @@ from typing import Any
 from hybridflow.agents.environment import Environment
 from hybridflow.plugins import Registry
 
-__all__ = ["ENVIRONMENTS", "GuessNumberEnv", "calculator", "environment_factory", "register_environment"]
+__all__ = ["ENVIRONMENTS", "GuessNumberEnv", "VerlCalculatorTool", "calculator", "environment_factory", "register_environment"]
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
         ast.Mod: operator.mod}
@@ -60,6 +60,26 @@ def calculator(expression: str) -> str:
     except SyntaxError as e:
         raise ValueError(f"cannot parse {expression!r}: {e.msg}") from e
     return str(_evaluate(tree))
+
+
+class VerlCalculatorTool:
+    """``calculator`` as a veRL tool class (``class_name`` in a ``tool_config_path`` file): async create / execute /
+    release, ``execute -> (text, reward, metrics)``."""
+
+    def __init__(self, config: dict, tool_schema: Any):
+        self.config, self.tool_schema = config, tool_schema
+
+    async def create(self, instance_id: str | None = None, **kwargs: Any) -> str:
+        return instance_id or "calculator"
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any) -> tuple[str, float, dict]:
+        try:
+            return calculator(str(parameters.get("expression", ""))), 0.0, {}
+        except ValueError as e:
+            return f"Error: {e}", 0.0, {"error": 1.0}
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        return None
 
 
 _INT = re.compile(r"-?\d+")

@@ -20,7 +20,7 @@ import torch
 from hybridflow.protocol import DataProto
 from hybridflow.workers.agent_rollout import ROW_COLUMNS
 
-__all__ = ["AgentRewardFn", "generation_input", "merge_generation"]
+__all__ = ["AgentRewardFn", "episode_records", "generation_input", "merge_generation"]
 
 # non-tensor columns of an episode (agents/collate.py) that ride on the trained row
 EPISODE_COLUMNS = ("num_turns", "termination", "tool_calls", "turn_spans", "conversation", "agent_reward",
@@ -41,6 +41,17 @@ def merge_generation(rows: DataProto, gen: DataProto) -> DataProto:
         if key in gen.non_tensor_batch:
             rows.non_tensor_batch[key] = gen.non_tensor_batch[key]
     return rows
+
+
+def episode_records(batch: DataProto) -> list[dict[str, Any]] | None:
+    """Per row, what samples.jsonl keeps of its episode (None when the rows are not episodes)."""
+    nt = batch.non_tensor_batch
+    if "conversation" not in nt:
+        return None
+    return [{"conversation": list(nt["conversation"][i]), "num_turns": int(nt["num_turns"][i]),
+             "termination": str(nt["termination"][i]),
+             "tool_calls": [{"name": c.get("name"), "arguments": c.get("arguments"), "error": c.get("error")}
+                            for c in nt["tool_calls"][i]]} for i in range(len(batch))]
 
 
 def _extra_info(batch: DataProto) -> np.ndarray:

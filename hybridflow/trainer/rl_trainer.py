@@ -399,7 +399,8 @@ class RLTrainer:
         scores = b.batch["token_level_scores"].sum(-1).tolist()
         gts = list(b.non_tensor_batch.get("ground_truth", [None] * len(b)))
         texts = list(b.non_tensor_batch["response_text"])
-        self.sample_writer.maybe_write(self.global_step, prompts, texts, scores, None, gts)
+        episodes = agent_rewards.episode_records(b)  # multi-turn: the conversation turn by turn
+        self.sample_writer.maybe_write(self.global_step, prompts, texts, scores, None, gts, episodes=episodes)
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> str:

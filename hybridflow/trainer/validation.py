@@ -75,6 +75,9 @@ class Validator:
                 logged["scores"] += result.scores[:take].tolist()
                 gts = rows.non_tensor_batch.get("ground_truth")
                 logged["ground_truths"] += list(gts[:take]) if gts is not None else [None] * take
+                records = agent_rewards.episode_records(rows)
+                if records is not None:
+                    logged.setdefault("episodes", []).extend(records[:take])
         metrics = compute_validation_metrics(sources, prompt_ids, scores, answers=answers, n=n, seed=self.cfg.trainer.seed)
         metrics["val/score_mean"] = float(np.mean(scores)) if scores else 0.0
         if episodes:  # multi-turn: turns, tool calls, terminations, solved fraction on the held-out set
@@ -83,5 +86,6 @@ class Validator:
             metrics.update({f"val/{k}": v for k, v in agent.items()})
         if logged["prompts"]:
             self.sample_writer.write(step, logged["prompts"], logged["responses"], logged["scores"],
-                                     ground_truths=logged["ground_truths"], split="val")
+                                     ground_truths=logged["ground_truths"], split="val",
+                                     episodes=logged.get("episodes"))
         return metrics
