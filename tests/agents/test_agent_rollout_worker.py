@@ -112,3 +112,20 @@ def test_builtin_calculator_and_guess_number():
     assert obs is None and done and reward == pytest.approx(0.8)  # third guess: 1 - 0.1 * 2
     with pytest.raises(ValueError, match=r"extra_info\.secret"):
         GuessNumberEnv().reset(extra_info={})
+
+
+def test_observation_truncation_keeps_the_side_veRL_names(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    from hybridflow.agents.trajectory import truncate_text
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)  # one token per character
+    text = "abcdefghij" * 3
+    assert truncate_text(tok, text, 40, side="middle") == (text, False)
+    assert truncate_text(tok, text, 6, marker="~", side="left") == ("abcdef~", True)
+    assert truncate_text(tok, text, 6, marker="~", side="right") == ("~efghij", True)
+    assert truncate_text(tok, text, 6, marker="~", side="middle") == ("abc~hij", True)
+    big = "x" * 2_000_000 + "END"  # megabytes: cut before tokenizing, the end still reachable
+    assert truncate_text(tok, big, 3, marker="~", side="right") == ("~END", True)
+    with pytest.raises(ValueError, match="truncate side"):
+        truncate_text(tok, text, 6, side="top")
