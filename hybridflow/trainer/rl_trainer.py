@@ -250,8 +250,11 @@ class RLTrainer:
         """ReMax: the reward of the greedy response to each prompt, [B]."""
         baseline_in = prompts.select(["input_ids", "attention_mask", "position_ids"], meta_keys=[])
         baseline_in.meta_info = self.sampling_meta(greedy=True, n=1, salt=salt)
+        if self.cfg.actor_rollout_ref.rollout.multi_turn.enable:  # the greedy baseline is an episode too
+            baseline_in = agent_rewards.generation_input(prompts, baseline_in)
         base = self.groups.rollout.generate_sequences(baseline_in)
-        base.non_tensor_batch = dict(prompts.non_tensor_batch)
+        episodes = {k: v for k, v in base.non_tensor_batch.items() if k in agent_rewards.EPISODE_COLUMNS}
+        base.non_tensor_batch = {**prompts.non_tensor_batch, **episodes}
         base.batch["response_mask"] = base.batch["response_mask"].float()
         return self.score(base).batch["token_level_scores"].sum(-1)
 

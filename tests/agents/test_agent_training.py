@@ -117,3 +117,15 @@ def test_multi_turn_keys_are_taken_and_bad_ones_refused(tmp_path):
     ]:
         with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(".", r"\.")):
             load_config(overrides)
+
+
+def test_remax_greedy_baseline_is_an_episode_too(tiny_model_path, tmp_path):
+    """ReMax generates a greedy baseline inside the step: it runs as episodes, scored with the environment's reward."""
+    files = generate_guess_number_task(str(tmp_path / "data"), num_train=8, num_val=4, num_sft_games=1)
+    run_dir = str(tmp_path / "run")
+    cfg = load_config(tiny_run_overrides((files["train"], files["val"]), tiny_model_path, run_dir, *MULTI_TURN,
+                                         "trainer.backend=local", "algorithm.adv_estimator=remax",
+                                         "trainer.total_training_steps=1"))
+    assert run_training(cfg, progress=False).global_step == 1
+    row = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][-1]
+    assert row["agent/assistant_turns/mean"] > 1
