@@ -29,7 +29,9 @@ RECIPES = {"calculator": {"steps": 600, "lr": 3e-3, "max_length": 160},
 
 
 def make_agent_base(task: str, data_dir: str, out_dir: str, *, steps: int | None = None, seed: int = 0,
-                    batch_size: int = 64, threads: int | None = None) -> dict:
+                    batch_size: int = 64, threads: int | None = None, init: str | None = None,
+                    lr: float | None = None) -> dict:
+    """`init`: continue from this model instead of a random-init one (a second SFT stage)."""
     from hybridflow.trainer.sft_trainer import load_sft_config, run_sft
 
     recipe = dict(RECIPES[task])
@@ -38,11 +40,12 @@ def make_agent_base(task: str, data_dir: str, out_dir: str, *, steps: int | None
     work = tempfile.mkdtemp(prefix=f"hybridflow-{task}-base-")
     start = time.perf_counter()
     try:
-        init = write_tiny_model(os.path.join(work, "init"), BASE_SPEC, seed=seed)
+        lr = lr or recipe["lr"]
+        init = init or write_tiny_model(os.path.join(work, "init"), BASE_SPEC, seed=seed)
         cfg = load_sft_config([
             f"data.train_files={files['sft']}", "data.prompt_key=prompt", "data.response_key=response",
             f"data.max_length={recipe['max_length']}", f"data.train_batch_size={batch_size}",
-            f"data.micro_batch_size_per_gpu={batch_size}", f"model.path={init}", f"optim.lr={recipe['lr']}",
+            f"data.micro_batch_size_per_gpu={batch_size}", f"model.path={init}", f"optim.lr={lr}",
             f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={os.path.join(work, 'sft')}",
             "trainer.backend=local", f"trainer.seed={seed}", "trainer.logger=[jsonl]",
             "optim.lr_scheduler_type=cosine", "optim.warmup_ratio=0.02",
@@ -52,7 +55,8 @@ def make_agent_base(task: str, data_dir: str, out_dir: str, *, steps: int | None
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         shutil.copytree(summary["model_dir"], out_dir)
-        info = {"task": task, "sft_steps": summary["steps"], "batch_size": batch_size, "lr": recipe["lr"],
+        info = {"task": task, "init": init if init and "hybridflow-" not in init else "random", "sft_steps": summary["steps"],
+                "batch_size": batch_size, "lr": lr,
                 "seed": seed, "final_nll": summary["final_nll"], "wall_s": round(time.perf_counter() - start, 1),
                 "data": files}
         with open(os.path.join(out_dir, "hybridflow_base.json"), "w") as f:
@@ -70,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="SFT steps (default: the task's recipe)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--init", default=None, help="continue SFT from this model folder (default: random init)")
+    p.add_argument("--lr", type=float, default=None)
     a = p.parse_args(argv)
-    info = make_agent_base(a.task, a.data_dir, a.out, steps=a.steps, seed=a.seed, threads=a.threads)
+    info = make_agent_base(a.task, a.data_dir, a.out, steps=a.steps, seed=a.seed, threads=a.threads, init=a.init,
+                           lr=a.lr)
     print(json.dumps(info, indent=1))
     return 0
 

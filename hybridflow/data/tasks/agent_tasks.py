@@ -46,8 +46,10 @@ def _user(text: str) -> dict[str, str]:
 
 # ----------------------------------------------------------------------------------------------- calculator
 def generate_calculator_task(out_dir: str, *, num_train: int = 4000, num_val: int = 256, num_sft: int = 6000,
-                             tool_fraction: float = 0.4, seed: int = 0) -> dict[str, str]:
-    """Write train/val (RL) and sft parquet files under `out_dir`; returns their paths."""
+                             tool_fraction: float = 0.4, answer_repeats: int = 3, seed: int = 0) -> dict[str, str]:
+    """Write train/val (RL) and sft parquet files under `out_dir`; returns their paths. `answer_repeats`: how
+    often each "tool result -> #### result" example appears (copying the result is what a tiny model learns
+    last; the first turn's mix, which sets how often the base calls the tool, is unchanged by it)."""
     rng = random.Random(seed)
     seen: set[tuple[int, int]] = set()
 
@@ -73,8 +75,8 @@ def generate_calculator_task(out_dir: str, *, num_train: int = 4000, num_val: in
         if rng.random() < tool_fraction:
             call = tool_call_text("calculator", {"expression": q})
             sft.append({"prompt": [_user(q)], "response": call})
-            sft.append({"prompt": [_user(q), {"role": "assistant", "content": call},
-                                   {"role": "tool", "content": str(a * b)}], "response": f"#### {a * b}"})
+            sft += [{"prompt": [_user(q), {"role": "assistant", "content": call},
+                                {"role": "tool", "content": str(a * b)}], "response": f"#### {a * b}"}] * answer_repeats
         else:
             sft.append({"prompt": [_user(q)], "response": f"#### {a * b}"})
     os.makedirs(out_dir, exist_ok=True)
