@@ -5,8 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/agent_calculator}
+# Two SFT stages (as measured in docs/benchmarks.md): 300 steps from random init on the demonstrations, then 200
+# steps at a lower learning rate on demonstrations that repeat the copy-the-tool-result example 3 times.
 if [ ! -f "$OUT/base/model.safetensors" ]; then
-    .venv/bin/python -m hybridflow.trainer.make_agent_base calculator --data-dir "$OUT/data" --out "$OUT/base"
+    .venv/bin/python -m hybridflow.trainer.make_agent_base calculator --data-dir "$OUT/data1" --out "$OUT/base1" \
+        --steps 300 --task-kwargs '{"answer_repeats": 1}'
+    .venv/bin/python -m hybridflow.trainer.make_agent_base calculator --data-dir "$OUT/data" --out "$OUT/base" \
+        --steps 200 --init "$OUT/base1" --lr 2e-3
 fi
 exec .venv/bin/hybridflow train --config hybridflow/config/agent_calculator_grpo.yaml \
     data.train_files="$OUT/data/train.parquet" \

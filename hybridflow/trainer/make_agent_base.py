@@ -6,7 +6,8 @@
 Writes the task's parquet files (hybridflow/data/tasks/agent_tasks.py) into --data-dir, then runs SFT (the same
 trainer as `hybridflow sft`, one process) on its ``sft.parquet`` from the built-in task's tiny Qwen2 shape
 (make_base_model.BASE_SPEC, character tokenizer) and copies the final model to --out, with ``hybridflow_base.json``
-(steps, loss, wall time). The RL presets (hybridflow/config/agent_*.yaml) measure the base with
+(steps, loss, wall time). ``--init MODEL`` continues from a model (a second SFT stage; examples/agent_calculator.sh
+runs two). The RL presets (hybridflow/config/agent_*.yaml) measure the base with
 ``trainer.val_before_train``; examples/agent_*.sh run both steps.
 """
 
@@ -24,19 +25,19 @@ from hybridflow.engines.tiny import write_tiny_model
 from hybridflow.trainer.make_base_model import BASE_SPEC
 
 # per task: SFT steps, learning rate, the longest demonstration (tokens)
-RECIPES = {"calculator": {"steps": 600, "lr": 3e-3, "max_length": 160},
-           "guess_number": {"steps": 600, "lr": 3e-3, "max_length": 256}}
+RECIPES = {"calculator": {"steps": 300, "lr": 3e-3, "max_length": 160},
+           "guess_number": {"steps": 400, "lr": 3e-3, "max_length": 256}}
 
 
 def make_agent_base(task: str, data_dir: str, out_dir: str, *, steps: int | None = None, seed: int = 0,
                     batch_size: int = 64, threads: int | None = None, init: str | None = None,
-                    lr: float | None = None) -> dict:
+                    lr: float | None = None, task_kwargs: dict | None = None) -> dict:
     """`init`: continue from this model instead of a random-init one (a second SFT stage)."""
     from hybridflow.trainer.sft_trainer import load_sft_config, run_sft
 
     recipe = dict(RECIPES[task])
     steps = steps or recipe["steps"]
-    files = TASKS[task](data_dir, seed=seed)
+    files = TASKS[task](data_dir, seed=seed, **dict(task_kwargs or {}))
     work = tempfile.mkdtemp(prefix=f"hybridflow-{task}-base-")
     start = time.perf_counter()
     try:
@@ -76,9 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--init", default=None, help="continue SFT from this model folder (default: random init)")
     p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--task-kwargs", type=json.loads, default=None,
+                   help='options of the data generator as JSON, e.g. \'{"answer_repeats": 1}\'')
     a = p.parse_args(argv)
     info = make_agent_base(a.task, a.data_dir, a.out, steps=a.steps, seed=a.seed, threads=a.threads, init=a.init,
-                           lr=a.lr)
+                           lr=a.lr, task_kwargs=a.task_kwargs)
     print(json.dumps(info, indent=1))
     return 0
 
