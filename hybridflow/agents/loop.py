@@ -36,7 +36,7 @@ from hybridflow.agents.generator import Generator
 from hybridflow.agents.parsers import ParsedResponse, ToolCall, ToolCallParser, get_parser
 from hybridflow.agents.schema import check_arguments
 from hybridflow.agents.tools import Tool, as_tool, call_maybe_async, to_tool_result
-from hybridflow.agents.trajectory import ChatRenderer, Trajectory, truncate_text
+from hybridflow.agents.trajectory import TRUNCATE_SIDES, ChatRenderer, Trajectory, truncate_text
 from hybridflow.engines.rollout.base import SamplingParams
 
 __all__ = ["AgentFailureError", "AgentLoop", "AgentLoopConfig", "Episode", "summarize_episodes"]
@@ -61,6 +61,7 @@ class AgentLoopConfig:
     max_response_tokens: int = 512  # generated + observation tokens of the whole episode
     max_tokens_per_turn: int = 128
     max_observation_tokens: int | None = 256  # per tool result / environment message, before template wrapping
+    observation_truncate_side: str = "left"  # what a cut observation keeps: left (its start) | middle | right
     tool_timeout_s: float | None = 10.0
     env_timeout_s: float | None = 30.0
     max_failure_fraction: float = 0.5  # > this fraction of episodes with a tool/env failure stops the batch
@@ -78,6 +79,9 @@ class AgentLoopConfig:
         for name in ("max_parallel_calls", "max_response_tokens", "max_tokens_per_turn", "tool_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"agent loop: {name} must be >= 1, got {getattr(self, name)}")
+        if self.observation_truncate_side not in TRUNCATE_SIDES:
+            raise ValueError(f"agent loop: observation_truncate_side must be one of {TRUNCATE_SIDES}, got "
+                             f"{self.observation_truncate_side!r}")
         if not 0.0 <= self.max_failure_fraction <= 1.0:
             raise ValueError(f"agent loop: max_failure_fraction must be in [0, 1], got {self.max_failure_fraction}")
         for name in ("tool_timeout_s", "env_timeout_s"):
@@ -313,7 +317,8 @@ class _EpisodeRun:
             except Exception as e:
                 env_error = ("reset_raised", e)
         if first_obs is not None:
-            first_obs, cut = renderer.truncate(str(first_obs), self.cfg.max_observation_tokens)
+            first_obs, cut = renderer.truncate(str(first_obs), self.cfg.max_observation_tokens,
+                                                 self.cfg.observation_truncate_side)
             if messages and messages[-1]["role"] == "user":
                 messages[-1]["content"] = str(messages[-1].get("content") or "") + first_obs
             else:
@@ -382,7 +387,8 @@ class _EpisodeRun:
                     return "env_done"
                 if user_limit:
                     return "max_user_turns"
-                obs, cut = renderer.truncate(step.observation or "", cfg.max_observation_tokens)
+                obs, cut = renderer.truncate(step.observation or "", cfg.max_observation_tokens,
+                                              cfg.observation_truncate_side)
                 ep.observations_truncated += int(cut)
                 new, role = [{"role": "user", "content": obs}], "user"
             else:
@@ -416,7 +422,8 @@ class _EpisodeRun:
         assert ep is not None
         cut = False
         if error is None:  # the tool's own output; the loop's error messages are short already
-            output, cut = truncate_text(self.loop.tokenizer, output, self.cfg.max_observation_tokens)
+            output, cut = truncate_text(self.loop.tokenizer, output, self.cfg.max_observation_tokens,
+                                        side=self.cfg.observation_truncate_side)
             ep.observations_truncated += int(cut)
         if error is not None:
             ep.tool_errors[error] += 1

@@ -87,20 +87,39 @@ class ChatRenderer:
     def delta_ids(self, new_messages: list[dict[str, Any]], stop_token_id: int | None) -> list[int]:
         return self.encode(self.delta_text(new_messages, stop_token_id))
 
-    def truncate(self, text: str, max_tokens: int | None) -> tuple[str, bool]:
-        return truncate_text(self.tokenizer, text, max_tokens)
+    def truncate(self, text: str, max_tokens: int | None, side: str = "left") -> tuple[str, bool]:
+        return truncate_text(self.tokenizer, text, max_tokens, side=side)
 
 
-def truncate_text(tokenizer: Any, text: str, max_tokens: int | None, marker: str = "...(truncated)") -> tuple[str, bool]:
-    """Keep the first `max_tokens` tokens of an observation's content (None: no limit) -> (text, truncated?)."""
+TRUNCATE_SIDES = ("left", "middle", "right")
+
+
+def truncate_text(tokenizer: Any, text: str, max_tokens: int | None, marker: str = "...(truncated)",
+                  side: str = "left") -> tuple[str, bool]:
+    """Cut an observation's content to `max_tokens` tokens (None: no limit) -> (text, truncated?).
+
+    `side` names what is kept, as veRL's ``tool_response_truncate_side``: ``left`` the first tokens, ``right`` the
+    last ones, ``middle`` half from each end (the marker stands where the cut was)."""
+    if side not in TRUNCATE_SIDES:
+        raise ValueError(f"truncate side must be one of {TRUNCATE_SIDES}, got {side!r}")
     if max_tokens is None:
         return text, False
     # Tokenizing megabytes costs seconds; a token spans at most a few dozen characters, so cut the text first.
-    head = text[: max_tokens * 64 + 64]
-    ids = list(tokenizer(head, add_special_tokens=False)["input_ids"])
-    if len(ids) <= max_tokens and len(head) == len(text):
+    reach = max_tokens * 64 + 64
+
+    def ids(part: str) -> list[int]:
+        return list(tokenizer(part, add_special_tokens=False)["input_ids"])
+
+    def dec(part: list[int]) -> str:
+        return tokenizer.decode(part, skip_special_tokens=False)
+
+    head = ids(text[:reach])
+    if len(text) <= reach and len(head) <= max_tokens:
         return text, False
-    return tokenizer.decode(ids[:max_tokens], skip_special_tokens=False) + marker, True
+    tail = ids(text[-reach:]) if side != "left" else []
+    keep_head = {"left": max_tokens, "middle": (max_tokens + 1) // 2, "right": 0}[side]
+    keep_tail = max_tokens - keep_head
+    return dec(head[:keep_head]) + marker + (dec(tail[len(tail) - keep_tail:]) if keep_tail else ""), True
 
 
 @dataclass

@@ -67,6 +67,12 @@ def arithmetic_score(
     return arithmetic.compute_score(solution_str, ground_truth, format_score=format_score)
 
 
+def environment_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    """0: rows whose reward comes from their environment (multi-turn episodes add the environment's reward to the
+    score; see trainer/agent_rewards.py), e.g. the guess-the-number task."""
+    return 0.0
+
+
 def code_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> dict[str, float]:
     return code.compute_score(solution_str, ground_truth)
 
@@ -122,6 +128,8 @@ register_scorer(
 )
 register_scorer(["countdown", "Jiayi-Pan/Countdown-Tasks-3to4"], countdown_score)
 register_scorer(["hybridflow/arithmetic"], arithmetic_score)
+register_scorer(["hybridflow/agent_calculator"], arithmetic_score)  # the last "#### N" of the generated turns
+register_scorer(["hybridflow/agent_guess_number"], environment_score)
 register_scorer(["code", "codecontests", "apps", "taco"], code_score)
 register_scorer(["reasoning_gym/*"], reasoning_gym_score)  # every task, by the task's own score_answer
 

@@ -160,6 +160,30 @@ class ValKwargs:
 
 
 @dataclass
+class MultiTurnConfig:
+    """veRL's ``rollout.multi_turn`` section (workers/agent_rollout.py maps it onto the agent loop; docs/agents.md).
+    Keys veRL has keep its names; environment, environment_kwargs, tools and the limits after them are ours."""
+
+    enable: bool = False
+    max_assistant_turns: int | None = None  # None: no limit (the token budget still ends an episode)
+    max_user_turns: int | None = None  # observations appended (tool results or environment messages)
+    max_parallel_calls: int = 1  # tool calls run per assistant turn; more get an error observation
+    max_tool_response_length: int | None = 256  # tokens kept of one tool result / environment message
+    tool_response_truncate_side: str = "middle"  # left | middle | right: what a cut observation keeps
+    tool_config_path: str | None = None  # veRL's tool config file (class_name + OpenAI function schema)
+    format: str = "hermes"  # the tool-call parser: hermes (alias qwen) or 'package.module:Parser'
+    environment: str | None = None  # a registered environment (guess_number, textarena) or 'package.module:Class'
+    environment_kwargs: dict = field(default_factory=dict)  # passed to the environment for each episode
+    tools: list = field(default_factory=list)  # typed Python functions as tools: ['package.module:function']
+    max_tool_calls: int | None = None  # per episode
+    max_tokens_per_turn: int | None = None  # None: the episode's remaining budget (data.max_response_length)
+    tool_timeout_s: float | None = 10.0
+    env_timeout_s: float | None = 30.0
+    max_failure_fraction: float = 0.5  # more episodes than this with a tool/environment failure stop the run
+    failure_reward: float = 0.0  # the environment reward of an episode whose environment failed
+
+
+@dataclass
 class RolloutConfig:
     name: str = "native"  # native | hf | vllm
     temperature: float = 1.0
@@ -196,6 +220,7 @@ class RolloutConfig:
     mode: str = "sync"  # sync only: each batch is generated in-process (veRL's async = a vLLM server + agent loop)
     load_format: str = "auto"  # auto | hf | safetensors (requires *.safetensors in model.path)
     layered_summon: bool = True  # always: weight sync gathers one full tensor at a time
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -488,6 +513,7 @@ def validate_config(cfg: HybridFlowConfig) -> None:
     from hybridflow.trainer.parallel_checks import layout_errors
     from hybridflow.trainer.rollout_checks import placement_errors, rollout_correction_errors
     from hybridflow.workers.actor_rollout_ref import actor_loss_config
+    from hybridflow.workers.agent_rollout import multi_turn_config_errors
     from hybridflow.workers.engine_config import STRATEGIES, lora_settings
 
     errors: list[str] = []
@@ -527,6 +553,11 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         )
     errors += placement_errors(cfg)
     errors += rollout_correction_errors(alg.rollout_correction)
+    errors += multi_turn_config_errors(cfg)
+    if rollout.multi_turn.enable and rollout.tensor_model_parallel_size > 1:
+        errors.append("actor_rollout_ref.rollout.multi_turn.enable=true with tensor_model_parallel_size="
+                      f"{rollout.tensor_model_parallel_size}: the agent loop's KV sessions run on whole-model engines; "
+                      "set tensor_model_parallel_size=1 for multi-turn rollouts")
     if t.backend not in ("ray", "local"):
         errors.append(f"trainer.backend={t.backend!r}: choose 'ray' or 'local'")
     if t.backend == "local" and world != 1:

@@ -166,7 +166,12 @@ def build_reward_fn(cfg: HybridFlowConfig, tokenizer: Any, custom: Any = None):
     """The reward manager named by reward_model.reward_manager (rewards/managers.py), from the config's reward keys."""
     from hybridflow.rewards import build_reward_manager
 
-    return build_reward_manager(cfg.reward_model.reward_manager, tokenizer, reward_spec(cfg, custom))
+    manager = build_reward_manager(cfg.reward_model.reward_manager, tokenizer, reward_spec(cfg, custom))
+    if cfg.actor_rollout_ref.rollout.multi_turn.enable:  # episode records in extra_info + the environment's reward
+        from hybridflow.trainer.agent_rewards import AgentRewardFn
+
+        return AgentRewardFn(manager)
+    return manager
 
 
 def total_steps_of(cfg: HybridFlowConfig, train_loader) -> int:

@@ -195,6 +195,9 @@ def _plot_specs(by_step: dict[int, dict[str, float]]) -> list[tuple[str, str, li
         ("response_length", "response length (tokens)", ["response_length/mean", "response_length/max"], False),
         ("kl", "KL", _keys(by_step, lambda k: bool(_KL.match(k)) and "coef" not in k), False),
         ("entropy", "policy entropy", _keys(by_step, lambda k: k.startswith("actor/entropy")), False),
+        ("agent", "multi-turn episodes (per episode)",
+         ["agent/assistant_turns/mean", "agent/tool_calls/mean", "agent/observation_token_share/mean",
+          "agent/solved_fraction", "val/agent/solved_fraction", "val/agent/assistant_turns_when_solved/mean"], True),
     ]
     present = set().union(*by_step.values()) if by_step else set()
     return [(stem, title, [k for k in keys if k in present], wall) for stem, title, keys, wall in specs]
@@ -219,6 +222,11 @@ def _sample_html(row: dict[str, Any], kind: str) -> str:
         meta += f" · reward {num(row['reward'])}"
     if "ground_truth" in row:
         meta += f" · ground truth {json.dumps(row['ground_truth'], ensure_ascii=False)}"
+    if "conversation" in row:  # a multi-turn episode: one block per turn, tool results and feedback included
+        meta += f" · {row.get('num_turns', '?')} turns · ended by {row.get('termination', '?')}"
+        turns = "".join(f"<pre><i>{html.escape(str(m.get('role', '?')))}</i>\n{html.escape(str(m.get('content', '')))}"
+                        "</pre>" for m in row["conversation"])
+        return f'<div class="{kind}"><b>{html.escape(meta)}</b>{turns}</div>'
     return (
         f'<div class="{kind}"><b>{html.escape(meta)}</b>'
         f"<pre>{html.escape(str(row.get('prompt', '')))}</pre>"

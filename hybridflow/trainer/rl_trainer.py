@@ -32,6 +32,7 @@ from hybridflow.algorithms import (
 from hybridflow.common.seeds import derive_seed
 from hybridflow.engines.mismatch import logprob_mismatch
 from hybridflow.protocol import DataProto
+from hybridflow.trainer import agent_rewards
 from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.dynamic_sampling import fill_step_with_informative_groups
@@ -46,6 +47,7 @@ from hybridflow.trainer.metrics import (
 from hybridflow.trainer.placement import WorkerGroups, start_rollout_group
 from hybridflow.trainer.rollout_driver import SyncRollout, build_rollout_driver
 from hybridflow.trainer.validation import Validator
+from hybridflow.workers.agent_rollout import agent_batch_metrics
 
 logger = logging.getLogger(__name__)
 ROLLOUT_STATE_FILE = "rollout_state.pt"  # the rollout driver's state (policy version, pending / buffered batches)
@@ -104,6 +106,7 @@ class RLTrainer:
         batch, gen_metrics = self.rollout_and_score(prompts, timing)  # times "generate" and "reward"
         metrics.update(gen_metrics)
         metrics.update(self.rollout.metrics(batch))
+        metrics.update(agent_batch_metrics(batch, batch.batch.get("scores")))  # multi-turn rows only
         if cfg.trainer.balance_batch:
             metrics.update(balance_batch(batch, g.actor_rollout.world_size))
         batch.meta_info.update(self.step_meta())
@@ -172,6 +175,8 @@ class RLTrainer:
         gen_in = prompts.select(["input_ids", "attention_mask", "position_ids"], meta_keys=[])
         gen_in.meta_info = self.sampling_meta(salt=salt, step=step)
         gen_in.meta_info.update(global_step=step, salt=salt)
+        if self.cfg.actor_rollout_ref.rollout.multi_turn.enable:  # episodes read the prompts' chat, data_source...
+            gen_in = agent_rewards.generation_input(prompts, gen_in)
         return gen_in
 
     def sampling_meta(self, *, greedy: bool = False, n: int | None = None, salt: int = 0,
@@ -218,6 +223,7 @@ class RLTrainer:
         batch = prompts.select([], non_tensor_keys=list(prompts.non_tensor_batch)).repeat(n, interleave=True)
         version = {"rollout_version": gen.non_tensor_batch["rollout_version"]}
         batch.union(DataProto(batch=gen.batch, non_tensor_batch=version, meta_info={}))
+        agent_rewards.merge_generation(batch, gen)  # multi-turn: each row's turns, tool calls, termination
         batch.batch["response_mask"] = batch.batch["response_mask"].float()
         if self.estimator_needs_greedy_baseline:
             with Timer("generate_baseline", timing):
@@ -229,8 +235,11 @@ class RLTrainer:
         """ReMax: the reward of the greedy response to each prompt, [B]."""
         baseline_in = prompts.select(["input_ids", "attention_mask", "position_ids"], meta_keys=[])
         baseline_in.meta_info = self.sampling_meta(greedy=True, n=1, salt=salt)
+        if self.cfg.actor_rollout_ref.rollout.multi_turn.enable:  # the greedy baseline is an episode too
+            baseline_in = agent_rewards.generation_input(prompts, baseline_in)
         base = self.groups.rollout.generate_sequences(baseline_in)
-        base.non_tensor_batch = dict(prompts.non_tensor_batch)
+        episodes = {k: v for k, v in base.non_tensor_batch.items() if k in agent_rewards.EPISODE_COLUMNS}
+        base.non_tensor_batch = {**prompts.non_tensor_batch, **episodes}
         base.batch["response_mask"] = base.batch["response_mask"].float()
         return self.score(base).batch["token_level_scores"].sum(-1)
 
@@ -378,7 +387,8 @@ class RLTrainer:
         scores = b.batch["token_level_scores"].sum(-1).tolist()
         gts = list(b.non_tensor_batch.get("ground_truth", [None] * len(b)))
         texts = list(b.non_tensor_batch["response_text"])
-        self.sample_writer.maybe_write(self.global_step, prompts, texts, scores, None, gts)
+        episodes = agent_rewards.episode_records(b)  # multi-turn: the conversation turn by turn
+        self.sample_writer.maybe_write(self.global_step, prompts, texts, scores, None, gts, episodes=episodes)
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self) -> str:

@@ -1,7 +1,9 @@
 """Rollout samples on disk: what the policy actually wrote, next to its score, every few steps.
 
 Rows go to ``<run_dir>/samples.jsonl``, one JSON object per sample:
-``{"step", "split", "index", "prompt", "response", "score", "reward"?, "ground_truth"?}``. When a batch has more than
+``{"step", "split", "index", "prompt", "response", "score", "reward"?, "ground_truth"?}``; multi-turn rows also hold
+``conversation`` (the episode turn by turn: ``[{"role", "content"}, ...]``, tool results included), ``num_turns``,
+``termination`` and ``tool_calls`` (name, arguments, error kind of each call). When a batch has more than
 `max_rows` samples the best half and the worst half by score are kept (ties by batch order) — the extremes are what
 one reads to see reward hacking or collapse, and what ``hybridflow report`` shows.
 """
@@ -66,13 +68,14 @@ class RolloutSampleWriter:
         ground_truths: Sequence[Any] | None = None,
         *,
         split: str = "train",
+        episodes: Sequence[dict[str, Any]] | None = None,
     ) -> bool:
         """Write this step's samples if `step` is a multiple of `every_n_steps` (at most `max_rows`: the best and the
         worst by score); returns whether it wrote."""
         if step % self.every_n_steps:
             return False
         self.write(step, prompts, responses, scores, rewards, ground_truths, split=split,
-                   rows=select_extremes(scores, self.max_rows))
+                   rows=select_extremes(scores, self.max_rows), episodes=episodes)
         return True
 
     def write(
@@ -86,10 +89,13 @@ class RolloutSampleWriter:
         *,
         split: str = "train",
         rows: Sequence[int] | None = None,
+        episodes: Sequence[dict[str, Any]] | None = None,
     ) -> None:
-        """Append the samples `rows` (default: all) of this step, whatever the step."""
+        """Append the samples `rows` (default: all) of this step, whatever the step. `episodes`: per row, the
+        multi-turn record to keep with it (conversation, num_turns, termination, tool_calls)."""
         n = len(prompts)
-        columns = {"responses": responses, "scores": scores, "rewards": rewards, "ground_truths": ground_truths}
+        columns = {"responses": responses, "scores": scores, "rewards": rewards, "ground_truths": ground_truths,
+                   "episodes": episodes}
         bad = {k: len(v) for k, v in columns.items() if v is not None and len(v) != n}
         if bad:
             raise ValueError(f"rollout samples at step {step}: {n} prompts but column lengths {bad}; pass one per row")
@@ -107,6 +113,8 @@ class RolloutSampleWriter:
                 row["reward"] = float(rewards[i])
             if ground_truths is not None:
                 row["ground_truth"] = _jsonable(ground_truths[i])
+            if episodes is not None:
+                row.update({k: _jsonable(v) for k, v in episodes[i].items()})
             lines.append(json.dumps(row, ensure_ascii=False) + "\n")
         with open(self.path, "a", encoding="utf-8") as f:
             f.writelines(lines)

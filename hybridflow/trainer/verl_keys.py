@@ -68,6 +68,14 @@ UNSUPPORTED: dict[str, str] = {
     "actor_rollout_ref.model.use_shm": "loading the model through /dev/shm is not supported; models load by path",
     "actor_rollout_ref.actor.calculate_sum_pi_squared": "the sum-of-pi-squared diagnostic is not computed",
     "data.custom_cls.": "custom dataset classes are not loaded; give parquet/JSONL files in veRL's schema",
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": "veRL's Interaction classes are not loaded; "
+    "give an environment (reset/step) as actor_rollout_ref.rollout.multi_turn.environment=package.module:Class",
+    "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template": "episodes are kept token-in/token-out: the "
+    "history is never re-rendered, so there is no training-time template to choose (remove the key)",
+    "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": "episodes are never re-tokenized, so "
+    "there is nothing to check (remove the key)",
+    "actor_rollout_ref.rollout.multi_turn.completion_callback": "veRL's completion callbacks are not supported; "
+    "use an environment's step() (multi_turn.environment)",
     "model.use_liger": "Liger kernels are not used; hybridflow's chunked log-prob/entropy keeps [tokens, vocab] "
     "small without them",
 }
@@ -75,7 +83,6 @@ UNSUPPORTED: dict[str, str] = {
 # prefix -> the open issue whose work adds the feature (refused until it lands)
 PLANNED: dict[str, str] = {
     "actor_rollout_ref.rollout.max_num_seqs": "a decode batch cap (issue #21/#22)",
-    "actor_rollout_ref.rollout.multi_turn.": "multi-turn agent rollouts (issue #18)",
     "actor_rollout_ref.rollout.multi_stage_wake_up": "staged vLLM wake-up (issue #19)",
     "actor_rollout_ref.rollout.checkpoint_engine.": "bucketed weight streaming to a separate rollout (issue #19)",
     "actor_rollout_ref.rollout.expert_parallel_size": "expert-parallel rollout (issue #17/#20)",

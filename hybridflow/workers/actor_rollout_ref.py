@@ -83,6 +83,7 @@ class ActorRolloutRefWorker(Worker):
         self.actor: FSDPEngine | None = None
         self.ref: FSDPEngine | None = None
         self.rollout = None
+        self.agent = None  # AgentRollout when rollout.multi_turn.enable: episodes over self.rollout
         self.policy_version = 0  # the version of the weights the rollout engine holds (0: the initial checkpoint)
         self.weights_valid = True  # False after a failed transfer: no generation until a full one succeeds
         self.transfer: TransferGroup | None = None
@@ -152,6 +153,10 @@ class ActorRolloutRefWorker(Worker):
             # and its TP rank 0 returns the rows (generate_sequences' mesh_name="rollout")
             t = int(r.tensor_model_parallel_size)
             self.register_dp_mesh("rollout", self.rank // t, self.world_size // t, self.rank % t == 0)
+            if r.multi_turn.enable:
+                from hybridflow.workers.agent_rollout import AgentRollout
+
+                self.agent = AgentRollout.from_config(cfg, self.rollout, path)
         info = {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads()}
         if self.actor is not None and self.actor.device.type == "cpu":
             # This rank's own matmul peak at its thread count, measured where the training runs (the driver's
@@ -191,7 +196,10 @@ class ActorRolloutRefWorker(Worker):
                 "inconsistent; it must receive a full transfer (receive_weights) before it generates"
             )
         start = time.perf_counter()
-        out = self.rollout.generate(prompts.select(["input_ids", "attention_mask", "position_ids"]), params)
+        if self.agent is not None:  # multi-turn episodes (tools, environments) over the same engine
+            out = self.agent.generate(prompts, params)
+        else:
+            out = self.rollout.generate(prompts.select(["input_ids", "attention_mask", "position_ids"]), params)
         # One response width per call, whatever this rank's longest response: the driver gathers every rank's rows
         # into one batch, which needs one width.
         out = pad_responses(out, params.max_new_tokens, getattr(self.rollout, "pad_token_id", 0))

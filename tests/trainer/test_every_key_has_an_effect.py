@@ -125,6 +125,13 @@ RUNS = {
         "actor_rollout_ref.model.lora_dropout=0.05", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
         "actor_rollout_ref.model.exclude_modules=[lm_head]", "actor_rollout_ref.actor.use_kl_loss=true",
     ],
+    # multi-turn episodes with a tool (veRL's rollout.multi_turn keys and the loop's limits)
+    "grpo_multi_turn": [
+        "data.return_raw_chat=true", "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.tools=[hybridflow.agents.builtin:calculator]",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2", "trainer.test_freq=1",
+        "data.val_max_samples=4",
+    ],
     # an epoch-counted run (no total_training_steps) on the Ray backend: the driver's Ray and placement keys
     "epochs_on_ray": [
         "trainer.backend=ray", "trainer.total_training_steps=null", "trainer.total_epochs=1",
