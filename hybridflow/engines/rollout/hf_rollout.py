@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from hybridflow import device as hf_device
-from hybridflow.engines.hf_model import from_pretrained
+from hybridflow.engines.hf_model import from_pretrained, log_probs_from_logits
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
 from hybridflow.engines.rollout.layout import (
     assemble_output,
@@ -111,10 +111,11 @@ class HFRollout(RolloutEngine):
             )
         responses = out.sequences[:, P:]
         temperature = 1.0 if params.greedy else params.temperature
-        # log_softmax(logits / T) over the full vocabulary, one step at a time (a [rows, R, V] stack can be huge)
+        # log_softmax(logits / T) over the full vocabulary, one step at a time (a [rows, R, V] stack can be huge), by the
+        # training engine's formula (see sampling.py on why not torch.log_softmax)
         log_probs = torch.stack(
             [
-                torch.log_softmax(step_logits.float() / temperature, -1).gather(-1, responses[:, t : t + 1]).squeeze(-1)
+                log_probs_from_logits(step_logits.float() / temperature, responses[:, t])
                 for t, step_logits in enumerate(out.logits)
             ],
             dim=1,

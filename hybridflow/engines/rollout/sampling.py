@@ -6,12 +6,17 @@ how many other rows are in the batch or when they finished, and there is no Pyth
 
 Sampling is inverse-CDF: draw u ~ U[0, 1), return the first token whose cumulative (filtered) probability exceeds
 u * total. Reported log-probs are always log_softmax(logits / temperature) over the full vocabulary, gathered at the
-chosen token (top-k / top-p restrict what can be drawn; they do not renormalise the reported number).
+chosen token (top-k / top-p restrict what can be drawn; they do not renormalise the reported number). They are
+computed as ``z[token] - logsumexp(z)``, the training engine's formula (hf_model.log_probs_from_logits), not with
+``torch.log_softmax``: on CPU its fp32 kernel is ~10x less exact over a large vocabulary (up to 1.7e-5 from the fp64
+value over SmolLM2's 49,152 tokens, against 2e-6), which alone made the train-inference mismatch exceed 1e-5.
 """
 
 from __future__ import annotations
 
 import torch
+
+from hybridflow.engines.hf_model import log_probs_from_logits
 
 __all__ = ["row_keys", "sample_tokens", "uniform_from_keys"]
 
@@ -91,11 +96,11 @@ def sample_tokens(
     logits = logits.float()
     if greedy:
         tokens = logits.argmax(-1)
-        log_probs = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
-        return tokens, log_probs
+        return tokens, log_probs_from_logits(logits, tokens)
     if keys is None:
         raise ValueError("sampling needs per-row random keys; pass keys=row_keys(...)")
-    log_p = torch.log_softmax(logits / temperature, -1)
+    scaled = logits / temperature
+    log_p = torch.log_softmax(scaled, -1)  # drawing only; the reported log-prob is the exact formula below
     u = uniform_from_keys(keys, step)
     probs = log_p.double().exp()
     if (top_k > 0 and top_k < logits.shape[-1]) or top_p < 1.0:
@@ -104,4 +109,4 @@ def sample_tokens(
         tokens = order.gather(-1, pick[:, None]).squeeze(-1)
     else:
         tokens = _inverse_cdf(probs, u)
-    return tokens, log_p.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, log_probs_from_logits(scaled, tokens)
