@@ -241,6 +241,8 @@ class ActorRolloutRefConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    # veRL's key: seconds a collective of the actor/rollout/ref process group may wait (torch.distributed's timeout)
+    nccl_timeout: int = 600
 
 
 @dataclass
@@ -532,6 +534,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
             errors.append(f"{key}.{problem}")
     errors += rollout_config_errors(rollout)
     errors += _router_replay_errors(actor.router_replay.mode, rollout.name)
+    if arr.nccl_timeout <= 0:
+        errors.append(f"actor_rollout_ref.nccl_timeout={arr.nccl_timeout} must be a positive number of seconds "
+                      "(veRL's default: 600)")
     if actor.router_replay.mode == "R3" and (actor.ulysses_sequence_parallel_size > 1
                                              or actor.fsdp_config.tensor_model_parallel_size > 1):
         errors.append("actor_rollout_ref.actor.router_replay.mode=R3 does not combine with sequence / tensor-parallel "

@@ -100,7 +100,6 @@ PLANNED: dict[str, str] = {
     "actor_rollout_ref.actor.entropy_checkpointing": "entropy recomputation in backward (issue #22)",
     "actor_rollout_ref.actor.optim.lr_decay_style": "veRL Megatron's scheduler key; use optim.lr_scheduler_type",
     "actor_rollout_ref.ref.strategy": "the reference uses the actor's engine (FSDP2); remove the key",
-    "actor_rollout_ref.nccl_timeout": "a process-group timeout key (issue #23); trainer.call_timeout_s bounds calls",
     "algorithm.rollout_correction.": "rollout importance-sampling corrections (issue #19)",
     "reward_model.rollout.": "generative reward models (issue #21)",
     "reward_model.model.fsdp_config.": "the reward model runs unsharded, one copy per rank (issue #21)",

@@ -92,7 +92,7 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------ set-up
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
-        self.init_distributed()
+        self.init_distributed(timeout_s=float(self.config.actor_rollout_ref.nccl_timeout))
         cfg = self.config
         arr = cfg.actor_rollout_ref
         path = arr.model.path

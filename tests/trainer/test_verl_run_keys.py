@@ -48,3 +48,18 @@ def test_return_raw_chat_decides_whether_the_chat_rides_along(arithmetic_files, 
         assert ("raw_prompt" in batch.non_tensor_batch) is flag
         if flag:
             assert batch.non_tensor_batch["raw_prompt"][0][-1]["role"] == "user"
+
+
+def test_nccl_timeout_is_the_process_group_timeout(arithmetic_files, tiny_model_path, tmp_path, monkeypatch):
+    from hybridflow.single_controller.worker import Worker
+
+    base = tiny_run_overrides(arithmetic_files, tiny_model_path, str(tmp_path / "run"), "trainer.backend=local",
+                              "trainer.total_training_steps=1")
+    with pytest.raises(ConfigError, match="nccl_timeout=0 must be a positive"):
+        load_config([*base, "actor_rollout_ref.nccl_timeout=0"])
+    seen = []
+    original = Worker.init_distributed
+    monkeypatch.setattr(Worker, "init_distributed", lambda self, timeout_s=600.0: (seen.append(timeout_s),
+                                                                                    original(self, timeout_s))[1])
+    run_training(load_config([*base, "actor_rollout_ref.nccl_timeout=1234"]), progress=False)
+    assert seen and all(t == 1234.0 for t in seen)
