@@ -34,7 +34,8 @@ def _engine_optim_keys() -> set[str]:
 
 
 # Files of `hybridflow sft` name keys of its own schema.
-_SFT_FILES = ("trainer/sft_trainer.py", "trainer/make_base_model.py", "data/sft_dataset.py", "workers/sft.py")
+_SFT_FILES = ("trainer/sft_trainer.py", "trainer/make_base_model.py", "trainer/make_agent_base.py", "data/sft_dataset.py",
+              "workers/sft.py")
 
 
 def _known_keys(schema: type = HybridFlowConfig) -> tuple[set[str], tuple[str, ...]]:

@@ -126,7 +126,7 @@ class RolloutEngine(ABC):
         tp = getattr(rollout, "tensor_model_parallel_size", 1)
         if tp != 1 and not cls.TENSOR_PARALLEL:
             errors.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: {where} does not split the "
-                          "model over ranks; set it to 1, or use rollout.name=native (or vllm on GPUs)")
+                          "model over ranks; set it to 1, or use actor_rollout_ref.rollout.name=native (or vllm on GPUs)")
         if "tensor_parallel_size" in dict(getattr(rollout, "engine_kwargs", {}) or {}):
             errors.append("actor_rollout_ref.rollout.engine_kwargs.tensor_parallel_size: set "
                           "actor_rollout_ref.rollout.tensor_model_parallel_size instead (the workers' layout follows it)")
