@@ -10,7 +10,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/smollm2_basic_arithmetic}
 SFT_STEPS=${SFT_STEPS:-12}
-PRESET=hybridflow/config/smollm2_basic_arithmetic.yaml
 # the SFT rows: same task and options as the preset's train set, another seed
 SRC="reasoning_gym:basic_arithmetic?system_prompt=none&min_terms=2&max_terms=2&min_digits=1&max_digits=1&operators=[%2B,-]&allow_parentheses=false&allow_negation=false&size=1024&seed=100"
 
@@ -23,5 +22,5 @@ if [ "$SFT_STEPS" -gt 0 ]; then
         "trainer.default_local_dir=$OUT/sft" trainer.logger=[console,jsonl]
     MODEL=$OUT/sft/huggingface
 fi
-exec .venv/bin/hybridflow train --config "$PRESET" "actor_rollout_ref.model.path=$MODEL" \
+exec .venv/bin/hybridflow train --config hybridflow/config/smollm2_basic_arithmetic.yaml "actor_rollout_ref.model.path=$MODEL" \
     "trainer.default_local_dir=$OUT/grpo" "$@"
