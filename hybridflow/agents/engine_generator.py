@@ -22,6 +22,7 @@ Two ways, chosen by what the engine offers (``keep_kv``: None picks the first th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Hashable
@@ -171,11 +172,27 @@ class RolloutEngineGenerator:
         return result
 
     async def _serve_soon(self) -> None:
-        await asyncio.sleep(self.max_wait_s)  # let the other episodes' first turns arrive and prefill together
+        try:
+            await asyncio.sleep(self.max_wait_s)  # let the other episodes' first turns arrive and prefill together
+        except asyncio.CancelledError:
+            # the run that started us ended (e.g. an episode raised) before the thread began: no thread will serve,
+            # so the next generate() must start one; turns of the cancelled run are dropped with it
+            with self._lock:
+                self._serving = False
+                self._inbox = [(op, payload) for op, payload in self._inbox if op == "end"]
+            raise
         await asyncio.to_thread(self._serve)
 
     def _serve(self) -> None:
         """Run scheduler steps until nothing is waiting or running; hand each finished turn back to its loop."""
+        try:
+            self._serve_steps()  # returns with _serving reset under the lock (idle, or after an engine error)
+        except BaseException:  # anything else ends it too: the next generate() must start a new serving thread
+            with self._lock:
+                self._serving = False
+            raise
+
+    def _serve_steps(self) -> None:
         sessions = self.sessions
         assert sessions is not None
         while True:
@@ -224,4 +241,6 @@ def _deliver(request: TurnRequest) -> None:
             future.set_result(Generation(list(request.token_ids), list(request.log_probs),
                                          request.finish_reason or "length"))
 
-    loop.call_soon_threadsafe(complete)
+    # RuntimeError: that run's event loop is closed (the run ended early), so nobody waits for this turn
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(complete)
