@@ -1,4 +1,5 @@
-"""LoRA with vLLM in the hybrid engine: vLLM applies the policy's adapter itself (enable_lora), and each weight sync
+"""(Named to run last: its engines with enable_lora are shut down while no other test still needs vLLM's
+process-global state.) LoRA with vLLM in the hybrid engine: vLLM applies the policy's adapter itself (enable_lora), and each weight sync
 hands it only the adapter (a PEFT folder of a few KB) instead of streaming the merged model.
 
 Checked: an engine with an adapter loaded generates what transformers generates with the same adapter merged in; a
