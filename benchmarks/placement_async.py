@@ -55,16 +55,17 @@ DEFAULT_MODES = ("colocated_sync_1rank", "colocated_sync_2ranks", "disaggregated
 # The generation-heavy job: a random-init model whose eos cannot be sampled, so every sample is exactly
 # response_length tokens and generation is about half of a step.
 GEN_HEAVY = {"size": "small", "prompts": 8, "n": 4, "response_length": 64}
+VAL_KEY = "val/hybridflow/arithmetic/mean@4"  # the main job's held-out accuracy
 WARMUP_STEPS = 2  # the first steps of a run (allocations, first packing) are not counted in the medians
 
 
-def job_overrides(job: str, steps: int, run_dir: str) -> tuple[list[str], str | None]:
+def job_overrides(job: str, steps: int, run_dir: str, test_freq: int = 0) -> tuple[list[str], str | None]:
     """(overrides, preset) of the job: the main job, or the generation-heavy one (module docstring)."""
     from hybridflow.trainer.main import BUILTIN_PRESET
 
     if job == "main":
         return [
-            f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}", "trainer.save_freq=0",
+            f"trainer.total_training_steps={steps}", f"trainer.test_freq={test_freq or steps}", "trainer.save_freq=0",
             "trainer.val_before_train=true", "trainer.logger=[jsonl]", "trainer.progress_bar=false",
             f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable",
         ], BUILTIN_PRESET
@@ -79,15 +80,37 @@ def job_overrides(job: str, steps: int, run_dir: str) -> tuple[list[str], str | 
     ), None
 
 
-def run_mode(mode: str, steps: int, run_dir: str, job: str = "main") -> dict:
-    """In this (child) process: one training run of `job` under `mode`; its summary."""
+def run_mode(mode: str, steps: int, run_dir: str, job: str = "main", nodes: int = 1, test_freq: int = 0,
+             target: float = 0.0) -> dict:
+    """In this (child) process: one training run of `job` under `mode`; its summary.
+
+    nodes=2: a simulated two-node Ray cluster (`ray.cluster_utils.Cluster`, one CPU per node), so a separate rollout
+    group lands on the other node than the actor. target > 0 (main job): the training-loop time (sum of
+    ``timing/step``) to the first validation whose held-out mean@4 reaches it.
+    """
+    import ray
+
     from hybridflow.trainer.config import load_config
     from hybridflow.trainer.main import run_training
 
-    overrides, preset = job_overrides(job, steps, run_dir)
+    cluster = None
+    if nodes > 1:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        for _ in range(nodes - 1):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+    overrides, preset = job_overrides(job, steps, run_dir, test_freq)
     cfg = load_config([*overrides, *MODES[mode]], preset=preset)
     start = time.perf_counter()
-    result = run_training(cfg, progress=False)
+    try:
+        result = run_training(cfg, progress=False)
+    finally:
+        if cluster is not None:
+            ray.shutdown()
+            cluster.shutdown()
     wall = time.perf_counter() - start
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
@@ -99,6 +122,16 @@ def run_mode(mode: str, steps: int, run_dir: str, job: str = "main") -> dict:
 
     def acc(metrics: dict) -> dict:
         return {k: v for k, v in metrics.items() if k.startswith("val/") and "/mean@" in k}
+
+    to_target = None  # (step, training-loop seconds up to it) of the first validation at or above the target
+    if target > 0:
+        elapsed = 0.0
+        for r in rows:
+            elapsed += r.get("timing/step", 0.0)
+            if r.get(VAL_KEY, -1.0) >= target:
+                to_target = {"step": r.get("training/global_step", r.get("step")), "train_loop_s": elapsed,
+                             "mean@4": r[VAL_KEY]}
+                break
 
     return {
         "mode": mode,
@@ -117,6 +150,9 @@ def run_mode(mode: str, steps: int, run_dir: str, job: str = "main") -> dict:
         "job": job,
         "val_before": acc(result.initial_val),
         "val_after": acc(result.last_metrics),
+        "nodes": nodes,
+        "to_target": to_target,
+        "val_curve": [(r.get("training/global_step", r.get("step")), r[VAL_KEY]) for r in rows if VAL_KEY in r],
     }
 
 
@@ -171,11 +207,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="12 steps per mode, 1 round, transfer sizes tiny,small")
     p.add_argument("--skip-transfer", action="store_true")
+    p.add_argument("--nodes", type=int, default=1, help="2: a simulated two-node Ray cluster, one CPU per node")
+    p.add_argument("--test-freq", type=int, default=0, help="main job: validate every N steps (default: at the end)")
+    p.add_argument("--target", type=float, default=0.0,
+                   help="main job: report the training-loop time to the first held-out mean@4 >= this")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # child process: run this mode, print its summary
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print("RESULT " + json.dumps(run_mode(args.worker, args.steps, args.run_dir, args.job)))
+        print("RESULT " + json.dumps(run_mode(args.worker, args.steps, args.run_dir, args.job, args.nodes,
+                                              args.test_freq, args.target)))
         return
     steps = 12 if args.quick else args.steps
     sizes = ["tiny", "small"] if args.quick else args.sizes.split(",")
@@ -191,7 +232,8 @@ def main() -> None:
                 env = {**os.environ, "RAY_ADDRESS": "local"}  # a fresh cluster per run, never another session's
                 proc = subprocess.run(
                     [sys.executable, os.path.abspath(__file__), "--worker", mode, "--steps", str(steps), "--job", args.job,
-                     "--run-dir", os.path.join(work, f"{mode}_{round_index}")],
+                     "--run-dir", os.path.join(work, f"{mode}_{round_index}"), "--nodes", str(args.nodes),
+                     "--test-freq", str(args.test_freq), "--target", str(args.target)],
                     capture_output=True, text=True, cwd=ROOT, env=env,
                 )
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -211,16 +253,16 @@ def main() -> None:
             "train_loop_s": [r["train_loop_s"] for r in runs],
             "training_samples_per_s": statistics.median(r["training_samples_per_s"] for r in runs),
             "generated_tokens_per_s": statistics.median(r["generated_tokens_per_s"] for r in runs),
-            "val_mean4_before_after": [
-                (r["val_before"].get("val/hybridflow/arithmetic/mean@4"), r["val_after"].get(
-                    "val/hybridflow/arithmetic/mean@4")) for r in runs],
+            "val_mean4_before_after": [(r["val_before"].get(VAL_KEY), r["val_after"].get(VAL_KEY)) for r in runs],
+            "to_target": [r["to_target"] for r in runs],
         }
     med = {m: v["median_step_s"] for m, v in results["modes"].items()}
     for fast, slow in (("one_step_off", "disaggregated_sync"), ("async", "disaggregated_sync"),
                        ("one_step_off", "colocated_sync_2ranks"), ("one_step_off", "colocated_sync_1rank")):
         if fast in med and slow in med:
             results[f"{fast}_over_{slow}"] = med[fast] / med[slow]
-    emit(document("placement_async", {"job": args.job if args.job == "main" else {"gen_heavy": GEN_HEAVY}, "steps": steps, "rounds": args.rounds, "modes": {m: MODES[m] for m in modes},
+    emit(document("placement_async", {"job": args.job if args.job == "main" else {"gen_heavy": GEN_HEAVY}, "steps": steps, "rounds": args.rounds,
+                                       "nodes": args.nodes, "test_freq": args.test_freq, "target": args.target, "modes": {m: MODES[m] for m in modes},
                                        "sizes": sizes, "repeats": args.repeats},
                   results))
 

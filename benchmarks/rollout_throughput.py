@@ -28,6 +28,8 @@ import time
 
 import torch
 
+# vLLM logs to stdout by default, which would break the one JSON document this script prints there
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybridflow import device
