@@ -33,6 +33,7 @@ import random
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -85,6 +86,27 @@ _DTYPES = {
 _SEED_RANGE = 2**31  # vLLM feeds request seeds to torch.Generator.manual_seed; stay well inside int64
 # vLLM's parallel groups are process-global and shared by every engine in the process: tear them down with the last.
 _live_engines = 0
+
+
+def _release_engine(llm: Any) -> None:
+    """Free one engine's parts; the process-global parallel groups go only with the last live engine.
+
+    Runs from `VLLMRollout.shutdown` or, for an engine dropped without it (a trainer that ends without shutting its
+    rollout down), from the engine's `weakref.finalize`. vLLM's own client finalizer is detached at start-up because
+    it always runs EngineCore.shutdown, whose `cleanup_dist_env_and_memory` would break every other live engine.
+    """
+    global _live_engines
+    _live_engines -= 1
+    client = llm.llm_engine.engine_core  # in-process client around the EngineCore
+    if _live_engines > 0:
+        core = client.engine_core
+        core.model_executor.shutdown()
+        core.scheduler.shutdown()
+    else:
+        client.shutdown()
+    del llm, client
+    gc.collect()
+    device.empty_cache()
 
 
 def _vllm_dtype(dtype: str | torch.dtype) -> str:
@@ -255,6 +277,10 @@ class VLLMRollout(RolloutEngine):
                 self.llm = LLM(**engine_kw)
                 global _live_engines
                 _live_engines += 1
+                vllm_finalizer = getattr(self.llm.llm_engine.engine_core, "_finalizer", None)
+                if vllm_finalizer is not None:
+                    vllm_finalizer.detach()
+                self._release = weakref.finalize(self, _release_engine, self.llm)
                 self.startup_seconds = time.perf_counter() - start
         finally:
             # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process.
@@ -409,20 +435,5 @@ class VLLMRollout(RolloutEngine):
             self._adapter_dir = None
         if llm is None:
             return
-        global _live_engines
-        _live_engines -= 1
-        client = llm.llm_engine.engine_core  # in-process client around the EngineCore
-        if _live_engines > 0:
-            # EngineCore.shutdown (also run by the client's finalizer when it is garbage-collected) destroys vLLM's
-            # process-global parallel groups, which the other live engines still use: free only this engine's parts.
-            finalizer = getattr(client, "_finalizer", None)
-            if finalizer is not None:
-                finalizer.detach()
-            core = client.engine_core
-            core.model_executor.shutdown()
-            core.scheduler.shutdown()
-        else:
-            client.shutdown()
-        del llm, client
-        gc.collect()
-        device.empty_cache()
+        del llm
+        self._release()  # once: the finalizer is dead afterwards
