@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from hybridflow.engines.micro_batch import Bucket, build_bucket, real_token_spans
 
-__all__ = ["VARLEN_ATTENTION", "PackedBucket", "build_packed", "enable_packed_attention", "varlen_attention"]
+__all__ = ["VARLEN_ATTENTION", "PackedBucket", "build_packed", "enable_packed_attention", "packing_refusal",
+           "varlen_attention"]
 
 VARLEN_ATTENTION = "hybridflow_varlen"
 
@@ -78,6 +79,23 @@ def build_packed(
         cu_seq_lens=cu,
         max_length=int(lens.max()),
     )
+
+
+def packing_refusal(hf_config) -> str | None:
+    """Why `varlen_attention` cannot run this model (None if it can): the start-up form of its forward-time check.
+
+    transformers passes ``sliding_window`` to the attention of a layer typed ``sliding_attention`` (Qwen2/3,
+    Gemma 2/3), and on every layer of Mistral/Phi-3/Mixtral when the config sets it; Gemma 2 passes ``softcap``.
+    """
+    window = getattr(hf_config, "sliding_window", None)
+    sliding = [i for i, kind in enumerate(getattr(hf_config, "layer_types", None) or []) if kind == "sliding_attention"]
+    if sliding:
+        return f"sliding-window attention (sliding_window={window}) on {len(sliding)} of its layers"
+    if getattr(hf_config, "model_type", None) in ("mistral", "mixtral", "phi3") and window:
+        return f"sliding-window attention (sliding_window={window})"
+    if getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        return f"soft-capped attention logits (attn_logit_softcapping={hf_config.attn_logit_softcapping})"
+    return None
 
 
 def _flash_varlen():

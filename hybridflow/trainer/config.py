@@ -663,9 +663,10 @@ def validate_config(cfg: HybridFlowConfig) -> None:
             "set it, or drop reward_model.sandbox (the built-in scorers are hybridflow's own code)"
         )
     errors += _pre_step_config_errors(cfg)
-    from hybridflow.trainer.parallel_checks import model_parallel_errors
+    from hybridflow.trainer.parallel_checks import model_parallel_errors, packing_errors
 
     errors += model_parallel_errors(cfg)
+    errors += packing_errors(cfg)
     if t.fault_injection:
         from hybridflow.common.faults import parse_fault_spec
 

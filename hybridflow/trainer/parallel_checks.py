@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["layout_errors", "model_layout_errors", "model_parallel_errors"]
+__all__ = ["layout_errors", "model_layout_errors", "model_parallel_errors", "packing_errors"]
 
 TP_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 
@@ -128,4 +128,23 @@ def model_parallel_errors(cfg: Any) -> list[str]:
                     check(*args)
                 except ValueError as err:
                     errors.append(str(err))
+    return errors
+
+
+def packing_errors(cfg: Any) -> list[str]:
+    """use_sequence_packing on a model whose attention the packed (block-diagonal) path cannot apply: sliding
+    windows or soft-capped logits. Refused at start-up rather than at the first training forward."""
+    from hybridflow.engines.packing import packing_refusal
+
+    errors = []
+    for key, model in (("actor_rollout_ref.model", cfg.actor_rollout_ref.model), ("critic.model", cfg.critic.model)):
+        path = getattr(model, "path", None) or cfg.actor_rollout_ref.model.path
+        if not getattr(model, "use_sequence_packing", False) or not path or not os.path.isdir(path):
+            continue
+        from transformers import AutoConfig
+
+        reason = packing_refusal(AutoConfig.from_pretrained(path))
+        if reason:
+            errors.append(f"{key}.use_sequence_packing=true: the model at {path} uses {reason}, which packed "
+                          f"attention does not apply; set {key}.use_sequence_packing=false")
     return errors

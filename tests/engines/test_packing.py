@@ -12,6 +12,7 @@ from hybridflow.engines import micro_batch as mb
 from hybridflow.engines import packing
 from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.engines.hf_model import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
+from hybridflow.engines.tiny import write_tiny_model
 from hybridflow.protocol import DataProto
 
 
@@ -127,3 +128,31 @@ def test_packed_train_step_runs_with_a_token_budget(tiny_model_path):
     result = eng.train_step(data, pg_loss)
     assert result["skipped_nonfinite"] == 0.0 and result["grad_norm"] > 0
     assert any(not torch.equal(before[n], p) for n, p in eng.model.named_parameters())
+
+
+# the tiny Mistral sets no sliding_window (its layers attend fully), so it packs
+@pytest.mark.parametrize("arch, packable", [("gemma2", False), ("gemma3_text", False), ("mistral", True),
+                                            ("qwen2", True), ("llama", True)])
+def test_packing_a_model_it_cannot_apply_to_is_refused_at_start_up(tmp_path, arch, packable):
+    """The forward-time refusal of varlen_attention, moved to config validation: the run never starts."""
+    from transformers import AutoConfig
+
+    from hybridflow.trainer.config import ConfigError, load_config
+
+    path = write_tiny_model(tmp_path / arch, "unit", arch=arch, seed=0)
+    assert (packing.packing_refusal(AutoConfig.from_pretrained(path)) is None) == packable
+    overrides = [f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.model.use_sequence_packing=true"]
+    if packable:
+        load_config(overrides)
+        return
+    with pytest.raises(ConfigError, match=r"use_sequence_packing=true: the model at .* uses (sliding-window|soft-capped)"):
+        load_config(overrides)
+
+
+def test_a_mistral_with_a_window_is_not_packed():
+    from transformers import MistralConfig, Qwen2Config
+
+    assert "sliding_window=16" in packing.packing_refusal(MistralConfig(sliding_window=16))
+    assert packing.packing_refusal(Qwen2Config(use_sliding_window=False, sliding_window=16)) is None
+    assert "on 2 of its layers" in packing.packing_refusal(
+        Qwen2Config(use_sliding_window=True, sliding_window=16, num_hidden_layers=2, max_window_layers=0))
