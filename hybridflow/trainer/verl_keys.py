@@ -145,6 +145,15 @@ UNSUPPORTED.update({
     "trainer.dump_high_diff_dir": "dumping tokens whose rollout and actor log-probs differ is not implemented; the "
     "train-inference mismatch is logged as rollout/mismatch_* every step",
 })
+# veRL's fully-async recipe (recipe/fully_async_policy, its own entry point): different staleness semantics
+_ASYNC_RECIPE = (
+    "veRL's fully-async recipe keys are not read: hybridflow's asynchronous training is trainer.rollout_mode=async "
+    "(or one_step_off) with actor_rollout_ref.hybrid_engine=false, trainer.max_staleness (in policy versions, not a "
+    "fraction of samples), trainer.rollout_buffer_batches, and algorithm.rollout_correction.bypass_mode=true for "
+    "the rollout's log-probs as the old policy; weights are synced after every update and partial rollouts are not "
+    "implemented"
+)
+UNSUPPORTED["async_training."] = _ASYNC_RECIPE
 PLANNED.update({
     "actor_rollout_ref.ref.entropy_checkpointing": "entropy recomputation in backward (issue #22); the reference "
     "computes no entropy here",

@@ -65,3 +65,9 @@ def test_a_placement_that_does_not_fit_the_cluster():
     with pytest.raises(ConfigError, match=r"4 GPU ranks .*rollout\.nnodes"):
         check_resources(cfg, available_cpus=16, available_gpus=3)
     check_resources(cfg, available_cpus=16, available_gpus=4)
+
+
+def test_verls_fully_async_recipe_keys_are_refused_naming_hybridflows_async_keys():
+    with pytest.raises(ConfigError, match=r"async_training\.staleness_threshold: veRL's fully-async recipe .*"
+                                          r"trainer\.rollout_mode=async.*trainer\.max_staleness"):
+        load_config(["async_training.staleness_threshold=0.5"])
