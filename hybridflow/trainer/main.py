@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -212,8 +213,11 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     # One folder, one history: refuse (or, with trainer.overwrite, archive) an old run before anything is written.
     prepare_run_dir(run_dir, resume_mode=t.resume_mode, overwrite=t.overwrite, total_steps=total_steps,
                     save_freq=t.save_freq)
+    from hybridflow.trainer.shm_model import apply_use_shm
     from hybridflow.trainer.verl_model_keys import apply_model_overrides
 
+    shm_copy = contextlib.ExitStack()  # model.use_shm: the /dev/shm copy, removed when the run ends
+    apply_use_shm(cfg, shm_copy)
     apply_model_overrides(cfg, run_dir)  # model.override_config: actor, ref and rollout load RUN_DIR/model_override
     custom = load_reward_function(cfg)  # a bad reward file fails here, before Ray starts
     need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
@@ -292,6 +296,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     finally:
         tracker.finish()
         reward_fn.close()
+        shm_copy.close()
 
 
 def _raise_preflight(problems: list[str]) -> None:

@@ -142,7 +142,7 @@ class ActorRolloutRefWorker(Worker):
                 path,
                 dtype=r.dtype,
                 seed=cfg.trainer.seed,
-                max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                max_model_len=r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
                 **rollout_engine_kwargs(r),
                 # routing replay: the rollout records each token's experts for the actor's forwards
                 **({"record_routes": True} if arr.actor.router_replay.mode == "R3" else {}),
