@@ -104,6 +104,9 @@ class RLTrainer:
         self.high_diff_dump = HighDiffTokenDump(
             t.dump_high_diff_dir or os.path.join(t.default_local_dir, HIGH_DIFF_SUBDIR), tokenizer
         ) if t.dump_high_diff_tokens else None
+        if t.dump_high_diff_dir and not t.dump_high_diff_tokens:  # veRL's recipes set the dir with dumping off
+            logger.warning("trainer.dump_high_diff_dir=%s: nothing is dumped while trainer.dump_high_diff_tokens=false",
+                           t.dump_high_diff_dir)
         self.rollout: SyncRollout | None = None  # built by fit(): it owns the prompt stream
         self._rollout_state: dict | None = None  # from a checkpoint, until fit() builds the rollout driver
 

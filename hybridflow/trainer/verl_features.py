@@ -44,9 +44,6 @@ def feature_errors(cfg: Any) -> list[str]:
         from hybridflow.trainer.shm_model import shm_config_errors
 
         errors += shm_config_errors(cfg)
-    if t.dump_high_diff_dir and not t.dump_high_diff_tokens:
-        errors.append(f"trainer.dump_high_diff_dir={t.dump_high_diff_dir!r} is read only with "
-                      "trainer.dump_high_diff_tokens=true; set that too, or drop the dir")
     if t.dump_high_diff_tokens:
         if not arr.rollout.calculate_log_probs:
             errors.append("trainer.dump_high_diff_tokens=true compares the rollout's log-probs with the actor's, but "
