@@ -33,6 +33,14 @@ class ConfigError(ValueError):
 
 # ----------------------------------------------------------------------------------------------------- sections
 @dataclass
+class CustomClsConfig:
+    """veRL's data.custom_cls: a dataset class of the user's (data/custom_dataset.py), built with veRL's signature."""
+
+    path: str | None = None  # a Python file
+    name: str | None = None  # the class in it (a torch.utils.data.Dataset)
+
+
+@dataclass
 class DataConfig:
     train_files: Any = None  # path or list of paths (parquet / jsonl); None = the built-in task
     val_files: Any = None
@@ -53,6 +61,7 @@ class DataConfig:
     apply_chat_template_kwargs: dict = field(default_factory=dict)
     return_raw_chat: bool = False  # veRL's key; true: each prompt's chat messages ride along (non-tensor raw_prompt)
     trust_remote_code: bool = False  # veRL's key: refused for a tokenizer with code of its own (verl_model_keys.py)
+    custom_cls: CustomClsConfig = field(default_factory=CustomClsConfig)
 
 
 @dataclass

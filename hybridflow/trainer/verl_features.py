@@ -6,12 +6,14 @@
   actor_rollout_ref.model.lora_adapter_path          engines/lora_adapter.py
   actor_rollout_ref.model.use_shm                    trainer/shm_model.py
   trainer.dump_high_diff_tokens / dump_high_diff_dir trainer/high_diff_tokens.py
+  data.custom_cls.path / name                        data/custom_dataset.py
 (rollout.quantization / enable_prefix_caching are vLLM switches: engines/rollout/base.py refuses them elsewhere.)
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 
@@ -44,6 +46,13 @@ def feature_errors(cfg: Any) -> list[str]:
         from hybridflow.trainer.shm_model import shm_config_errors
 
         errors += shm_config_errors(cfg)
+    cls = d.custom_cls
+    if cls.name and not cls.path:
+        errors.append(f"data.custom_cls.name={cls.name!r} is read with data.custom_cls.path=<the Python file>; set it")
+    if cls.path and not os.path.isfile(os.path.expanduser(cls.path)):
+        errors.append(f"data.custom_cls.path={cls.path!r} is not a file; give the Python file of the dataset class")
+    if cls.path and not cls.name:
+        errors.append(f"data.custom_cls.path={cls.path!r} needs data.custom_cls.name=<the class in that file>")
     if t.dump_high_diff_tokens:
         if not arr.rollout.calculate_log_probs:
             errors.append("trainer.dump_high_diff_tokens=true compares the rollout's log-probs with the actor's, but "
