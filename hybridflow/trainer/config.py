@@ -158,6 +158,8 @@ class ActorConfig:
     router_replay: RouterReplaySection = field(default_factory=RouterReplaySection)
     use_torch_compile: bool = False  # veRL's key; the forward is eager here (true is refused, verl_model_keys.py)
     entropy_from_logits_with_chunking: bool = True  # veRL's key; always chunked here
+    # veRL's diagnostic: log actor/sum_pi_squared, the mean over response tokens of sum_v pi(v)^2 (engines/hf_model.py)
+    calculate_sum_pi_squared: bool = False
     optim: OptimSection = field(default_factory=OptimSection)
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
     ulysses_sequence_parallel_size: int = 1  # ranks that split every sequence (engines/ulysses.py)

@@ -63,7 +63,6 @@ UNSUPPORTED: dict[str, str] = {
     "local sandbox (data_source 'code', hybridflow/rewards/sandbox.py)",
     "reward_model.use_reward_loop": "veRL's asynchronous reward loop is not supported; rewards are scored in "
     "hybridflow's reward worker processes (reward_model.num_workers)",
-    "actor_rollout_ref.actor.calculate_sum_pi_squared": "the sum-of-pi-squared diagnostic is not computed",
     "actor_rollout_ref.rollout.multi_turn.interaction_config_path": "veRL's Interaction classes are not loaded; "
     "give an environment (reset/step) as actor_rollout_ref.rollout.multi_turn.environment=package.module:Class",
     "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template": "episodes are kept token-in/token-out: the "

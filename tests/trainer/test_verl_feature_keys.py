@@ -1,5 +1,6 @@
 """veRL keys honoured by their own modules: algorithm.use_pf_ppo / pf_ppo.*, trainer.dump_high_diff_tokens / _dir,
-actor_rollout_ref.model.use_shm, ref.strategy, rollout.max_model_len / quantization / enable_prefix_caching."""
+actor_rollout_ref.model.use_shm, ref.strategy, rollout.max_model_len / quantization / enable_prefix_caching,
+actor.calculate_sum_pi_squared."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def test_a_run_with_pf_ppo_dumps_and_shm(arithmetic_files, tiny_model_path, tmp_
         arithmetic_files, tiny_model_path, run_dir, "trainer.backend=local", "algorithm.use_pf_ppo=true",
         "algorithm.pf_ppo.reweight_method=max_random", "trainer.dump_high_diff_tokens=true",
         f"trainer.dump_high_diff_dir={dump_dir}", "actor_rollout_ref.model.use_shm=true",
-        "actor_rollout_ref.rollout.max_model_len=64"))
+        "actor_rollout_ref.rollout.max_model_len=64", "actor_rollout_ref.actor.calculate_sum_pi_squared=true"))
     result = run_training(cfg, progress=False)
     assert result.global_step == 2
     # use_shm: the engines loaded the copy, which is gone after the run; what was there before stays
@@ -41,6 +42,7 @@ def test_a_run_with_pf_ppo_dumps_and_shm(arithmetic_files, tiny_model_path, tmp_
     steps = [r for r in rows if "pf_ppo/unique_fraction" in r]
     assert len(steps) == 2 and all(0 < r["pf_ppo/unique_fraction"] <= 1 for r in steps)
     assert all("rollout/high_diff_max_prob_diff" in r for r in steps)
+    assert all(0 < r["actor/sum_pi_squared"] <= 1 for r in steps)
     for step in (1, 2):
         lines = [json.loads(line) for line in open(os.path.join(dump_dir, f"step_{step}.jsonl"))]
         assert 0 < len(lines) <= 32
