@@ -302,7 +302,8 @@ class FSDPEngine:
             groups = mb.split_to_count(groups, lengths, count)
         return groups
 
-    def _forward(self, rows: DataProto, *, temperature: float, calculate_entropy: bool) -> dict[str, torch.Tensor]:
+    def _forward(self, rows: DataProto, *, temperature: float, calculate_entropy: bool,
+                 calculate_sum_pi_squared: bool = False) -> dict[str, torch.Tensor]:
         """One micro-batch forward -> outputs laid out ``[b, R]`` (zeros past each response)."""
         batch = rows.batch
         responses = batch["responses"]
@@ -331,6 +332,7 @@ class FSDPEngine:
                 calculate_entropy=calculate_entropy,
                 chunk_size=self.config.entropy_chunk_size,
                 **({"attention_kwargs": attention_kwargs} if attention_kwargs is not None else {}),
+                **({"calculate_sum_pi_squared": True} if calculate_sum_pi_squared else {}),
             )
         if self.model.training and len(self.router_tap):
             mask = bucket.attention_mask
@@ -469,6 +471,7 @@ class FSDPEngine:
     def _accumulate(self, data: DataProto, loss_fn: LossFn) -> tuple[dict[str, float], float]:
         temperature = float(data.meta_info.get("temperature", 1.0))
         calculate_entropy = bool(data.meta_info.get("calculate_entropy", False))
+        sum_pi_squared = bool(data.meta_info.get("calculate_sum_pi_squared", False))  # veRL's diagnostic
         response_mask = data.batch.get("response_mask")
         if response_mask is None:
             response_mask = data.batch["attention_mask"][:, -data.batch["responses"].shape[1] :]
@@ -488,7 +491,8 @@ class FSDPEngine:
         for group in self._plan(data):
             micro = data[group].to(self.device)  # loss_fn mixes its columns with the outputs: same device
             micro.meta_info.update(global_meta)
-            outputs = self._forward(micro, temperature=temperature, calculate_entropy=calculate_entropy)
+            outputs = self._forward(micro, temperature=temperature, calculate_entropy=calculate_entropy,
+                                    calculate_sum_pi_squared=sum_pi_squared)
             loss, metrics = loss_fn(micro, outputs)
             loss, metrics = self._add_router_terms(micro, loss, dict(metrics or {}), global_meta["global_num_tokens"])
             if not torch.isfinite(loss.detach()).all():

@@ -130,6 +130,7 @@ class HeadOnPositions(nn.Module):
         calculate_entropy: bool = False,
         chunk_size: int = 2048,
         attention_kwargs: dict | None = None,
+        calculate_sum_pi_squared: bool = False,
     ) -> dict[str, torch.Tensor]:
         backbone, _ = self._parts()
         hidden = backbone(
@@ -138,7 +139,8 @@ class HeadOnPositions(nn.Module):
         ).last_hidden_state
         selected = hidden[select_rows, select_cols]  # [N, H]
         empty = hidden[:0, 0, 0].float()  # stays on the autograd graph, so an all-empty micro-batch can backward
-        return self.head_outputs(selected, target_ids, temperature, calculate_entropy, chunk_size, empty)
+        return self.head_outputs(selected, target_ids, temperature, calculate_entropy, chunk_size, empty,
+                                 calculate_sum_pi_squared)
 
     def head_outputs(
         self,
@@ -148,12 +150,15 @@ class HeadOnPositions(nn.Module):
         calculate_entropy: bool,
         chunk_size: int,
         empty: torch.Tensor,
+        calculate_sum_pi_squared: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """The head on ``selected [N, H]`` hidden states -> forward()'s outputs, each ``[N]`` float32."""
+        """The head on ``selected [N, H]`` hidden states -> forward()'s outputs, each ``[N]`` float32; with
+        calculate_sum_pi_squared also ``sum_pi_squared [N]`` = sum over the vocabulary of softmax(logits / T)^2
+        (veRL's diagnostic: 1 for a one-hot policy, 1 / V for a uniform one; no gradient)."""
         _, head = self._parts()
         if self.is_critic:
             return {"values": head(selected).squeeze(-1).float()}
-        log_probs, entropies = [], []
+        log_probs, entropies, sum_pi_squared = [], [], []
         # the CausalLM forward we bypass soft-caps its logits (Gemma 2/3): cap * tanh(logits / cap)
         cap = getattr(self.hf.config, "final_logit_softcapping", None)
         # Chunks bound the [chunk, V] logits held at once (V is ~150k for real vocabularies).
@@ -168,7 +173,12 @@ class HeadOnPositions(nn.Module):
                 entropies.append(ent)
             else:
                 log_probs.append(log_probs_from_logits(logits, target_ids[lo : lo + chunk_size]))
+            if calculate_sum_pi_squared:  # one more softmax of this chunk only: [chunk, V] at a time, as above
+                with torch.no_grad():
+                    sum_pi_squared.append(torch.softmax(logits.detach(), dim=-1).square().sum(dim=-1))
         out = {"log_probs": torch.cat(log_probs) if log_probs else empty}
+        if calculate_sum_pi_squared:
+            out["sum_pi_squared"] = torch.cat(sum_pi_squared) if sum_pi_squared else empty.detach()
         if calculate_entropy:
             out["entropy"] = torch.cat(entropies) if entropies else empty
         return out

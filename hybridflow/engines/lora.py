@@ -35,6 +35,8 @@ class LoraSettings:
     dropout: float = 0.0
     exclude_modules: str | list[str] | None = None
     extra: dict = field(default_factory=dict)  # further LoraConfig arguments (none from the config today)
+    # veRL's lora_adapter_path: a saved PEFT adapter folder whose weights the adapter starts from (lora_adapter.py)
+    adapter_path: str | None = None
 
     def validate(self) -> None:
         if self.rank < 0:
@@ -93,6 +95,10 @@ def apply_lora(hf_model: nn.Module, settings: LoraSettings) -> nn.Module:
     trainable = [n for n, p in hf_model.named_parameters() if p.requires_grad]
     if not trainable or any(".lora_" not in n for n in trainable):
         raise RuntimeError(f"LoRA left unexpected trainable parameters: {trainable[:5]}")
+    if settings.adapter_path:
+        from hybridflow.engines.lora_adapter import load_adapter_weights
+
+        load_adapter_weights(peft_model, settings)
     return peft_model
 
 

@@ -156,7 +156,7 @@ class SequenceParallelHead(HeadOnPositions):
         self.sp_group, self.sp_size, self.sp_rank = group, sp_size, sp_rank
 
     def forward(self, input_ids, position_ids, attention_mask, select_rows, select_cols, target_ids=None,
-                temperature=1.0, calculate_entropy=False, chunk_size=2048):
+                temperature=1.0, calculate_entropy=False, chunk_size=2048, calculate_sum_pi_squared=False):
         if attention_mask is not None:
             raise ValueError("sequence parallelism needs the stripped layout (use_remove_padding=True)")
         sp, rank = self.sp_size, self.sp_rank
@@ -176,5 +176,6 @@ class SequenceParallelHead(HeadOnPositions):
         selected = hidden[select_rows[mine], select_cols[mine] - lo]
         targets = target_ids[mine] if target_ids is not None else None
         empty = hidden[:0, 0, 0].float()
-        local = self.head_outputs(selected, targets, temperature, calculate_entropy, chunk_size, empty)
+        local = self.head_outputs(selected, targets, temperature, calculate_entropy, chunk_size, empty,
+                                  calculate_sum_pi_squared)
         return {k: _GatherPositions.apply(v, owner, rank, sp, self.sp_group) for k, v in local.items()}

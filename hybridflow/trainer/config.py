@@ -33,6 +33,14 @@ class ConfigError(ValueError):
 
 # ----------------------------------------------------------------------------------------------------- sections
 @dataclass
+class CustomClsConfig:
+    """veRL's data.custom_cls: a dataset class of the user's (data/custom_dataset.py), built with veRL's signature."""
+
+    path: str | None = None  # a Python file
+    name: str | None = None  # the class in it (a torch.utils.data.Dataset)
+
+
+@dataclass
 class DataConfig:
     train_files: Any = None  # path or list of paths (parquet / jsonl); None = the built-in task
     val_files: Any = None
@@ -53,6 +61,7 @@ class DataConfig:
     apply_chat_template_kwargs: dict = field(default_factory=dict)
     return_raw_chat: bool = False  # veRL's key; true: each prompt's chat messages ride along (non-tensor raw_prompt)
     trust_remote_code: bool = False  # veRL's key: refused for a tokenizer with code of its own (verl_model_keys.py)
+    custom_cls: CustomClsConfig = field(default_factory=CustomClsConfig)
 
 
 @dataclass
@@ -78,6 +87,10 @@ class PolicyModelConfig(ModelConfig):
     # true: actor and ref pack each micro-batch's rows into one row with per-row attention (engines/packing.py)
     # instead of bucketing them by length; no padding is computed at all
     use_sequence_packing: bool = False
+    # veRL's keys: a saved PEFT adapter folder LoRA starts from (engines/lora_adapter.py; needs lora_rank = its r),
+    # and use_shm: the model folder copied to /dev/shm once, loaded from there, removed at exit (trainer/shm_model.py)
+    lora_adapter_path: str | None = None
+    use_shm: bool = False
 
 
 @dataclass
@@ -145,6 +158,8 @@ class ActorConfig:
     router_replay: RouterReplaySection = field(default_factory=RouterReplaySection)
     use_torch_compile: bool = False  # veRL's key; the forward is eager here (true is refused, verl_model_keys.py)
     entropy_from_logits_with_chunking: bool = True  # veRL's key; always chunked here
+    # veRL's diagnostic: log actor/sum_pi_squared, the mean over response tokens of sum_v pi(v)^2 (engines/hf_model.py)
+    calculate_sum_pi_squared: bool = False
     optim: OptimSection = field(default_factory=OptimSection)
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
     ulysses_sequence_parallel_size: int = 1  # ranks that split every sequence (engines/ulysses.py)
@@ -221,6 +236,12 @@ class RolloutConfig:
     load_format: str = "auto"  # auto | hf | safetensors (requires *.safetensors in model.path)
     layered_summon: bool = True  # always: weight sync gathers one full tensor at a time
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    # veRL's engine knobs. max_model_len: the rollout engine's context length, any engine (None:
+    # data.max_prompt_length + data.max_response_length; more leaves multi-turn episodes room). quantization and
+    # enable_prefix_caching: vllm only, passed to vllm.LLM (other engines refuse them, engines/rollout/base.py)
+    max_model_len: int | None = None
+    quantization: str | None = None
+    enable_prefix_caching: bool | None = None
 
 
 @dataclass
@@ -232,6 +253,7 @@ class RefConfig:
     use_torch_compile: bool = False  # veRL's key; the forward is eager here (true is refused, verl_model_keys.py)
     entropy_from_logits_with_chunking: bool = True  # veRL's key; always chunked here
     ulysses_sequence_parallel_size: int = 1
+    strategy: str = "fsdp2"  # veRL's key: fsdp / fsdp2 (the reference runs on the actor's FSDP2 engine); no megatron
 
 
 @dataclass
@@ -332,6 +354,14 @@ class RolloutCorrectionConfig:
     bypass_mode: bool = False
 
 
+# PF-PPO (veRL's algorithm.pf_ppo keys, algorithms/pf_ppo.py): after the advantages, the step's responses are
+# resampled with replacement by weights from their sequence scores
+@dataclass
+class PFPPOConfig:
+    reweight_method: str = "pow"  # pow | max_min | max_random | a registered name (PF_PPO_WEIGHTS)
+    weight_pow: float = 2.0  # pow: weight = |score| ** weight_pow
+
+
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
@@ -343,6 +373,8 @@ class AlgorithmConfig:
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    use_pf_ppo: bool = False
+    pf_ppo: PFPPOConfig = field(default_factory=PFPPOConfig)
 
 
 @dataclass
@@ -382,6 +414,10 @@ class TrainerConfig:
     progress_bar: bool = True
     balance_batch: bool = True
     max_consecutive_nonfinite: int = 3
+    # veRL's keys: each step, the tokens whose rollout and actor probabilities differ most, as JSONL
+    # (trainer/high_diff_tokens.py) under dump_high_diff_dir (None: RUN_DIR/high_diff_tokens)
+    dump_high_diff_tokens: bool = False
+    dump_high_diff_dir: str | None = None
 
 
 @dataclass
@@ -663,6 +699,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
             "set it, or drop reward_model.sandbox (the built-in scorers are hybridflow's own code)"
         )
     errors += _pre_step_config_errors(cfg)
+    from hybridflow.trainer.verl_features import feature_errors
+
+    errors += feature_errors(cfg)  # veRL's pf_ppo, ref.strategy, rollout knobs, LoRA adapter, use_shm, dumps
     from hybridflow.trainer.parallel_checks import model_parallel_errors, packing_errors
 
     errors += model_parallel_errors(cfg)

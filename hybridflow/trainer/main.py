@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -107,7 +108,18 @@ def build_datasets(cfg: HybridFlowConfig, tokenizer):
         filter_overlong_prompts=d.filter_overlong_prompts,
         apply_chat_template_kwargs=dict(d.apply_chat_template_kwargs) or None,
     )
-    train_ds = RLDataset(d.train_files, tokenizer, name="train", **ds_kwargs)
+
+    raw_chat = d.return_raw_chat or cfg.actor_rollout_ref.rollout.multi_turn.enable
+
+    def dataset(files, name):
+        if d.custom_cls.path:  # veRL's data.custom_cls: the user's dataset class supplies the prompts
+            from hybridflow.data.custom_dataset import CustomClassDataset, load_dataset_class
+
+            cls = load_dataset_class(d.custom_cls.path, d.custom_cls.name)
+            return CustomClassDataset(cls, files, tokenizer, d, name=name, require_raw_chat=raw_chat)
+        return RLDataset(files, tokenizer, name=name, **ds_kwargs)
+
+    train_ds = dataset(d.train_files, "train")
     from hybridflow.trainer.dynamic_sampling import gen_batch_size
 
     # one loader batch = one generation batch (data.gen_batch_size; DAPO's dynamic sampling may take several a step)
@@ -115,7 +127,7 @@ def build_datasets(cfg: HybridFlowConfig, tokenizer):
                                 return_raw_chat=d.return_raw_chat)
     val_loader = None
     if d.val_files:
-        val_ds = RLDataset(d.val_files, tokenizer, name="val", **ds_kwargs)
+        val_ds = dataset(d.val_files, "val")
         if d.val_max_samples > 0:
             val_ds = val_ds.head(d.val_max_samples)
         val_loader = RLDataLoader(val_ds, d.val_batch_size or len(val_ds), shuffle=False, drop_last=False,
@@ -212,8 +224,11 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     # One folder, one history: refuse (or, with trainer.overwrite, archive) an old run before anything is written.
     prepare_run_dir(run_dir, resume_mode=t.resume_mode, overwrite=t.overwrite, total_steps=total_steps,
                     save_freq=t.save_freq)
+    from hybridflow.trainer.shm_model import apply_use_shm
     from hybridflow.trainer.verl_model_keys import apply_model_overrides
 
+    shm_copy = contextlib.ExitStack()  # model.use_shm: the /dev/shm copy, removed when the run ends
+    apply_use_shm(cfg, shm_copy)
     apply_model_overrides(cfg, run_dir)  # model.override_config: actor, ref and rollout load RUN_DIR/model_override
     custom = load_reward_function(cfg)  # a bad reward file fails here, before Ray starts
     need_ref = cfg.algorithm.use_kl_in_reward or cfg.actor_rollout_ref.actor.use_kl_loss
@@ -292,6 +307,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     finally:
         tracker.finish()
         reward_fn.close()
+        shm_copy.close()
 
 
 def _raise_preflight(problems: list[str]) -> None:

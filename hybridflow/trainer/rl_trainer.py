@@ -34,8 +34,11 @@ from hybridflow.engines.mismatch import logprob_mismatch
 from hybridflow.protocol import DataProto
 from hybridflow.trainer import agent_rewards
 from hybridflow.trainer.balance import balance_batch
+from hybridflow.trainer.batch_reweight import pf_ppo_resample
 from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.dynamic_sampling import fill_step_with_informative_groups
+from hybridflow.trainer.high_diff_tokens import DEFAULT_SUBDIR as HIGH_DIFF_SUBDIR
+from hybridflow.trainer.high_diff_tokens import HighDiffTokenDump
 from hybridflow.trainer.metrics import (
     Timer,
     compute_data_metrics,
@@ -64,6 +67,8 @@ def is_on_policy(cfg: Any) -> bool:
         and not cfg.algorithm.use_kl_in_reward
         # overlapped modes train on samples of an older policy: the first forward is not the behaviour policy
         and cfg.trainer.rollout_mode == "sync"
+        # dumping high-diff tokens needs the actor's per-token log-probs before the update (high_diff_tokens.py)
+        and not cfg.trainer.dump_high_diff_tokens
     )
 
 
@@ -95,6 +100,13 @@ class RLTrainer:
         # Facts about the run logged in every step row (run_training sets them): training/restarts, data filter counts
         self.run_metrics: dict[str, float] = {}
         self.on_policy = is_on_policy(cfg)
+        t = cfg.trainer
+        self.high_diff_dump = HighDiffTokenDump(
+            t.dump_high_diff_dir or os.path.join(t.default_local_dir, HIGH_DIFF_SUBDIR), tokenizer
+        ) if t.dump_high_diff_tokens else None
+        if t.dump_high_diff_dir and not t.dump_high_diff_tokens:  # veRL's recipes set the dir with dumping off
+            logger.warning("trainer.dump_high_diff_dir=%s: nothing is dumped while trainer.dump_high_diff_tokens=false",
+                           t.dump_high_diff_dir)
         self.rollout: SyncRollout | None = None  # built by fit(): it owns the prompt stream
         self._rollout_state: dict | None = None  # from a checkpoint, until fit() builds the rollout driver
 
@@ -116,6 +128,8 @@ class RLTrainer:
             with Timer("old_log_prob", timing):
                 batch = batch.union(g.actor_rollout.compute_log_prob(batch))
             metrics.update(self.mismatch_metrics(batch))
+            if self.high_diff_dump is not None and "rollout_log_probs" in batch.batch:
+                metrics.update(self.high_diff_dump.write(batch, self.global_step + 1))
         if self.need_ref:
             with Timer("ref", timing):
                 batch = batch.union(g.actor_rollout.compute_ref_log_prob(batch))
@@ -124,6 +138,8 @@ class RLTrainer:
                 batch = batch.union(g.critic.compute_values(batch))
         with Timer("adv", timing):
             metrics.update(self.compute_advantage(batch))
+            if cfg.algorithm.use_pf_ppo:  # PF-PPO: train on a reward-weighted resample of the rows
+                metrics.update(pf_ppo_resample(batch, cfg.algorithm, cfg.trainer.seed, self.global_step + 1))
         if g.critic is not None:
             with Timer("update_critic", timing):
                 metrics.update(_mean_over_ranks(g.critic.update_critic(batch)))

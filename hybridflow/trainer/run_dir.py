@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 # Top-level entries hybridflow (trainer, trackers, report, fault injection) writes into a run folder.
 _OURS_FILES = ("metrics.jsonl", "samples.jsonl", "tracking_ids.json", "metrics.jsonl.tmp", LATEST_FILE)
-_OURS_DIRS = ("tensorboard", "wandb", "mlruns", "report", "model_override")  # model_override: verl_model_keys.py
+_OURS_DIRS = ("tensorboard", "wandb", "mlruns", "report", "model_override",
+             "high_diff_tokens")  # model_override: verl_model_keys.py; high_diff_tokens: trainer/high_diff_tokens.py
 _OURS_PATTERN = re.compile(r"^(\.tmp-global_step_\d+|\.fault_injected_.+|latest_checkpointed_iteration\.txt\.tmp)$")
 
 

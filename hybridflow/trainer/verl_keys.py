@@ -63,11 +63,6 @@ UNSUPPORTED: dict[str, str] = {
     "local sandbox (data_source 'code', hybridflow/rewards/sandbox.py)",
     "reward_model.use_reward_loop": "veRL's asynchronous reward loop is not supported; rewards are scored in "
     "hybridflow's reward worker processes (reward_model.num_workers)",
-    "algorithm.use_pf_ppo": "PF-PPO's sample reweighting is not implemented; remove the algorithm.pf_ppo keys",
-    "algorithm.pf_ppo.": "PF-PPO's sample reweighting is not implemented; remove the algorithm.pf_ppo keys",
-    "actor_rollout_ref.model.use_shm": "loading the model through /dev/shm is not supported; models load by path",
-    "actor_rollout_ref.actor.calculate_sum_pi_squared": "the sum-of-pi-squared diagnostic is not computed",
-    "data.custom_cls.": "custom dataset classes are not loaded; give parquet/JSONL files in veRL's schema",
     "actor_rollout_ref.rollout.multi_turn.interaction_config_path": "veRL's Interaction classes are not loaded; "
     "give an environment (reset/step) as actor_rollout_ref.rollout.multi_turn.environment=package.module:Class",
     "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template": "episodes are kept token-in/token-out: the "
@@ -87,7 +82,6 @@ PLANNED: dict[str, str] = {
     "actor_rollout_ref.rollout.checkpoint_engine.": "bucketed weight streaming to a separate rollout (issue #19)",
     "actor_rollout_ref.rollout.expert_parallel_size": "expert-parallel rollout (issue #17/#20)",
     "actor_rollout_ref.rollout.data_parallel_size": "rollout data parallelism apart from training (issue #19)",
-    "actor_rollout_ref.model.lora_adapter_path": "starting LoRA RL from a saved PEFT adapter (issue #17)",
     "critic.model.lora_": "LoRA on the critic (issue #17); LoRA is on the actor (actor_rollout_ref.model.lora_rank)",
     "critic.model.target_modules": "LoRA on the critic (issue #17)",
     "model.lora_": "LoRA in SFT (issue #17)",
@@ -99,7 +93,6 @@ PLANNED: dict[str, str] = {
     "actor_rollout_ref.ref.fsdp_config.": "this FSDP option (issue #21)",
     "actor_rollout_ref.actor.entropy_checkpointing": "entropy recomputation in backward (issue #22)",
     "actor_rollout_ref.actor.optim.lr_decay_style": "veRL Megatron's scheduler key; use optim.lr_scheduler_type",
-    "actor_rollout_ref.ref.strategy": "the reference uses the actor's engine (FSDP2); remove the key",
     "algorithm.rollout_correction.": "rollout importance-sampling corrections (issue #19)",
     "reward_model.rollout.": "generative reward models (issue #21)",
     "reward_model.model.fsdp_config.": "the reward model runs unsharded, one copy per rank (issue #21)",
@@ -112,22 +105,12 @@ ALIASES.update({
     "custom_reward_function.overlong_buffer.": "reward_model.overlong_buffer.",
     "model.partial_pretrain": "model.path",  # veRL's SFT trainer names the model to fine-tune so
 })
-_VLLM_KNOB = (
-    "a vLLM engine option; the native engine has no such setting. With rollout.name=vllm pass it as "
-    "actor_rollout_ref.rollout.engine_kwargs.vllm.{name}=VALUE"
-)
 _GLOBAL_MICRO = (
     "veRL's deprecated global micro-batch key; use {per_gpu} (rows per forward on one rank)"
 )
 UNSUPPORTED.update({
     "actor_rollout_ref.model.fused_kernel_options.": "hybridflow has one log-prob path (chunked rows from the "
     "hidden states, use_fused_kernels=true always) and no kernel backends to choose; remove the key",
-    "actor_rollout_ref.rollout.enable_prefix_caching": _VLLM_KNOB.format(name="enable_prefix_caching")
-    + " (native already prefills each prompt once for its n samples)",
-    "actor_rollout_ref.rollout.max_model_len": _VLLM_KNOB.format(name="max_model_len")
-    + " (native sizes its cache from data.max_prompt_length + data.max_response_length)",
-    "actor_rollout_ref.rollout.quantization": _VLLM_KNOB.format(name="quantization")
-    + " (native on CPU: actor_rollout_ref.rollout.dtype=int8)",
     "actor_rollout_ref.actor.ppo_micro_batch_size": _GLOBAL_MICRO.format(
         per_gpu="actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size": _GLOBAL_MICRO.format(
@@ -140,10 +123,6 @@ UNSUPPORTED.update({
     "rollouts are actor_rollout_ref.rollout.multi_turn (issue #18)",
     "actor_rollout_ref.actor.use_token_level_loss": "veRL's older switch; use actor_rollout_ref.actor.loss_agg_mode="
     "token-mean (true) or seq-mean-token-mean (false)",
-    "trainer.dump_high_diff_tokens": "dumping tokens whose rollout and actor log-probs differ is not implemented; the "
-    "train-inference mismatch is logged as rollout/mismatch_* every step",
-    "trainer.dump_high_diff_dir": "dumping tokens whose rollout and actor log-probs differ is not implemented; the "
-    "train-inference mismatch is logged as rollout/mismatch_* every step",
 })
 # veRL's fully-async recipe (recipe/fully_async_policy, its own entry point): different staleness semantics
 _ASYNC_RECIPE = (

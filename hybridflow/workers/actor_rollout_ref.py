@@ -142,7 +142,7 @@ class ActorRolloutRefWorker(Worker):
                 path,
                 dtype=r.dtype,
                 seed=cfg.trainer.seed,
-                max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                max_model_len=r.max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
                 **rollout_engine_kwargs(r),
                 # routing replay: the rollout records each token's experts for the actor's forwards
                 **({"record_routes": True} if arr.actor.router_replay.mode == "R3" else {}),
@@ -327,6 +327,7 @@ class ActorRolloutRefWorker(Worker):
         self._fault_point("update_actor", data)
         mini_rows = actor.ppo_mini_batch_size * n // self.world_size
         data.meta_info.setdefault("calculate_entropy", actor.entropy_coeff != 0)
+        data.meta_info.setdefault("calculate_sum_pi_squared", actor.calculate_sum_pi_squared)
         loss_fn = self._loss_fn(actor.loss_agg_mode, data.meta_info.get("max_response_length"))
         per_step: list[dict[str, float]] = []
         step = int(data.meta_info.get("global_step", 0))
@@ -361,6 +362,9 @@ class ActorRolloutRefWorker(Worker):
                 mask = micro.batch["response_mask"].to(log_prob.dtype)
                 mm = logprob_mismatch(micro.batch["rollout_log_probs"], log_prob.detach(), mask)
                 metrics.update({f"rollout_{k.replace('/', '_')}": v for k, v in mm.items()})
+            if "sum_pi_squared" in outputs:  # veRL's calculate_sum_pi_squared: mean over the response tokens
+                mask = micro.batch["response_mask"].to(log_prob.dtype)
+                metrics["sum_pi_squared"] = float((outputs["sum_pi_squared"] * mask).sum() / mask.sum().clamp(min=1))
             return loss, metrics
 
         return loss_fn

@@ -39,6 +39,7 @@ def lora_settings(model: Any) -> LoraSettings:
         target_modules=targets if isinstance(targets, str) else list(targets),
         dropout=float(model.lora_dropout),
         exclude_modules=excludes if excludes is None or isinstance(excludes, str) else list(excludes),
+        adapter_path=getattr(model, "lora_adapter_path", None),
     )
 
 

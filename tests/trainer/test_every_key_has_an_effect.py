@@ -124,6 +124,9 @@ RUNS = {
         "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
         "actor_rollout_ref.model.lora_dropout=0.05", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]",
         "actor_rollout_ref.model.exclude_modules=[lm_head]", "actor_rollout_ref.actor.use_kl_loss=true",
+        # veRL's PF-PPO resampling, the high-diff token dump and the /dev/shm model copy
+        "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=max_min", "trainer.dump_high_diff_tokens=true",
+        "actor_rollout_ref.model.use_shm=true", "actor_rollout_ref.actor.calculate_sum_pi_squared=true",
     ],
     # multi-turn episodes with a tool (veRL's rollout.multi_turn keys and the loop's limits)
     "grpo_multi_turn": [

@@ -47,3 +47,20 @@ def test_tensor_parallel_size_reaches_vllm():
                            "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]).actor_rollout_ref.rollout
     assert rollout_engine_kwargs(rollout) == {"tensor_parallel_size": 2,
                                               "distributed_executor_backend": "external_launcher"}
+
+
+def test_verl_vllm_knobs_reach_vllm():
+    """rollout.quantization and enable_prefix_caching become vllm.LLM's own arguments (engine_kwargs.vllm.* still win);
+    unset, vLLM keeps hybridflow's defaults (prefix caching on)."""
+    from hybridflow.engines.rollout.registry import rollout_engine_kwargs
+    from hybridflow.trainer.config import load_config
+
+    rollout = load_config([
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.quantization=fp8",
+        "actor_rollout_ref.rollout.enable_prefix_caching=false",
+    ]).actor_rollout_ref.rollout
+    assert rollout_engine_kwargs(rollout) == {"quantization": "fp8", "enable_prefix_caching": False}
+    explicit = load_config(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.quantization=fp8",
+                            "+actor_rollout_ref.rollout.engine_kwargs.vllm.quantization=awq"]).actor_rollout_ref.rollout
+    assert rollout_engine_kwargs(explicit) == {"quantization": "awq"}
+    assert rollout_engine_kwargs(load_config(["actor_rollout_ref.rollout.name=vllm"]).actor_rollout_ref.rollout) == {}

@@ -68,6 +68,10 @@ _SWITCH_ENGINES = {
     "gpu_memory_utilization": "vllm",
     "enable_chunked_prefill": "native",
     "max_num_batched_tokens": "native",
+    "quantization": "vllm; the native engine loads the checkpoint's own dtype, and on CPU "
+    "actor_rollout_ref.rollout.dtype=int8 gives it int8 weight matmuls",
+    "enable_prefix_caching": "vllm; the native engine prefills each prompt once for its n samples and multi-turn "
+    "sessions keep their KV between turns, with no switch",
 }
 
 

@@ -178,7 +178,7 @@ class VLLMRollout(RolloutEngine):
 
     name = "vllm"
     DTYPES = ("fp32", "bf16", "fp16")
-    SWITCHES = ("enforce_eager", "free_cache_engine", "gpu_memory_utilization")
+    SWITCHES = ("enforce_eager", "free_cache_engine", "gpu_memory_utilization", "quantization", "enable_prefix_caching")
     TENSOR_PARALLEL = True
 
     @classmethod
@@ -192,6 +192,11 @@ class VLLMRollout(RolloutEngine):
             kwargs["gpu_memory_utilization"] = float(rollout.gpu_memory_utilization)
         if rollout.free_cache_engine is not None:
             kwargs["enable_sleep_mode"] = bool(rollout.free_cache_engine)
+        # veRL's vLLM knobs, passed to vllm.LLM as they are (getattr: plugin configs may lack them)
+        if getattr(rollout, "quantization", None) is not None:
+            kwargs["quantization"] = str(rollout.quantization)
+        if getattr(rollout, "enable_prefix_caching", None) is not None:
+            kwargs["enable_prefix_caching"] = bool(rollout.enable_prefix_caching)
         if rollout.tensor_model_parallel_size > 1:
             # every rank of a TP group builds the engine in its own worker process, on the ranks' torch.distributed
             # world (vLLM's external launcher), and gets the same prompts; the worker returns TP rank 0's rows
