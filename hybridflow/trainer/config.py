@@ -272,9 +272,34 @@ class OverlongBuffer:
 
 
 @dataclass
+class RewardModelFSDPConfig:
+    param_offload: bool = False  # the reward model's weights in host memory between scoring calls (veRL's key)
+
+
+@dataclass
+class RewardModelModelConfig(ModelConfig):
+    fsdp_config: RewardModelFSDPConfig = field(default_factory=RewardModelFSDPConfig)
+
+
+@dataclass
+class RewardModelRolloutConfig:
+    """veRL's reward_model.rollout: the engine that serves the reward model in the reward loop (use_reward_loop)."""
+
+    name: str = "hf"  # hf (transformers, processes of its own) | vllm (vLLM's pooling runner)
+    gpu_memory_utilization: float | None = None  # vllm only (None: veRL's 0.5); hf allocates per call, refused
+    tensor_model_parallel_size: int = 1  # > 1: vllm only (its tensor_parallel_size)
+    prompt_length: int | None = None  # the reward model reads the prompt's last N tokens (None: all), any engine
+    response_length: int | None = None  # ... and the response's first N tokens (None: all), any engine
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = False
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    # veRL's switch: true scores with the engine of reward_model.rollout in processes of its own, overlapped with the
+    # rule scoring; false is its legacy worker, in the actor's processes (workers/reward_model.py)
+    use_reward_loop: bool = False
+    rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)
     micro_batch_size_per_gpu: int = 16
     weight: float = 1.0  # rm score weight when combined with rule scores
     reward_manager: str = "naive"  # naive | batch | dapo | prime (veRL's), see hybridflow/rewards/managers.py
@@ -641,6 +666,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
     crf = cfg.custom_reward_function
     errors += check_reward_manager_config(cfg.reward_model.reward_manager, dict(cfg.reward_model.reward_kwargs),
                                           crf.path, dict(crf.reward_kwargs))
+    from hybridflow.trainer.reward_loop import reward_model_errors
+
+    errors += reward_model_errors(cfg)
     if cfg.reward_model.model.enable_gradient_checkpointing:
         errors.append(
             "reward_model.model.enable_gradient_checkpointing=true: the reward model is never trained here (it only "

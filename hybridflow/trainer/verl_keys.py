@@ -61,8 +61,6 @@ UNSUPPORTED: dict[str, str] = {
     "actor_rollout_ref.rollout.disable_log_stats": "hybridflow runs vLLM in-process and logs its own rollout metrics",
     "reward_model.sandbox_fusion.": "the remote SandboxFusion service is not used; code rewards run in hybridflow's "
     "local sandbox (data_source 'code', hybridflow/rewards/sandbox.py)",
-    "reward_model.use_reward_loop": "veRL's asynchronous reward loop is not supported; rewards are scored in "
-    "hybridflow's reward worker processes (reward_model.num_workers)",
     "algorithm.use_pf_ppo": "PF-PPO's sample reweighting is not implemented; remove the algorithm.pf_ppo keys",
     "algorithm.pf_ppo.": "PF-PPO's sample reweighting is not implemented; remove the algorithm.pf_ppo keys",
     "actor_rollout_ref.model.use_shm": "loading the model through /dev/shm is not supported; models load by path",
@@ -101,8 +99,12 @@ PLANNED: dict[str, str] = {
     "actor_rollout_ref.actor.optim.lr_decay_style": "veRL Megatron's scheduler key; use optim.lr_scheduler_type",
     "actor_rollout_ref.ref.strategy": "the reference uses the actor's engine (FSDP2); remove the key",
     "algorithm.rollout_correction.": "rollout importance-sampling corrections (issue #19)",
-    "reward_model.rollout.": "generative reward models (issue #21)",
-    "reward_model.model.fsdp_config.": "the reward model runs unsharded, one copy per rank (issue #21)",
+    # taken: rollout.name / gpu_memory_utilization / tensor_model_parallel_size / prompt_length / response_length
+    "reward_model.rollout.": "this option of the reward model's engine (issue #21); the reward loop takes name, "
+    "gpu_memory_utilization, tensor_model_parallel_size, prompt_length and response_length",
+    # taken: param_offload
+    "reward_model.model.fsdp_config.": "this FSDP option for the reward model (issue #21): it runs unsharded, one "
+    "copy per process; fsdp_config.param_offload is taken",
 }
 
 
