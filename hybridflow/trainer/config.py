@@ -300,7 +300,7 @@ class RewardModelConfig:
     # rule scoring; false is its legacy worker, in the actor's processes (workers/reward_model.py)
     use_reward_loop: bool = False
     rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)
-    micro_batch_size_per_gpu: int = 16
+    micro_batch_size_per_gpu: int = 16  # rows per forward (rollout.name=vllm: its max_num_seqs)
     weight: float = 1.0  # rm score weight when combined with rule scores
     reward_manager: str = "naive"  # naive | batch | dapo | prime (veRL's), see hybridflow/rewards/managers.py
     reward_kwargs: dict = field(default_factory=dict)  # veRL: the manager's own options, e.g. dapo's overlong_buffer_cfg
@@ -747,12 +747,20 @@ def check_resources(cfg: HybridFlowConfig, available_cpus: float, available_gpus
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     if not cfg.actor_rollout_ref.hybrid_engine:  # the rollout group's processes come on top of the actor's
         world += cfg.actor_rollout_ref.rollout.nnodes * cfg.actor_rollout_ref.rollout.n_gpus_per_node
-    if cfg.trainer.device == "cuda" and world > available_gpus:
+    rm_devices = 0
+    if cfg.reward_model.enable and cfg.reward_model.use_reward_loop:  # the reward loop's engines: devices of their own
+        from hybridflow.trainer.reward_loop import reward_loop_replicas
+
+        rm_devices = reward_loop_replicas(cfg) * cfg.reward_model.rollout.tensor_model_parallel_size
+    if cfg.trainer.device == "cuda" and world + rm_devices > available_gpus:
         fix = "set trainer.device=cpu (or auto)" if available_gpus == 0 else "lower trainer.n_gpus_per_node"
+        if rm_devices:
+            fix += " (or use reward_model.use_reward_loop=false: the reward model in the actor's processes)"
         raise ConfigError(
-            f"the run asks for {world} GPU ranks (trainer.nnodes*trainer.n_gpus_per_node, plus "
-            "actor_rollout_ref.rollout.nnodes*n_gpus_per_node with hybrid_engine=false) but the cluster has "
-            f"{available_gpus:g} GPUs; {fix}"
+            f"the run asks for {world + rm_devices} GPU ranks (trainer.nnodes*trainer.n_gpus_per_node, plus "
+            "actor_rollout_ref.rollout.nnodes*n_gpus_per_node with hybrid_engine=false"
+            + (f", plus {rm_devices} for the reward loop's engines" if rm_devices else "")
+            + f") but the cluster has {available_gpus:g} GPUs; {fix}"
         )
     if world > max(available_cpus, 1) * 4:
         raise ConfigError(

@@ -96,3 +96,43 @@ class LateRMScores:
         if self.value is None:
             self.value = self.future.get().batch["rm_scores"]
         return self.value
+
+
+def _tokenizers(cfg: Any):
+    """(policy tokenizer, reward-model tokenizer), or None when there is nothing to compare yet."""
+    import os
+
+    rm, policy = cfg.reward_model.model.path, cfg.actor_rollout_ref.model.path
+    if not cfg.reward_model.enable or not rm or not policy or not (os.path.isdir(rm) and os.path.isdir(policy)):
+        return None  # a missing folder is named by the model-folder checks
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(policy), AutoTokenizer.from_pretrained(rm)
+
+
+def reward_model_rerenders(cfg: Any) -> bool:
+    """True when the reward model's tokenizer is not the policy's: it then reads the conversation re-rendered in its
+    own chat template (engines/reward_model/chat.py), which needs each prompt's chat messages (raw_prompt)."""
+    from hybridflow.engines.reward_model.chat import same_tokenizer
+
+    pair = _tokenizers(cfg)
+    return pair is not None and not same_tokenizer(*pair)
+
+
+def reward_model_tokenizer_errors(cfg: Any) -> list[str]:
+    """A reward model with a tokenizer of its own must have a chat template to re-render the conversation with."""
+    try:
+        pair = _tokenizers(cfg)
+    except (OSError, ValueError) as e:
+        return [f"reward_model.model.path={cfg.reward_model.model.path}: its tokenizer does not load ({e})"]
+    if pair is None:
+        return []
+    from hybridflow.engines.reward_model.chat import same_tokenizer
+
+    policy, rm = pair
+    if same_tokenizer(policy, rm) or getattr(rm, "chat_template", None):
+        return []
+    return [f"reward_model.model.path={cfg.reward_model.model.path}: its tokenizer is not the policy's "
+            f"({cfg.actor_rollout_ref.model.path}) and has no chat template, so the conversation cannot be "
+            "re-rendered for it; add the reward model's chat template to its tokenizer_config.json, or use a reward "
+            "model with the policy's tokenizer"]

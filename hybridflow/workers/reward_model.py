@@ -9,8 +9,9 @@ vLLM's pooling runner (``vllm``), ``reward_model.rollout.name`` — in processes
 meantime and collects the model's scores after (RLTrainer.score).
 
 Both score the same rows: the prompt's last ``reward_model.rollout.prompt_length`` tokens and the response's first
-``response_length`` tokens (engines/reward_model/inputs.py), the policy's tokens as they are (the reward model must
-share the policy's tokenizer).
+``response_length`` tokens (engines/reward_model/inputs.py): the policy's tokens as they are when the reward model
+has the policy's tokenizer, else the conversation re-rendered in the reward model's chat template and tokens
+(engines/reward_model/chat.py), as veRL does.
 """
 
 from __future__ import annotations
@@ -38,11 +39,20 @@ class RewardModelWorker(Worker):
         rm = self.config.reward_model
         if not rm.model.path:
             raise ValueError("reward_model.enable=true needs reward_model.model.path (a sequence-classification model)")
+        from transformers import AutoTokenizer
+
+        from hybridflow.engines.reward_model.chat import same_tokenizer
+
+        self.rm_tokenizer = AutoTokenizer.from_pretrained(rm.model.path)
+        policy_path = self.config.actor_rollout_ref.model.path
+        self.policy_tokenizer = AutoTokenizer.from_pretrained(policy_path) if policy_path else None
+        self.rerender = self.policy_tokenizer is not None and not same_tokenizer(self.policy_tokenizer,
+                                                                                 self.rm_tokenizer)
         if self.engine_name() == "vllm":
             from hybridflow.engines.reward_model.vllm import VLLMRewardScorer
 
             self.scorer = VLLMRewardScorer(
-                rm.model.path, max_model_len=max_row_length(self.config),
+                rm.model.path, max_model_len=max_row_length(self.config, self.rerender),
                 tensor_parallel_size=rm.rollout.tensor_model_parallel_size,
                 gpu_memory_utilization=rm.rollout.gpu_memory_utilization or 0.5,  # veRL's reward-loop default
                 max_num_seqs=rm.micro_batch_size_per_gpu, param_offload=rm.model.fsdp_config.param_offload,
@@ -65,13 +75,33 @@ class RewardModelWorker(Worker):
         """rm_scores [B]: the model's scalar at the last token of each row's (truncated) prompt + response."""
         r = self.config.reward_model.rollout
         width, response_width = data.batch["input_ids"].shape[1], data.batch["responses"].shape[1]
-        rows = rm_token_rows(data.batch["input_ids"], data.batch["attention_mask"], response_width,
-                             r.prompt_length, r.response_length)
-        if self.engine_name() == "vllm":  # packed rows: there is no padded width
+        if self.rerender:
+            rows = self.rerendered(data)
+        else:
+            rows = rm_token_rows(data.batch["input_ids"], data.batch["attention_mask"], response_width,
+                                 r.prompt_length, r.response_length)
+        if self.engine_name() == "vllm" or self.rerender:  # packed / re-tokenized rows: no padded width
             return DataProto.from_dict({"rm_scores": self.scorer.score(rows)})
         # the batch's columns, after the cut: what a forward without padding removal computes
         padded = min(width - response_width, r.prompt_length or width) + min(response_width, r.response_length or width)
         return DataProto.from_dict({"rm_scores": self.scorer.score(rows, padded_width=padded)})
+
+    def rerendered(self, data: DataProto) -> list[list[int]]:
+        """The rows in the reward model's own chat template and tokens: raw_prompt + the decoded response."""
+        from hybridflow.engines.reward_model.chat import rerendered_rows
+
+        if "raw_prompt" not in data.non_tensor_batch:
+            raise ValueError(
+                "the reward model's tokenizer is not the policy's, so it reads each conversation re-rendered in its "
+                "own chat template, but the batch carries no 'raw_prompt' column; set data.return_raw_chat=true"
+            )
+        responses = data.batch["responses"]
+        mask = data.batch["attention_mask"][:, -responses.shape[1]:].bool()
+        texts = self.policy_tokenizer.batch_decode([row[m].tolist() for row, m in zip(responses.cpu(), mask.cpu())],
+                                                   skip_special_tokens=True)
+        r = self.config.reward_model.rollout
+        return rerendered_rows(list(data.non_tensor_batch["raw_prompt"]), texts, self.rm_tokenizer,
+                               r.prompt_length, r.response_length)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
@@ -89,9 +119,12 @@ class RewardLoopWorker(RewardModelWorker):
         return self.score_rows(data)
 
 
-def max_row_length(cfg: Any) -> int:
-    """The longest row the reward model can be sent: the kept prompt plus the kept response."""
+def max_row_length(cfg: Any, rerender: bool = False) -> int | None:
+    """The longest row the reward model can be sent: the kept prompt plus the kept response (None: the model's own
+    limit, for re-rendered rows without both cuts)."""
     r, d = cfg.reward_model.rollout, cfg.data
+    if rerender:  # rows in the reward model's tokens: only the cuts bound them
+        return r.prompt_length + r.response_length if r.prompt_length and r.response_length else None
     prompt = min(r.prompt_length, d.max_prompt_length) if r.prompt_length else d.max_prompt_length
     response = min(r.response_length, d.max_response_length) if r.response_length else d.max_response_length
     return prompt + response

@@ -130,3 +130,40 @@ def test_a_ppo_run_with_the_reward_loop_overlaps_model_and_rule_scoring(ray_sess
         assert row["reward/rm_score_mean"] != 0.0 and np.isfinite(row["reward/rm_score_mean"])
         # 16 responses x 0.05 s of rule scoring; the tiny model needs a few ms: nothing is left to wait for
         assert row["reward/rm_wait_s"] < 0.2, row["reward/rm_wait_s"]
+
+
+def test_the_reward_loops_devices_count_against_the_cluster():
+    from hybridflow.trainer.config import check_resources
+
+    cfg = load_config(["trainer.device=cuda", "trainer.n_gpus_per_node=4", "reward_model.enable=true",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                       "reward_model.model.path=x", "reward_model.use_reward_loop=true"])
+    with pytest.raises(ConfigError, match=r"8 GPU ranks .*plus 4 for the reward loop's engines.*use_reward_loop=false"):
+        check_resources(cfg, available_cpus=16, available_gpus=4)
+    cfg.reward_model.use_reward_loop = False
+    check_resources(cfg, available_cpus=16, available_gpus=4)  # the legacy worker shares the actor's processes
+
+
+def test_a_reward_model_with_another_tokenizer_needs_a_chat_template(tmp_path, tiny_model_path, rm_path):
+    """Another tokenizer: the conversation is re-rendered in the reward model's chat template (and the loader keeps
+    raw_prompt for it); without a template that cannot be done, refused before the run."""
+    from transformers import AutoTokenizer
+
+    from hybridflow.trainer.preflight import preflight_errors
+    from hybridflow.trainer.reward_loop import reward_model_rerenders
+
+    base = ["reward_model.enable=true", f"actor_rollout_ref.model.path={tiny_model_path}"]
+    same = load_config([*base, f"reward_model.model.path={rm_path}"])
+    assert not reward_model_rerenders(same) and not [e for e in preflight_errors(same) if "tokenizer" in e]
+    other = tmp_path / "other_rm"
+    write_tiny_reward_model(other, seed=1)
+    tok = AutoTokenizer.from_pretrained(other)
+    tok.add_tokens(["<extra_token>"])
+    tok.save_pretrained(other)
+    cfg = load_config([*base, f"reward_model.model.path={other}"])
+    assert reward_model_rerenders(cfg) and not [e for e in preflight_errors(cfg) if "tokenizer" in e]
+    tok.chat_template = None
+    tok.save_pretrained(other)
+    (other / "chat_template.jinja").unlink(missing_ok=True)
+    errors = preflight_errors(cfg)
+    assert any("is not the policy's" in e and "has no chat template" in e for e in errors), errors

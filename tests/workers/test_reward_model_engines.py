@@ -113,3 +113,61 @@ def test_reward_loop_worker_returns_the_same_scores_without_blocking(rm_path):
     out = group.compute_rm_score(batch)
     assert isinstance(out, DataProtoFuture)
     torch.testing.assert_close(out.get().batch["rm_scores"], legacy.compute_rm_score(batch).batch["rm_scores"])
+
+
+OTHER_TEMPLATE = ("{% for m in messages %}{{ m['role'] | upper + ': ' + m['content'] + '\n' }}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ 'ASSISTANT: ' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def other_template_rm(tmp_path_factory) -> str:
+    """A reward model whose tokenizer renders chats its own way (as a Llama RM scoring a Qwen policy would)."""
+    from transformers import AutoTokenizer
+
+    path = write_tiny_reward_model(tmp_path_factory.mktemp("tiny_rm_other"), seed=6)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = OTHER_TEMPLATE
+    tok.save_pretrained(path)
+    return path
+
+
+def policy_batch(tokenizer, chats: list[list[dict]], responses: list[str]) -> DataProto:
+    """What the rollout hands over: the policy's rendering of each chat, its response tokens (+ eos), raw_prompt."""
+    import numpy as np
+
+    prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+    batch = rollout_batch([tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts],
+                          [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                           for r in responses])
+    raw = np.empty(len(chats), dtype=object)  # one chat (a numpy array of message dicts, as parquet gives) per row
+    raw[:] = [np.array(c, dtype=object) for c in chats]
+    batch.non_tensor_batch["raw_prompt"] = raw
+    return batch
+
+
+def test_a_reward_model_with_its_own_chat_template_reads_the_conversation_rerendered(
+        tiny_model_path, other_template_rm):
+    """The reward model's tokenizer is not the policy's: each row is raw_prompt + the decoded response in the reward
+    model's template (veRL's behaviour); prompt_length / response_length cut in its tokens."""
+    from transformers import AutoTokenizer
+
+    policy_tok, rm_tok = AutoTokenizer.from_pretrained(tiny_model_path), AutoTokenizer.from_pretrained(other_template_rm)
+    chats = [[{"role": "user", "content": "what is 6*7?"}], [{"role": "user", "content": "2+2"}]]
+    batch = policy_batch(policy_tok, chats, ["42", "four, I think"])
+    worker = RewardModelWorker(load_config([f"reward_model.model.path={other_template_rm}", "reward_model.enable=true",
+                                            f"actor_rollout_ref.model.path={tiny_model_path}",
+                                            "reward_model.rollout.response_length=6"]))
+    worker.init_model()
+    assert worker.rerender
+    got = worker.compute_rm_score(batch).batch["rm_scores"]
+    heads = [rm_tok("USER: " + c[0]["content"] + "\nASSISTANT: ", add_special_tokens=False)["input_ids"] for c in chats]
+    tails = [rm_tok(t + "\n", add_special_tokens=False)["input_ids"][:6] for t in ("42", "four, I think")]
+    expected = worker.scorer.score([h + t for h, t in zip(heads, tails)])
+    torch.testing.assert_close(got, expected)
+    same = RewardModelWorker(load_config([f"reward_model.model.path={tiny_model_path}", "reward_model.enable=true",
+                                          f"actor_rollout_ref.model.path={tiny_model_path}"]))
+    same.init_model()
+    assert not same.rerender  # one tokenizer, one template: the policy's ids as they are
+    del batch.non_tensor_batch["raw_prompt"]
+    with pytest.raises(ValueError, match=r"set data\.return_raw_chat=true"):
+        worker.compute_rm_score(batch)

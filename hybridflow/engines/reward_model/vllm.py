@@ -31,13 +31,19 @@ VLLM_MISSING = (
 _CPU_KV_CACHE_GIB = 0.25  # a pooling model keeps no KV cache between requests; one batch's worth is plenty
 
 
+def _max_positions(path: str) -> int:
+    from transformers import AutoConfig
+
+    return int(getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", 0) or 0)
+
+
 def vllm_available() -> bool:
     spec = importlib.util.find_spec("vllm")
     return spec is not None and spec.origin is not None  # a bare `vllm/` test folder is a namespace package
 
 
 class VLLMRewardScorer:
-    def __init__(self, path: str, *, max_model_len: int, tensor_parallel_size: int = 1,
+    def __init__(self, path: str, *, max_model_len: int | None, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, max_num_seqs: int = 256, param_offload: bool = False,
                  dtype: str = "float32", num_threads: int | None = None, engine_kwargs: dict[str, Any] | None = None):
         if not vllm_available():
@@ -57,7 +63,8 @@ class VLLMRewardScorer:
                 cores = sorted(os.sched_getaffinity(0))[: num_threads or None]
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
             kw["kv_cache_memory_bytes"] = int(_CPU_KV_CACHE_GIB * 2**30)
-            kw["max_num_batched_tokens"] = max(max_model_len, 2048)  # a whole row fits one step without chunking
+            longest = max_model_len or _max_positions(path)
+            kw["max_num_batched_tokens"] = max(longest, 2048)  # a whole row fits one step without chunking
         kw.update(engine_kwargs or {})
         set_num_threads = torch.set_num_threads
         try:
@@ -65,7 +72,7 @@ class VLLMRewardScorer:
         finally:
             torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it with a no-op process-wide
         self.engine_kwargs = kw
-        self.max_model_len = max_model_len
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         if self.sleep_between_calls:
             self.llm.sleep(level=1)
 
