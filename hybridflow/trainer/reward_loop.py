@@ -27,8 +27,9 @@ def reward_model_errors(cfg: Any) -> list[str]:
     r = rm.rollout
     key = "reward_model.rollout"
     if r.name not in ENGINES:
-        why = ("SGLang / TensorRT-LLM are not supported" if r.name in ("sglang", "trtllm")
-               else "not a reward-model engine")
+        why = {"sglang": "SGLang / TensorRT-LLM are not supported", "trtllm": "SGLang / TensorRT-LLM are not supported",
+               "native": "the native engine generates text and has no classification head"}.get(
+            r.name, "not a reward-model engine")
         return [f"{key}.name={r.name!r}: {why}; choose one of {list(ENGINES)} (with reward_model.use_reward_loop=true)"]
     errors: list[str] = []
     engine = reward_model_engine(cfg)

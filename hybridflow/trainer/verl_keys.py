@@ -102,6 +102,10 @@ PLANNED: dict[str, str] = {
     # taken: rollout.name / gpu_memory_utilization / tensor_model_parallel_size / prompt_length / response_length
     "reward_model.rollout.": "this option of the reward model's engine (issue #21); the reward loop takes name, "
     "gpu_memory_utilization, tensor_model_parallel_size, prompt_length and response_length",
+    "reward_model.enable_resource_pool": "a reward-model pool sized apart from the trainer's (issue #21); the reward "
+    "loop runs trainer.nnodes*n_gpus_per_node // reward_model.rollout.tensor_model_parallel_size engine processes",
+    "reward_model.n_gpus_per_node": "a reward-model pool sized apart from the trainer's (issue #21)",
+    "reward_model.nnodes": "a reward-model pool sized apart from the trainer's (issue #21)",
     # taken: param_offload
     "reward_model.model.fsdp_config.": "this FSDP option for the reward model (issue #21): it runs unsharded, one "
     "copy per process; fsdp_config.param_offload is taken",

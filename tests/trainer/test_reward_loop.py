@@ -37,6 +37,8 @@ def rm_path(tmp_path_factory) -> str:
     (["reward_model.use_reward_loop=true", "reward_model.rollout.name=sglang"], r"SGLang / TensorRT-LLM are not "
      r"supported; choose one of \['hf', 'vllm'\]"),
     (["reward_model.rollout.response_length=0"], r"response_length=0 must be >= 1"),
+    (["reward_model.use_reward_loop=true", "reward_model.rollout.name=native"], r"native engine generates text"),
+    (["reward_model.enable_resource_pool=true"], r"a reward-model pool sized apart from the trainer's"),
     (["reward_model.rollout.dtype=bfloat16"], r"reward_model.rollout.dtype: not in hybridflow yet: this option of the "
      r"reward model's engine"),
     (["reward_model.model.fsdp_config.wrap_policy.min_num_params=0"], r"this FSDP option for the reward model"),
