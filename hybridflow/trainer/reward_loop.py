@@ -66,7 +66,7 @@ def reward_model_errors(cfg: Any) -> list[str]:
         if not rm.model.use_remove_padding:
             errors.append(
                 "reward_model.model.use_remove_padding=false with reward_model.rollout.name=vllm: vLLM packs the "
-                "rows and never computes padding; drop the key or score with rollout.name=hf"
+                "rows and never computes padding; drop the key or score with reward_model.rollout.name=hf"
             )
         if rm.enable and not vllm_available():
             import sys
