@@ -57,3 +57,28 @@ def test_the_engine_keys_reach_vllm(vllm_worker):
     assert config.parallel_config.tensor_parallel_size == 1
     assert config.scheduler_config.max_num_seqs == 4  # reward_model.micro_batch_size_per_gpu
     assert config.model_config.max_model_len == 6 + 5  # the longest row the truncation lets through
+
+
+def test_a_run_with_the_vllm_reward_loop_on_ray(ray_session, arithmetic_files, model_path, rm_path, tmp_path):
+    """veRL's reward-loop keys as its RM scripts set them (sizes shrunk): vLLM's pooling runner in a Ray process of
+    its own scores every step, next to the rule scores."""
+    import json
+    import math
+
+    from e2e_helpers import tiny_run_overrides
+
+    from hybridflow.trainer.main import run_training
+
+    run_dir = str(tmp_path / "run")
+    cfg = load_config(tiny_run_overrides(
+        arithmetic_files, model_path, run_dir, "trainer.backend=ray", "reward_model.enable=true",
+        f"reward_model.model.path={rm_path}", "reward_model.use_reward_loop=true", "reward_model.rollout.name=vllm",
+        "reward_model.rollout.gpu_memory_utilization=0.8", "reward_model.rollout.tensor_model_parallel_size=1",
+        "reward_model.rollout.prompt_length=32", "reward_model.rollout.response_length=8",
+    ))
+    result = run_training(cfg, progress=False)
+    assert result.global_step == 2
+    rows = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
+    for row in rows:
+        assert math.isfinite(row["reward/rm_score_mean"]) and row["reward/rm_score_mean"] != 0.0
+        assert "reward/rm_wait_s" in row  # scored by the reward loop, fetched after the rule scores
