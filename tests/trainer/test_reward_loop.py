@@ -169,3 +169,28 @@ def test_a_reward_model_with_another_tokenizer_needs_a_chat_template(tmp_path, t
     (other / "chat_template.jinja").unlink(missing_ok=True)
     errors = preflight_errors(cfg)
     assert any("is not the policy's" in e and "has no chat template" in e for e in errors), errors
+
+
+def test_two_reward_loop_engines_split_a_batch_and_give_the_one_engine_scores(ray_session, tiny_model_path, rm_path):
+    """trainer.n_gpus_per_node=2: two engine processes (veRL's colocate count), each scoring its share of the rows;
+    7 rows (padded to 8 for the split) come back as the 7 scores one engine gives."""
+    from hybridflow.single_controller.future import DataProtoFuture
+    from hybridflow.trainer.placement import build_reward_loop_group
+    from hybridflow.workers.reward_model import RewardModelWorker
+
+    keys = [f"actor_rollout_ref.model.path={tiny_model_path}", "reward_model.enable=true",
+            f"reward_model.model.path={rm_path}", "reward_model.use_reward_loop=true", "trainer.backend=ray",
+            "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"]
+    batch = make_batch(7, 8, 6, seed=9)
+    one = RewardModelWorker(load_config(keys))
+    one.init_model()
+    group, pool = build_reward_loop_group(load_config(keys))
+    try:
+        assert group.world_size == 2
+        group.init_model()
+        out = group.compute_rm_score(batch)
+        assert isinstance(out, DataProtoFuture)
+        torch.testing.assert_close(out.get().batch["rm_scores"], one.compute_rm_score(batch).batch["rm_scores"])
+    finally:
+        group.shutdown()
+        pool.shutdown()
