@@ -211,3 +211,23 @@ def write_tiny_model(
     if model.generation_config is not None:
         model.generation_config.save_pretrained(path)
     return str(path)
+
+
+def write_tiny_reward_model(
+    path: str | os.PathLike, spec: TinyModelSpec | str = "unit", seed: int = 0, arch: str = "llama"
+) -> str:
+    """Write a random-init decoder ``...ForSequenceClassification`` with one label (a reward model: one scalar per
+    sequence) plus the character tokenizer to `path`; returns the path."""
+    from transformers import AutoModelForSequenceClassification
+
+    spec = SIZES[spec] if isinstance(spec, str) else spec
+    spec = dataclasses.replace(spec, arch=arch)
+    tokenizer = build_char_tokenizer()
+    config = make_config(spec, tokenizer)
+    config.num_labels = 1
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return str(path)

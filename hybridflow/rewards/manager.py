@@ -199,7 +199,11 @@ class RewardManager:
         raise RewardConfigError("the batch has neither 'response_mask' nor 'attention_mask'; cannot tell padding apart")
 
     # ------------------------------------------------------------------ scoring
-    def __call__(self, batch: DataProto) -> RewardResult:
+    # __call__ takes rm_scores=callable: reward-model scores computed elsewhere meanwhile (the reward loop), fetched
+    # only once the rule scores are in, so the two overlap
+    takes_late_rm_scores = True
+
+    def __call__(self, batch: DataProto, rm_scores: Callable[[], torch.Tensor] | None = None) -> RewardResult:
         start = time.monotonic()
         tasks = self._tasks(batch)
         outcomes = self._score(tasks)
@@ -235,6 +239,10 @@ class RewardManager:
             "reward/invalid": float(counts["invalid"]),
             "reward/crashed": float(counts["crashed"]),
         }
+        if rm_scores is not None:
+            wait_start = time.monotonic()
+            batch.batch["rm_scores"] = rm_scores()
+            metrics["reward/rm_wait_s"] = time.monotonic() - wait_start  # ~0: the model was done before the rules
         if "rm_scores" in batch.batch:
             rm = batch.batch["rm_scores"].float().cpu()
             rm = rm.sum(-1) if rm.dim() == 2 else rm  # token-level reward-model scores sum to one per sample

@@ -77,14 +77,14 @@ class AgentRewardFn:
     def __getattr__(self, name: str) -> Any:  # close(), total_failures, ... of the wrapped manager
         return getattr(self.reward_fn, name)
 
-    def __call__(self, batch: DataProto) -> Any:
+    def __call__(self, batch: DataProto, **kwargs: Any) -> Any:
         nt = batch.non_tensor_batch
         if "agent_reward" not in nt:
-            return self.reward_fn(batch)
+            return self.reward_fn(batch, **kwargs)
         saved = nt.get("extra_info")
         nt["extra_info"] = _extra_info(batch)
         try:
-            result = self.reward_fn(batch)
+            result = self.reward_fn(batch, **kwargs)
         finally:  # the row keeps its own extra_info (the episode records already ride in their own columns)
             if saved is None:
                 nt.pop("extra_info")

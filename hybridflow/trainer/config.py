@@ -294,10 +294,35 @@ class OverlongBuffer:
 
 
 @dataclass
+class RewardModelFSDPConfig:
+    param_offload: bool = False  # the reward model's weights in host memory between scoring calls (veRL's key)
+
+
+@dataclass
+class RewardModelModelConfig(ModelConfig):
+    fsdp_config: RewardModelFSDPConfig = field(default_factory=RewardModelFSDPConfig)
+
+
+@dataclass
+class RewardModelRolloutConfig:
+    """veRL's reward_model.rollout: the engine that serves the reward model in the reward loop (use_reward_loop)."""
+
+    name: str = "hf"  # hf (transformers, processes of its own) | vllm (vLLM's pooling runner)
+    gpu_memory_utilization: float | None = None  # vllm only (None: veRL's 0.5); hf allocates per call, refused
+    tensor_model_parallel_size: int = 1  # > 1: vllm only (its tensor_parallel_size)
+    prompt_length: int | None = None  # the reward model reads the prompt's last N tokens (None: all), any engine
+    response_length: int | None = None  # ... and the response's first N tokens (None: all), any engine
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = False
-    model: ModelConfig = field(default_factory=ModelConfig)
-    micro_batch_size_per_gpu: int = 16
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    # veRL's switch: true scores with the engine of reward_model.rollout in processes of its own, overlapped with the
+    # rule scoring; false is its legacy worker, in the actor's processes (workers/reward_model.py)
+    use_reward_loop: bool = False
+    rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)
+    micro_batch_size_per_gpu: int = 16  # rows per forward (rollout.name=vllm: its max_num_seqs)
     weight: float = 1.0  # rm score weight when combined with rule scores
     reward_manager: str = "naive"  # naive | batch | dapo | prime (veRL's), see hybridflow/rewards/managers.py
     reward_kwargs: dict = field(default_factory=dict)  # veRL: the manager's own options, e.g. dapo's overlong_buffer_cfg
@@ -677,6 +702,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
     crf = cfg.custom_reward_function
     errors += check_reward_manager_config(cfg.reward_model.reward_manager, dict(cfg.reward_model.reward_kwargs),
                                           crf.path, dict(crf.reward_kwargs))
+    from hybridflow.trainer.reward_loop import reward_model_errors
+
+    errors += reward_model_errors(cfg)
     if cfg.reward_model.model.enable_gradient_checkpointing:
         errors.append(
             "reward_model.model.enable_gradient_checkpointing=true: the reward model is never trained here (it only "
@@ -759,12 +787,20 @@ def check_resources(cfg: HybridFlowConfig, available_cpus: float, available_gpus
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     if not cfg.actor_rollout_ref.hybrid_engine:  # the rollout group's processes come on top of the actor's
         world += cfg.actor_rollout_ref.rollout.nnodes * cfg.actor_rollout_ref.rollout.n_gpus_per_node
-    if cfg.trainer.device == "cuda" and world > available_gpus:
+    rm_devices = 0
+    if cfg.reward_model.enable and cfg.reward_model.use_reward_loop:  # the reward loop's engines: devices of their own
+        from hybridflow.trainer.reward_loop import reward_loop_replicas
+
+        rm_devices = reward_loop_replicas(cfg) * cfg.reward_model.rollout.tensor_model_parallel_size
+    if cfg.trainer.device == "cuda" and world + rm_devices > available_gpus:
         fix = "set trainer.device=cpu (or auto)" if available_gpus == 0 else "lower trainer.n_gpus_per_node"
+        if rm_devices:
+            fix += " (or use reward_model.use_reward_loop=false: the reward model in the actor's processes)"
         raise ConfigError(
-            f"the run asks for {world} GPU ranks (trainer.nnodes*trainer.n_gpus_per_node, plus "
-            "actor_rollout_ref.rollout.nnodes*n_gpus_per_node with hybrid_engine=false) but the cluster has "
-            f"{available_gpus:g} GPUs; {fix}"
+            f"the run asks for {world + rm_devices} GPU ranks (trainer.nnodes*trainer.n_gpus_per_node, plus "
+            "actor_rollout_ref.rollout.nnodes*n_gpus_per_node with hybrid_engine=false"
+            + (f", plus {rm_devices} for the reward loop's engines" if rm_devices else "")
+            + f") but the cluster has {available_gpus:g} GPUs; {fix}"
         )
     if world > max(available_cpus, 1) * 4:
         raise ConfigError(

@@ -123,15 +123,19 @@ def build_datasets(cfg: HybridFlowConfig, tokenizer):
     from hybridflow.trainer.dynamic_sampling import gen_batch_size
 
     # one loader batch = one generation batch (data.gen_batch_size; DAPO's dynamic sampling may take several a step)
+    from hybridflow.trainer.reward_loop import reward_model_rerenders
+
+    # a reward model with a tokenizer of its own re-renders each conversation: the chat messages must ride along
+    raw_chat = d.return_raw_chat or reward_model_rerenders(cfg)
     train_loader = RLDataLoader(train_ds, gen_batch_size(cfg), shuffle=d.shuffle, seed=d.seed, drop_last=True,
-                                return_raw_chat=d.return_raw_chat)
+                                return_raw_chat=raw_chat)
     val_loader = None
     if d.val_files:
         val_ds = dataset(d.val_files, "val")
         if d.val_max_samples > 0:
             val_ds = val_ds.head(d.val_max_samples)
         val_loader = RLDataLoader(val_ds, d.val_batch_size or len(val_ds), shuffle=False, drop_last=False,
-                                  return_raw_chat=d.return_raw_chat)
+                                  return_raw_chat=raw_chat)
     return train_loader, val_loader
 
 

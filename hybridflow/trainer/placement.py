@@ -19,7 +19,7 @@ from typing import Any
 from hybridflow.single_controller import ClassWithInitArgs, ResourcePool, WorkerGroup, create_colocated_worker_groups
 from hybridflow.workers.actor_rollout_ref import ActorRolloutRefWorker
 from hybridflow.workers.critic import CriticWorker
-from hybridflow.workers.reward_model import RewardModelWorker
+from hybridflow.workers.reward_model import RewardLoopWorker, RewardModelWorker
 
 
 @dataclass
@@ -85,7 +85,7 @@ def build_worker_groups(cfg: Any, *, need_ref: bool, need_critic: bool, need_rm:
     others: dict[str, ClassWithInitArgs] = {}
     if need_critic:
         others["critic"] = ClassWithInitArgs(CriticWorker, cfg)
-    if need_rm:
+    if need_rm and not cfg.reward_model.use_reward_loop:  # the reward loop gets processes of its own, below
         others["reward_model"] = ClassWithInitArgs(RewardModelWorker, cfg)
     use_gpu = t.device == "cuda"
     common = dict(
@@ -119,6 +119,9 @@ def build_worker_groups(cfg: Any, *, need_ref: bool, need_critic: bool, need_rm:
     if not hybrid:
         separate, rollout_pool = build_rollout_group(cfg)
         pools.append(rollout_pool)
+    if need_rm and cfg.reward_model.use_reward_loop:
+        groups["reward_model"], rm_pool = build_reward_loop_group(cfg)
+        pools.append(rm_pool)
     return WorkerGroups(
         actor_rollout=groups["actor_rollout"],
         critic=groups.get("critic"),
@@ -126,3 +129,22 @@ def build_worker_groups(cfg: Any, *, need_ref: bool, need_critic: bool, need_rm:
         pools=[p for p in pools if p is not None],
         separate_rollout=separate,
     )
+
+
+def build_reward_loop_group(cfg: Any) -> tuple[WorkerGroup, ResourcePool | None]:
+    """reward_model.use_reward_loop=true: the reward model's engine on a pool of its own (reward_loop_replicas
+    processes, each with tensor_model_parallel_size devices on GPUs), never in the actor's processes."""
+    from hybridflow.trainer.reward_loop import reward_loop_replicas
+
+    t = cfg.trainer
+    pool = None
+    if t.backend != "local":
+        pool = ResourcePool(
+            process_on_nodes=[reward_loop_replicas(cfg)], use_gpu=t.device == "cuda", num_cpus_per_process=1,
+            num_gpus_per_process=cfg.reward_model.rollout.tensor_model_parallel_size, max_colocate_count=1,
+        )
+    group = WorkerGroup(
+        pool, ClassWithInitArgs(RewardLoopWorker, cfg), name_prefix="reward_loop", backend=t.backend,
+        call_timeout_s=t.call_timeout_s, num_threads=threads_per_rank(cfg),
+    )
+    return group, pool

@@ -26,10 +26,12 @@ def preflight_errors(cfg: Any, *, train_ds: Any = None, val_ds: Any = None,
     if cluster_resources is not None:
         errors += _cluster_errors(cfg, cluster_resources)
     else:
+        from hybridflow.trainer.reward_loop import reward_model_tokenizer_errors
         from hybridflow.trainer.verl_model_keys import model_folder_errors
 
         errors += _rollout_model_errors(cfg)
         errors += model_folder_errors(cfg)
+        errors += reward_model_tokenizer_errors(cfg)
     return errors
 
 

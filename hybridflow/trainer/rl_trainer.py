@@ -32,6 +32,7 @@ from hybridflow.algorithms import (
 from hybridflow.common.seeds import derive_seed
 from hybridflow.engines.mismatch import logprob_mismatch
 from hybridflow.protocol import DataProto
+from hybridflow.single_controller.future import DataProtoFuture
 from hybridflow.trainer import agent_rewards
 from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.batch_reweight import pf_ppo_resample
@@ -48,6 +49,7 @@ from hybridflow.trainer.metrics import (
     reduce_metrics,
 )
 from hybridflow.trainer.placement import WorkerGroups, start_rollout_group
+from hybridflow.trainer.reward_loop import LateRMScores
 from hybridflow.trainer.rollout_driver import SyncRollout, build_rollout_driver
 from hybridflow.trainer.validation import Validator
 from hybridflow.workers.agent_rollout import agent_batch_metrics
@@ -280,9 +282,19 @@ class RLTrainer:
         Each row keeps what was scored with it: ``response_text`` (non-tensor), ``scores`` [B] (before shaping),
         ``acc`` [B] when the scorer or the manager gives one.
         """
+        late = None
         if self.groups.reward_model is not None:
-            batch = batch.union(self.groups.reward_model.compute_rm_score(batch))
-        result = self.reward_fn(batch)
+            rm_out = self.groups.reward_model.compute_rm_score(batch)
+            if isinstance(rm_out, DataProtoFuture):  # the reward loop: the model scores in its own processes ...
+                late = LateRMScores(rm_out)
+            else:
+                batch = batch.union(rm_out)
+        if late is not None and getattr(self.reward_fn, "takes_late_rm_scores", False):
+            result = self.reward_fn(batch, rm_scores=late)  # ... while the rule scores are computed
+        else:
+            if late is not None:
+                batch.batch["rm_scores"] = late()
+            result = self.reward_fn(batch)
         batch.batch["token_level_scores"] = result.token_level_scores
         batch.batch["scores"] = result.scores
         if "acc" in result.extra and all(v is not None for v in result.extra["acc"]):

@@ -61,8 +61,6 @@ UNSUPPORTED: dict[str, str] = {
     "actor_rollout_ref.rollout.disable_log_stats": "hybridflow runs vLLM in-process and logs its own rollout metrics",
     "reward_model.sandbox_fusion.": "the remote SandboxFusion service is not used; code rewards run in hybridflow's "
     "local sandbox (data_source 'code', hybridflow/rewards/sandbox.py)",
-    "reward_model.use_reward_loop": "veRL's asynchronous reward loop is not supported; rewards are scored in "
-    "hybridflow's reward worker processes (reward_model.num_workers)",
     "actor_rollout_ref.rollout.multi_turn.interaction_config_path": "veRL's Interaction classes are not loaded; "
     "give an environment (reset/step) as actor_rollout_ref.rollout.multi_turn.environment=package.module:Class",
     "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template": "episodes are kept token-in/token-out: the "
@@ -94,8 +92,16 @@ PLANNED: dict[str, str] = {
     "actor_rollout_ref.actor.entropy_checkpointing": "entropy recomputation in backward (issue #22)",
     "actor_rollout_ref.actor.optim.lr_decay_style": "veRL Megatron's scheduler key; use optim.lr_scheduler_type",
     "algorithm.rollout_correction.": "rollout importance-sampling corrections (issue #19)",
-    "reward_model.rollout.": "generative reward models (issue #21)",
-    "reward_model.model.fsdp_config.": "the reward model runs unsharded, one copy per rank (issue #21)",
+    # taken: rollout.name / gpu_memory_utilization / tensor_model_parallel_size / prompt_length / response_length
+    "reward_model.rollout.": "this option of the reward model's engine (issue #21); the reward loop takes name, "
+    "gpu_memory_utilization, tensor_model_parallel_size, prompt_length and response_length",
+    "reward_model.enable_resource_pool": "a reward-model pool sized apart from the trainer's (issue #21); the reward "
+    "loop runs trainer.nnodes*n_gpus_per_node // reward_model.rollout.tensor_model_parallel_size engine processes",
+    "reward_model.n_gpus_per_node": "a reward-model pool sized apart from the trainer's (issue #21)",
+    "reward_model.nnodes": "a reward-model pool sized apart from the trainer's (issue #21)",
+    # taken: param_offload
+    "reward_model.model.fsdp_config.": "this FSDP option for the reward model (issue #21): it runs unsharded, one "
+    "copy per process; fsdp_config.param_offload is taken",
 }
 
 

@@ -58,16 +58,8 @@ def test_reward_model_padding_removal_changes_the_work_not_the_scores(tiny_model
         worker = RewardModelWorker(cfg)
         torch.manual_seed(0)  # the tiny model has no trained score head: both workers must draw the same one
         worker.init_model()
-        seen: list[tuple[int, int]] = []
-        original = worker.model.forward
-
-        def forward(*a, _orig=original, _seen=seen, **kw):
-            _seen.append(tuple(kw["input_ids"].shape))
-            return _orig(*a, **kw)
-
-        worker.model.forward = forward
         scores[remove] = worker.compute_rm_score(batch).batch["rm_scores"]
-        shapes[remove] = seen
+        shapes[remove] = worker.scorer.forward_shapes  # [rows, width] of each forward
     torch.testing.assert_close(scores[True], scores[False], atol=1e-5, rtol=0)
     assert [w for _, w in shapes[False]] == [16, 16, 16]
     assert sum(r * w for r, w in shapes[True]) < sum(r * w for r, w in shapes[False])
