@@ -382,6 +382,8 @@ class TrainerConfig:
     progress_bar: bool = True
     balance_batch: bool = True
     max_consecutive_nonfinite: int = 3
+    # veRL's key: auto / disable pick the new-style workers, hybridflow's only kind; enable is refused
+    use_legacy_worker_impl: str = "auto"
 
 
 @dataclass
@@ -434,6 +436,7 @@ def classify_overrides(overrides: list[str], schema: type | None = None) -> dict
     """How each dotted override is taken: "taken" (a hybridflow key), "renamed" ("veRL key -> hybridflow key"),
     "refused" (one line each: the feature and what to use), "unknown" (a typo: merge_overrides names the closest)."""
     from hybridflow.trainer.verl_keys import alias_of, refusal
+    from hybridflow.trainer.verl_micro_batch import per_rank_key
 
     known, free_form = _schema_index(schema or HybridFlowConfig)
     out: dict[str, list[str]] = {"taken": [], "renamed": [], "refused": [], "unknown": []}
@@ -442,6 +445,8 @@ def classify_overrides(overrides: list[str], schema: type | None = None) -> dict
         ours = alias_of(key)
         if key in known or key.startswith(free_form):
             out["taken"].append(key)
+        elif per_rank := per_rank_key(key, known):  # veRL's global micro-batch key (verl_micro_batch.py)
+            out["renamed"].append(f"{key} -> {per_rank} (divided by the data-parallel ranks)")
         elif ours and (ours in known or ours.startswith(free_form)):  # renamed before refused, as merge_overrides
             out["renamed"].append(f"{key} -> {ours}")
         elif why := refusal(key):
@@ -460,9 +465,11 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
     # free-form dict fields (engine_kwargs, ...): any sub-key may be set, as in veRL's `+...engine_kwargs.x=y`
     known, free_form = _schema_index(schema)
     from hybridflow.trainer.verl_keys import alias_of, refusal
+    from hybridflow.trainer.verl_micro_batch import apply_global_micro_batches, per_rank_key
 
     layers = []
     refused: list[str] = []
+    global_micro: dict[str, Any] = {}  # veRL's global micro-batch keys, divided by the ranks once all keys are in
     if preset:
         if not os.path.exists(preset):
             raise ConfigError(f"config file {preset} does not exist")
@@ -472,6 +479,9 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
         key, value = _parse_override(item)
         if key not in known and not key.startswith(free_form) and alias_of(key):
             key = alias_of(key)  # veRL's name for a hybridflow key
+        if key not in known and per_rank_key(key, known):
+            global_micro[key] = value
+            continue
         if key not in known and (why := refusal(key)):
             refused.append(why)
             continue
@@ -487,11 +497,16 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
     if refused:
         raise ConfigError(f"{what} keys hybridflow does not take (veRL names them):\n  - " + "\n  - ".join(refused))
     try:
-        return OmegaConf.to_object(OmegaConf.merge(base, *layers))
+        cfg = OmegaConf.to_object(OmegaConf.merge(base, *layers))
     except (ConfigKeyError, ConfigAttributeError) as e:
         raise ConfigError(f"unknown {what} key: {e}") from None
     except ValidationError as e:
         raise ConfigError(f"invalid {what} value: {e}") from None
+    if global_micro:
+        explicitly_set = {k for layer in layers for k in _all_keys(layer)}
+        if problems := apply_global_micro_batches(cfg, global_micro, explicitly_set):
+            raise ConfigError(f"{what}: veRL's global micro-batch keys:\n  - " + "\n  - ".join(problems))
+    return cfg
 
 
 def load_config(overrides: list[str] | None = None, preset: str | None = None, validate: bool = True) -> HybridFlowConfig:

@@ -55,7 +55,6 @@ UNSUPPORTED: dict[str, str] = {
     "actor_rollout_ref.rollout.engine_kwargs.sglang.": _SGLANG,
     "actor_rollout_ref.rollout.engine_kwargs.trtllm.": _SGLANG,
     "actor_rollout_ref.actor.profiler.tool_config.npu.": _NPU,
-    "trainer.use_legacy_worker_impl": "hybridflow has one worker implementation; remove the key",
     "actor_rollout_ref.rollout.prometheus.": "vLLM's Prometheus server is not started by hybridflow; metrics go to "
     "trainer.logger (console, jsonl, tensorboard, wandb, mlflow)",
     "actor_rollout_ref.rollout.disable_log_stats": "hybridflow runs vLLM in-process and logs its own rollout metrics",
@@ -116,9 +115,6 @@ _VLLM_KNOB = (
     "a vLLM engine option; the native engine has no such setting. With rollout.name=vllm pass it as "
     "actor_rollout_ref.rollout.engine_kwargs.vllm.{name}=VALUE"
 )
-_GLOBAL_MICRO = (
-    "veRL's deprecated global micro-batch key; use {per_gpu} (rows per forward on one rank)"
-)
 UNSUPPORTED.update({
     "actor_rollout_ref.model.fused_kernel_options.": "hybridflow has one log-prob path (chunked rows from the "
     "hidden states, use_fused_kernels=true always) and no kernel backends to choose; remove the key",
@@ -128,13 +124,9 @@ UNSUPPORTED.update({
     + " (native sizes its cache from data.max_prompt_length + data.max_response_length)",
     "actor_rollout_ref.rollout.quantization": _VLLM_KNOB.format(name="quantization")
     + " (native on CPU: actor_rollout_ref.rollout.dtype=int8)",
-    "actor_rollout_ref.actor.ppo_micro_batch_size": _GLOBAL_MICRO.format(
-        per_gpu="actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size": _GLOBAL_MICRO.format(
-        per_gpu="actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
-    "actor_rollout_ref.ref.log_prob_micro_batch_size": _GLOBAL_MICRO.format(
-        per_gpu="actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
-    "data.micro_batch_size": _GLOBAL_MICRO.format(per_gpu="data.micro_batch_size_per_gpu"),
+    # veRL's global micro-batch keys are divided by the ranks (verl_micro_batch.py); this one is the SFT trainer's
+    "data.micro_batch_size": "veRL's SFT key, taken by `hybridflow sft`; an RL run's micro-batches are "
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (or veRL's global actor.ppo_micro_batch_size)",
     # known to `hybridflow sft` (its schema takes them first); in an RL run they name no feature
     "data.multiturn.": "data.multiturn.* is veRL's multi-turn SFT data, read by `hybridflow sft`; RL multi-turn "
     "rollouts are actor_rollout_ref.rollout.multi_turn (issue #18)",

@@ -17,7 +17,8 @@
   ``model.use_fused_kernels=true`` and ``*.entropy_from_logits_with_chunking=true`` (log-probs and entropy come from
   the hidden states of the response positions only, in chunks of rows: no [tokens, vocab] logits),
   ``*.use_torch_compile=false`` (the training forward is eager), ``rollout.mode=sync`` (veRL's ``async`` serves vLLM
-  behind an agent loop; the step's samples are the same either way).
+  behind an agent loop; the step's samples are the same either way), ``trainer.use_legacy_worker_impl=auto|disable``
+  (hybridflow's one worker implementation is veRL's new-style one; ``enable`` is refused).
 """
 
 from __future__ import annotations
@@ -62,6 +63,14 @@ def switch_errors(cfg: Any) -> list[str]:
             "same samples as mode=sync (set sync or drop the key). To overlap generation with training use "
             "trainer.rollout_mode=one_step_off or async"
         )
+    legacy = cfg.trainer.use_legacy_worker_impl
+    if legacy == "enable":
+        errors.append("trainer.use_legacy_worker_impl=enable: veRL's legacy workers are not in hybridflow, which has "
+                      "one worker implementation (veRL's new-style one: a training engine behind each role); set "
+                      "auto or disable, or remove the key")
+    elif legacy not in ("auto", "disable"):
+        errors.append(f"trainer.use_legacy_worker_impl={legacy!r}: choose auto or disable (both select hybridflow's "
+                      "one worker implementation)")
     if arr.rollout.load_format not in LOAD_FORMATS:
         fix = ("random initial rollout weights are not offered: the engines load the checkpoint, then take the "
                "actor's weights" if str(arr.rollout.load_format).startswith("dummy") else "")
