@@ -24,6 +24,7 @@ memory right after, so between updates (rollout, log-prob passes) it holds no de
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -45,6 +46,8 @@ from hybridflow.engines.optim import OptimConfig, build_lr_scheduler, build_opti
 from hybridflow.protocol import DataProto
 
 __all__ = ["EngineConfig", "FSDPEngine", "LossFn", "OptimConfig"]
+
+logger = logging.getLogger(__name__)
 
 ROLES = ("actor", "ref", "critic")
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -73,6 +76,8 @@ class EngineConfig:
     # True: each micro-batch's rows end to end in one [1, T] row, attention per row (packing.py); no padding at all
     use_sequence_packing: bool = False
     entropy_chunk_size: int = 2048  # tokens whose [chunk, vocab] logits are held at once
+    # veRL's entropy_checkpointing: training forwards recompute each chunk's entropy in backward (hf_model.py)
+    entropy_checkpointing: bool = False
     num_threads: int | None = None  # torch intra-op threads for this rank (None: leave as is)
     # Forward-only passes (compute_log_prob, compute_values) hold no activations for backward, so they may use
     # larger micro-batches than training (veRL's log_prob_* keys); None: the training setting above.
@@ -161,6 +166,7 @@ class FSDPEngine:
         if config.use_sequence_packing:
             packing.enable_packed_attention(hf_model)
         self.model: nn.Module = self._wrap(hf_model)
+        self.model.entropy_checkpointing = config.entropy_checkpointing
         self.sharded = self.distributed and self.world_size > 1
         offload = self.device.type != "cpu"
         # param_offload on one rank: no FSDP offload policy to do it, so the engine moves the model per call
@@ -619,30 +625,42 @@ class FSDPEngine:
                     param.copy_(full.to(param.device))
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, directory: str) -> None:
-        """Per-rank model/optimizer/LR-schedule/RNG state (checkpoint_io.py); every rank calls it."""
+    def save_checkpoint(self, directory: str, contents: tuple[str, ...] = ("model", "optimizer", "extra")) -> None:
+        """Per-rank model/optimizer/LR-schedule/RNG state (checkpoint_io.py); every rank calls it. `contents` (veRL's
+        checkpoint.save_contents): "optimizer" / "extra" (LR schedule + RNG) left out when absent; "hf_model" also
+        writes the full model in transformers format to ``directory/huggingface``."""
         self._reshard()
         save_engine_state(
             directory,
             self.model,
-            self.optimizer,
-            self.lr_scheduler,
+            self.optimizer if "optimizer" in contents else None,
+            self.lr_scheduler if "extra" in contents else None,
             self.rank,
             self.world_size,
             extra={"global_step": self.global_step},
             trainable_only=self.peft_model is not None,
             meta_extra=self._lora_meta(),
+            save_rng="extra" in contents,
         )
+        if "hf_model" in contents:
+            self.save_hf_model(os.path.join(directory, "huggingface"))
         self._barrier()
 
-    def load_checkpoint(self, directory: str) -> None:
-        """Restore a `save_checkpoint` of an engine with the same config and world size; bitwise exact."""
+    def load_checkpoint(self, directory: str, contents: tuple[str, ...] = ("model", "optimizer", "extra")) -> None:
+        """Restore a `save_checkpoint` of an engine with the same config and world size; bitwise exact. `contents`
+        (veRL's checkpoint.load_contents): without "optimizer" / "extra", AdamW / the LR schedule and RNG keep their
+        fresh state; asking for one the checkpoint lacks is a ValueError."""
         self._reshard()
         extra = load_engine_state(
-            directory, self.model, self.optimizer, self.lr_scheduler, self.rank, self.world_size,
-            trainable_only=self.peft_model is not None,
+            directory, self.model, self.optimizer if "optimizer" in contents else None,
+            self.lr_scheduler if "extra" in contents else None, self.rank, self.world_size,
+            trainable_only=self.peft_model is not None, load_rng="extra" in contents,
         )
         self.global_step = int(extra.get("global_step", 0))
+        skipped = [c for c in ("optimizer", "extra") if c not in contents] if self.trainable else []
+        if skipped and self.rank == 0:
+            logger.warning("resumed %s without its %s (checkpoint.load_contents=%s): they start afresh", directory,
+                           " and ".join(skipped), list(contents))
         self._barrier()
 
     def _lora_meta(self) -> dict[str, Any] | None:

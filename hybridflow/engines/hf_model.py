@@ -10,6 +10,7 @@ tokens, so neither the LM head nor the log-softmax is spent on prompt or padding
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 __all__ = [
@@ -108,6 +109,10 @@ class HeadOnPositions(nn.Module):
     It is one module so that FSDP2's root hooks gather the embedding, final norm and head around the whole forward.
     """
 
+    # veRL's actor.entropy_checkpointing: in training, each chunk's entropy is recomputed from its logits in backward
+    # (torch.utils.checkpoint) instead of keeping the softmax's [chunk, V] activations; the engine sets it
+    entropy_checkpointing: bool = False
+
     def __init__(self, hf_model: nn.Module, is_critic: bool) -> None:
         super().__init__()
         self.hf = hf_model
@@ -162,7 +167,12 @@ class HeadOnPositions(nn.Module):
             if cap:
                 logits = torch.tanh(logits / cap) * cap
             logits = logits.float() / temperature
-            if calculate_entropy:
+            if calculate_entropy and self.entropy_checkpointing and torch.is_grad_enabled():
+                # only the logits (which the log-prob keeps anyway) are saved; the entropy's log-softmax and
+                # probabilities [chunk, V] are recomputed in backward
+                log_probs.append(log_probs_from_logits(logits, target_ids[lo : lo + chunk_size]))
+                entropies.append(torch.utils.checkpoint.checkpoint(entropy_from_logits, logits, use_reentrant=False))
+            elif calculate_entropy:
                 lp, ent = log_probs_and_entropy(logits, target_ids[lo : lo + chunk_size])
                 log_probs.append(lp)
                 entropies.append(ent)

@@ -118,6 +118,18 @@ class RouterReplaySection:
 ROUTER_REPLAY_MODES = ("disabled", "R3")
 
 
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+
+
+@dataclass
+class CheckpointContentsSection:
+    """veRL's actor.checkpoint: what a checkpoint holds (model shards, optimizer state, extra = LR schedule + RNG,
+    hf_model = a transformers copy in actor/huggingface) and what a resume restores (null: save_contents)."""
+
+    save_contents: list = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    load_contents: list | None = None
+
+
 @dataclass
 class ActorConfig:
     strategy: str = "fsdp2"
@@ -145,9 +157,12 @@ class ActorConfig:
     router_replay: RouterReplaySection = field(default_factory=RouterReplaySection)
     use_torch_compile: bool = False  # veRL's key; the forward is eager here (true is refused, verl_model_keys.py)
     entropy_from_logits_with_chunking: bool = True  # veRL's key; always chunked here
+    # veRL's key: recompute each chunk's entropy from its logits in backward instead of keeping its activations
+    entropy_checkpointing: bool = False
     optim: OptimSection = field(default_factory=OptimSection)
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
     ulysses_sequence_parallel_size: int = 1  # ranks that split every sequence (engines/ulysses.py)
+    checkpoint: CheckpointContentsSection = field(default_factory=CheckpointContentsSection)
 
 
 @dataclass
@@ -232,6 +247,8 @@ class RefConfig:
     use_torch_compile: bool = False  # veRL's key; the forward is eager here (true is refused, verl_model_keys.py)
     entropy_from_logits_with_chunking: bool = True  # veRL's key; always chunked here
     ulysses_sequence_parallel_size: int = 1
+    # veRL's key; the reference computes no entropy and runs no backward, so true is refused (verl_model_keys.py)
+    entropy_checkpointing: bool = False
 
 
 @dataclass

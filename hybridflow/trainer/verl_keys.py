@@ -93,10 +93,8 @@ PLANNED: dict[str, str] = {
     "model.target_modules": "LoRA in SFT (issue #17)",
     "actor_rollout_ref.model.torch_dtype": "a model load dtype apart from fsdp_config.param_dtype (issue #21)",
     "data.filter_overlong_prompts_workers": "parallel prompt filtering (issue #21)",
-    "actor_rollout_ref.actor.checkpoint.": "choosing checkpoint contents (issue #21)",
     "actor_rollout_ref.actor.fsdp_config.": "this FSDP option (issue #21)",
     "actor_rollout_ref.ref.fsdp_config.": "this FSDP option (issue #21)",
-    "actor_rollout_ref.actor.entropy_checkpointing": "entropy recomputation in backward (issue #22)",
     "actor_rollout_ref.actor.optim.lr_decay_style": "veRL Megatron's scheduler key; use optim.lr_scheduler_type",
     "actor_rollout_ref.ref.strategy": "the reference uses the actor's engine (FSDP2); remove the key",
     "algorithm.rollout_correction.": "rollout importance-sampling corrections (issue #19)",
@@ -136,10 +134,6 @@ UNSUPPORTED.update({
     "train-inference mismatch is logged as rollout/mismatch_* every step",
     "trainer.dump_high_diff_dir": "dumping tokens whose rollout and actor log-probs differ is not implemented; the "
     "train-inference mismatch is logged as rollout/mismatch_* every step",
-})
-PLANNED.update({
-    "actor_rollout_ref.ref.entropy_checkpointing": "entropy recomputation in backward (issue #22); the reference "
-    "computes no entropy here",
 })
 
 

@@ -19,6 +19,8 @@
   ``*.use_torch_compile=false`` (the training forward is eager), ``rollout.mode=sync`` (veRL's ``async`` serves vLLM
   behind an agent loop; the step's samples are the same either way), ``trainer.use_legacy_worker_impl=auto|disable``
   (hybridflow's one worker implementation is veRL's new-style one; ``enable`` is refused).
+* ``actor_rollout_ref.actor.checkpoint.save_contents`` / ``load_contents`` (checked here, honoured by the actor's
+  engine): what a checkpoint holds and what a resume restores; see engines/checkpoint_io.py.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def switch_errors(cfg: Any) -> list[str]:
          "change shape every call)"),
         ("actor_rollout_ref.ref.use_torch_compile", arr.ref.use_torch_compile, False,
          "the reference forward runs eagerly: a torch.compile'd forward is not offered"),
+        ("actor_rollout_ref.ref.entropy_checkpointing", arr.ref.entropy_checkpointing, False,
+         "the reference computes log-probs only, without grad: no entropy and no backward to recompute it for "
+         "(veRL's reference never uses the key either); actor_rollout_ref.actor.entropy_checkpointing is the actor's"),
     ]
     for key, value, only, why in fixed:
         if value is not only:
@@ -71,6 +76,7 @@ def switch_errors(cfg: Any) -> list[str]:
     elif legacy not in ("auto", "disable"):
         errors.append(f"trainer.use_legacy_worker_impl={legacy!r}: choose auto or disable (both select hybridflow's "
                       "one worker implementation)")
+    errors += _checkpoint_contents_errors(arr.actor.checkpoint)
     if arr.rollout.load_format not in LOAD_FORMATS:
         fix = ("random initial rollout weights are not offered: the engines load the checkpoint, then take the "
                "actor's weights" if str(arr.rollout.load_format).startswith("dummy") else "")
@@ -78,6 +84,28 @@ def switch_errors(cfg: Any) -> list[str]:
             f"actor_rollout_ref.rollout.load_format={arr.rollout.load_format!r}: choose one of {list(LOAD_FORMATS)}"
             + (f" ({fix})" if fix else "")
         )
+    return errors
+
+
+def _checkpoint_contents_errors(ck: Any) -> list[str]:
+    """actor.checkpoint.save_contents / load_contents: known names, the model's shards always in (a resume needs
+    them; an HF copy alone is `hybridflow export`'s job), hf_model never asked of a resume (it is not read back)."""
+    from hybridflow.trainer.config import CHECKPOINT_CONTENTS
+
+    key = "actor_rollout_ref.actor.checkpoint"
+    errors = []
+    for name, contents in (("save_contents", ck.save_contents), ("load_contents", ck.load_contents)):
+        if contents is None:
+            continue
+        unknown = [c for c in contents if c not in CHECKPOINT_CONTENTS]
+        if unknown:
+            errors.append(f"{key}.{name}={list(contents)}: {unknown} unknown; choose from {list(CHECKPOINT_CONTENTS)}")
+        elif "model" not in contents:
+            errors.append(f"{key}.{name}={list(contents)} leaves out 'model': a checkpoint always holds (and a resume "
+                          "always restores) the model's shards; add 'model' (for an HF copy only, use hybridflow export)")
+    if ck.load_contents is not None and "hf_model" in ck.load_contents:
+        errors.append(f"{key}.load_contents lists 'hf_model': a resume restores the shards ('model'), the HF copy is "
+                      "for export and never read back; remove it")
     return errors
 
 

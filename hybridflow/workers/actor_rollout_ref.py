@@ -117,6 +117,7 @@ class ActorRolloutRefWorker(Worker):
                     router_aux_loss_coef=actor.router_aux_loss_coef,
                     router_replay=actor.router_replay.mode == "R3",
                     ulysses_sequence_parallel_size=actor.ulysses_sequence_parallel_size,
+                    entropy_checkpointing=actor.entropy_checkpointing,
                 )
             )
             self.objective = build_actor_objective(actor_loss_config(actor, cfg.algorithm.rollout_correction))
@@ -369,7 +370,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         if self.actor is not None:
-            self.actor.save_checkpoint(os.path.join(path, "actor"))
+            self.actor.save_checkpoint(os.path.join(path, "actor"), self._checkpoint_contents()[0])
             self._fault_point("save_checkpoint", path)  # after the shards, before the rank state: a half-written save
             if self.rank == 0:  # config + tokenizer only; `hybridflow export` assembles the weights from the shards
                 hf_dir = os.path.join(path, "actor", "huggingface")
@@ -377,10 +378,17 @@ class ActorRolloutRefWorker(Worker):
                 self.actor.tokenizer.save_pretrained(hf_dir)
         save_rank_state(os.path.join(path, "actor", f"rank_state_{self.rank}.json"))
 
+    def _checkpoint_contents(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(what the actor's checkpoint holds, what a resume restores): veRL's checkpoint.save/load_contents."""
+        ck = self.config.actor_rollout_ref.actor.checkpoint
+        load = ck.load_contents if ck.load_contents is not None else ck.save_contents  # veRL: ${.save_contents}
+        # an hf_model inherited from save_contents is an export copy: a resume reads the shards
+        return tuple(ck.save_contents), tuple(c for c in load if c != "hf_model")
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
         if self.actor is not None:
-            self.actor.load_checkpoint(os.path.join(path, "actor"))
+            self.actor.load_checkpoint(os.path.join(path, "actor"), self._checkpoint_contents()[1])
         load_rank_state(os.path.join(path, "actor", f"rank_state_{self.rank}.json"))
         if self.actor is not None and self.rollout is not None:
             self._push_to_rollout()

@@ -59,6 +59,7 @@ def engine_config(
     router_aux_loss_coef: float | None = None,
     router_replay: bool = False,
     ulysses_sequence_parallel_size: int = 1,
+    entropy_checkpointing: bool = False,
 ) -> EngineConfig:
     """One engine's config. The ``infer_*`` settings size the forward-only passes (log-probs, values), which hold
     no activations for backward and may use larger micro-batches than training; None: the training settings."""
@@ -82,6 +83,7 @@ def engine_config(
         infer_max_tokens_per_micro_batch=infer_max_token_len,
         router_aux_loss_coef=router_aux_loss_coef,
         router_replay=router_replay,
+        entropy_checkpointing=entropy_checkpointing,
     )
     if optim is not None:
         kwargs["optim"] = optim
