@@ -347,6 +347,9 @@ class RolloutCorrectionConfig:
     rollout_rs_threshold: float | None = None  # None: rollout_is_threshold
     rollout_rs_threshold_lower: float | None = None  # None: 1 / the upper threshold
     bypass_mode: bool = False
+    # a sequence with any token whose ratio is below this is rejected whole (weight 0); None: no veto
+    rollout_token_veto_threshold: float | None = None
+    rollout_is_batch_normalize: bool = False  # IS weights divided by their mean over the step's batch
 
 
 @dataclass

@@ -62,6 +62,8 @@ def is_on_policy(cfg: Any) -> bool:
         and actor.ppo_epochs == 1
         and actor.ppo_mini_batch_size == cfg.data.train_batch_size
         and not cfg.algorithm.use_kl_in_reward
+        # the batch mean of the IS weights needs every row's pi_old before the first micro-batch
+        and not cfg.algorithm.rollout_correction.rollout_is_batch_normalize
         # overlapped modes train on samples of an older policy: the first forward is not the behaviour policy
         and cfg.trainer.rollout_mode == "sync"
     )

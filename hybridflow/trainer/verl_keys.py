@@ -97,7 +97,8 @@ PLANNED: dict[str, str] = {
     "actor_rollout_ref.ref.fsdp_config.": "this FSDP option (issue #21)",
     "actor_rollout_ref.actor.optim.lr_decay_style": "veRL Megatron's scheduler key; use optim.lr_scheduler_type",
     "actor_rollout_ref.ref.strategy": "the reference uses the actor's engine (FSDP2); remove the key",
-    "algorithm.rollout_correction.": "rollout importance-sampling corrections (issue #19)",
+    "algorithm.rollout_correction.": "this rollout-correction option (hybridflow takes rollout_is, _threshold, "
+    "_batch_normalize, rollout_rs, _threshold, _threshold_lower, rollout_token_veto_threshold and bypass_mode)",
     "reward_model.rollout.": "generative reward models (issue #21)",
     "reward_model.model.fsdp_config.": "the reward model runs unsharded, one copy per rank (issue #21)",
 }

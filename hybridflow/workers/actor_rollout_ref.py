@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms.objective import ActorLossConfig, LossContext, build_actor_objective
-from hybridflow.algorithms.off_policy import CorrectionSettings
+from hybridflow.algorithms.off_policy import CorrectionSettings, is_weight_batch_stats
 from hybridflow.common.metrics import measure_peak_flops, reduce_metrics
 from hybridflow.common.seeds import derive_seed
 from hybridflow.engines.fsdp_engine import FSDPEngine
@@ -56,6 +56,8 @@ def actor_loss_config(actor: Any, correction: Any = None) -> ActorLossConfig:
             is_level=correction.rollout_is, is_threshold=correction.rollout_is_threshold,
             rs_level=correction.rollout_rs, rs_upper=correction.rollout_rs_threshold,
             rs_lower=correction.rollout_rs_threshold_lower,
+            veto_threshold=correction.rollout_token_veto_threshold,
+            batch_normalize=correction.rollout_is_batch_normalize,
         )
     return ActorLossConfig(
         policy_loss=actor.policy_loss.loss_mode,
@@ -328,6 +330,8 @@ class ActorRolloutRefWorker(Worker):
         self._fault_point("update_actor", data)
         mini_rows = actor.ppo_mini_batch_size * n // self.world_size
         data.meta_info.setdefault("calculate_entropy", actor.entropy_coeff != 0)
+        if self.objective.config.correction.batch_normalize and self.objective.config.correction.is_level:
+            data.meta_info["rollout_is_batch_mean"] = self._is_batch_mean(data)
         loss_fn = self._loss_fn(actor.loss_agg_mode, data.meta_info.get("max_response_length"))
         per_step: list[dict[str, float]] = []
         step = int(data.meta_info.get("global_step", 0))
@@ -339,6 +343,19 @@ class ActorRolloutRefWorker(Worker):
         out = reduce_metrics(per_step)
         out["actor/lr"] = self.actor.lr_scheduler_step()
         return out
+
+    def _is_batch_mean(self, data: DataProto) -> float:
+        """The mean truncated IS weight over the whole step batch (every rank's rows), from the old log-probs."""
+        if "old_log_probs" not in data.batch:
+            raise ValueError("algorithm.rollout_correction.rollout_is_batch_normalize needs the old log-probs of every "
+                             "row before the update; this batch has none (the trainer computes them when it is set)")
+        stats = is_weight_batch_stats(data.batch["old_log_probs"], data.batch["rollout_log_probs"],
+                                      data.batch["response_mask"], self.objective.config.correction)
+        if torch.distributed.is_initialized() and self.world_size > 1:
+            stats = stats.to(self.actor.device)  # nccl reduces device tensors only
+            torch.distributed.all_reduce(stats)
+        total, count = stats.cpu().tolist()
+        return total / count if count else 1.0
 
     def _fault_point(self, method: str, data: DataProto | str) -> None:
         t = self.config.trainer
@@ -354,6 +371,7 @@ class ActorRolloutRefWorker(Worker):
                 global_num_tokens=micro.meta_info.get("global_num_tokens"),
                 global_num_seqs=micro.meta_info.get("global_num_seqs"),
                 norm_length=norm_length,
+                is_batch_mean=micro.meta_info.get("rollout_is_batch_mean"),
             )
             log_prob = outputs["log_probs"]
             loss, metrics = objective(micro.batch, log_prob, outputs.get("entropy"), ctx)

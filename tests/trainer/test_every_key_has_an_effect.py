@@ -108,6 +108,9 @@ RUNS = {
         "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=sequence",
         "algorithm.rollout_correction.rollout_rs_threshold=4.0",
         "algorithm.rollout_correction.rollout_rs_threshold_lower=0.1",
+        "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+        "algorithm.rollout_correction.rollout_token_veto_threshold=0.0001",
+        "actor_rollout_ref.actor.entropy_checkpointing=true",
         "actor_rollout_ref.model.use_sequence_packing=true",
     ],
     "ppo_critic_rm": [
