@@ -63,6 +63,9 @@ class EngineConfig:
     model_path: str
     role: str = "actor"  # actor | ref (no optimizer, no grads) | critic (value head)
     param_dtype: str = "fp32"  # fp32 | bf16 (bf16 compute; fp32 master weights, grads and optimizer state)
+    # the dtype the weights are loaded and kept in (veRL's fsdp_config.model_dtype): fp32 (a master copy) | bf16
+    # (weights, grads and AdamW state in bf16: half the memory, bf16 rounding in every update)
+    model_dtype: str = "fp32"
     micro_batch_size_per_gpu: int = 4
     use_dynamic_bsz: bool = False  # True: micro-batches by token budget instead of a fixed row count
     max_tokens_per_micro_batch: int = 4096  # padded tokens (rows * longest row) per micro-batch, dynamic mode
@@ -99,6 +102,8 @@ class EngineConfig:
             raise ValueError(f"engine role is {self.role!r}; choose one of {list(ROLES)}")
         if self.param_dtype not in PARAM_DTYPES:
             raise ValueError(f"param_dtype is {self.param_dtype!r}; choose one of {list(PARAM_DTYPES)}")
+        if self.model_dtype not in PARAM_DTYPES:
+            raise ValueError(f"model_dtype is {self.model_dtype!r}; choose one of {list(PARAM_DTYPES)}")
         if self.micro_batch_size_per_gpu <= 0:
             raise ValueError(f"micro_batch_size_per_gpu must be positive, got {self.micro_batch_size_per_gpu}")
         if self.max_tokens_per_micro_batch <= 0:
@@ -143,7 +148,7 @@ class FSDPEngine:
         self.train_mesh = self._build_train_mesh()
         self.tokenizer = load_tokenizer(config.model_path)
         torch.manual_seed(config.seed)  # a fresh value head must be identical on every rank
-        hf_model = load_model(config.model_path, config.role)
+        hf_model = load_model(config.model_path, config.role, dtype=PARAM_DTYPES[config.model_dtype])
         self.hf_config = hf_model.config
         # MoE routers: load-balancing loss and balance statistics in training (an empty tap on dense models)
         self.router_tap = RouterTap(hf_model, aux_loss_coef(hf_model.config, config.router_aux_loss_coef)

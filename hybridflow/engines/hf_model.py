@@ -55,14 +55,17 @@ def from_pretrained(auto_class, path: str, attn_implementation: str = "sdpa", **
         return auto_class.from_pretrained(path, attn_implementation="eager", **kwargs)
 
 
-def load_model(path: str, role: str, attn_implementation: str = "sdpa") -> nn.Module:
-    """The transformers model for `role` ("actor" | "ref" -> causal LM, "critic" -> one-label token classifier), fp32.
+def load_model(path: str, role: str, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
+               ) -> nn.Module:
+    """The transformers model for `role` ("actor" | "ref" -> causal LM, "critic" -> one-label token classifier), in
+    `dtype` (fp32 unless veRL's fsdp_config.model_dtype / model.torch_dtype asks for bf16 weights).
 
-    Weights stay fp32 (the master copy); mixed precision is applied at compute time by the engine.
+    fp32 weights are the master copy, with mixed precision applied at compute time by the engine; bf16 weights are
+    trained as they are (half the memory, no fp32 copy).
     """
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    kwargs = {"dtype": torch.float32, "attn_implementation": attn_implementation}
+    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
     try:
         if role == "critic":
             model = from_pretrained(AutoModelForTokenClassification, path, num_labels=1, **kwargs)

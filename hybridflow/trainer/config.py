@@ -78,6 +78,8 @@ class PolicyModelConfig(ModelConfig):
     # true: actor and ref pack each micro-batch's rows into one row with per-row attention (engines/packing.py)
     # instead of bucketing them by length; no padding is computed at all
     use_sequence_packing: bool = False
+    # veRL's key: the dtype actor and reference load their weights in where fsdp_config.model_dtype is unset
+    torch_dtype: str | None = None
 
 
 @dataclass
@@ -99,6 +101,9 @@ class FSDPSection:
     optimizer_offload: bool = False
     fsdp_size: int = -1
     param_dtype: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights)
+    # veRL's key: the dtype the weights are loaded and kept in; null: model.torch_dtype (actor/ref), else fp32.
+    # bf16: weights, grads and optimizer state in bf16 (half the memory, no fp32 master copy)
+    model_dtype: str | None = None
     # training tensor parallelism (engines/tensor_parallel_train.py): ranks that split every projection; veRL's name
     # for the TP size of its engines (the rollout's is actor_rollout_ref.rollout.tensor_model_parallel_size)
     tensor_model_parallel_size: int = 1

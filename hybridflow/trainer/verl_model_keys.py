@@ -21,6 +21,9 @@
   (hybridflow's one worker implementation is veRL's new-style one; ``enable`` is refused).
 * ``actor_rollout_ref.actor.checkpoint.save_contents`` / ``load_contents`` (checked here, honoured by the actor's
   engine): what a checkpoint holds and what a resume restores; see engines/checkpoint_io.py.
+* ``*.fsdp_config.model_dtype`` and ``actor_rollout_ref.model.torch_dtype``: the dtype an engine loads and keeps its
+  weights in (workers/engine_config.py ``model_dtype``): fp32 (the default, a master copy under param_dtype=bf16
+  compute) or bf16 (weights, grads and optimizer state in bf16).
 """
 
 from __future__ import annotations
@@ -77,6 +80,17 @@ def switch_errors(cfg: Any) -> list[str]:
         errors.append(f"trainer.use_legacy_worker_impl={legacy!r}: choose auto or disable (both select hybridflow's "
                       "one worker implementation)")
     errors += _checkpoint_contents_errors(arr.actor.checkpoint)
+    from hybridflow.workers.engine_config import model_dtype
+
+    for prefix, fsdp, model in (("actor_rollout_ref.actor.", arr.actor.fsdp_config, arr.model),
+                                ("actor_rollout_ref.ref.", arr.ref.fsdp_config, arr.model),
+                                ("critic.", cfg.critic.fsdp_config, None)):
+        try:
+            model_dtype(fsdp, model)
+        except ValueError as err:
+            where = prefix if str(err).startswith("fsdp_config") else "actor_rollout_ref."
+            if f"{where}{err}" not in errors:  # model.torch_dtype is shared by actor and ref: said once
+                errors.append(f"{where}{err}")
     if arr.rollout.load_format not in LOAD_FORMATS:
         fix = ("random initial rollout weights are not offered: the engines load the checkpoint, then take the "
                "actor's weights" if str(arr.rollout.load_format).startswith("dummy") else "")

@@ -42,6 +42,25 @@ def lora_settings(model: Any) -> LoraSettings:
     )
 
 
+# veRL's spellings of a model load dtype (fsdp_config.model_dtype, model.torch_dtype) -> the engine's name
+MODEL_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "torch.float32": "fp32",
+                     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16"}
+
+
+def model_dtype(fsdp: Any, model: Any) -> str:
+    """The dtype an engine loads its weights in: the role's fsdp_config.model_dtype, else the policy model's
+    torch_dtype (actor and ref), else fp32. ValueError naming the key for a dtype the engine does not train in."""
+    for key, value in (("fsdp_config.model_dtype", getattr(fsdp, "model_dtype", None)),
+                       ("model.torch_dtype", getattr(model, "torch_dtype", None))):
+        if value is None:
+            continue
+        if str(value) not in MODEL_DTYPE_NAMES:
+            fp16 = " (fp16 weights need loss scaling, which the engine does not do)" if "16" in str(value) else ""
+            raise ValueError(f"{key}={value!r}: choose fp32/float32 or bf16/bfloat16{fp16}")
+        return MODEL_DTYPE_NAMES[str(value)]
+    return "fp32"
+
+
 def engine_config(
     *,
     model_path: str,
@@ -67,6 +86,7 @@ def engine_config(
         model_path=model_path,
         role=role,
         param_dtype=fsdp.param_dtype,
+        model_dtype=model_dtype(fsdp, model),
         micro_batch_size_per_gpu=micro_batch_size,
         use_dynamic_bsz=use_dynamic_bsz,
         max_tokens_per_micro_batch=max_token_len,

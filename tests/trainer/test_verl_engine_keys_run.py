@@ -1,5 +1,5 @@
-"""A run honours actor.checkpoint.save_contents / load_contents (in-process backend): the step folder holds what was
-asked, and resuming it asks only for what is there."""
+"""Runs (in-process backend) honour veRL's engine keys: actor.checkpoint.save_contents / load_contents (the step
+folder holds what was asked, resuming asks only for what is there) and a bf16 actor (fsdp_config.model_dtype)."""
 
 from __future__ import annotations
 
@@ -33,3 +33,14 @@ def test_model_and_hf_copy_only_then_resume_without_optimizer(arithmetic_files, 
                           "actor_rollout_ref.actor.checkpoint.load_contents=[model,optimizer,extra]"])
     with pytest.raises(Exception, match=r"holds \['model'\] but resuming asks for \['optimizer', 'extra'\]"):
         run_training(strict, progress=False)
+
+
+def test_a_bf16_actor_trains_and_syncs_its_weights_to_the_rollout(arithmetic_files, tiny_model_path, tmp_path):
+    run_dir = str(tmp_path / "run")
+    cfg = load_config(tiny_run_overrides(arithmetic_files, tiny_model_path, run_dir, "trainer.backend=local",
+                                         "trainer.total_training_steps=2", "actor_rollout_ref.model.torch_dtype=bf16",
+                                         "actor_rollout_ref.actor.use_kl_loss=true"))
+    run_training(cfg, progress=False)
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    steps = [r for r in rows if "actor/pg_loss" in r]
+    assert len(steps) == 2 and all(abs(r["actor/grad_norm"]) < float("inf") for r in steps)
