@@ -46,6 +46,8 @@ class DataConfig:
     val_batch_size: int | None = None  # None: the whole validation set in one batch
     val_max_samples: int = -1  # -1: all
     filter_overlong_prompts: bool = True
+    # veRL's key: processes that render and tokenize the prompts (data/parallel_prompts.py; 1: in the driver)
+    filter_overlong_prompts_workers: int = 1
     truncation: str = "error"  # error | left | right
     shuffle: bool = True
     seed: int = 1
@@ -624,6 +626,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         )
     if n < 1:
         errors.append(f"actor_rollout_ref.rollout.n={n} must be >= 1")
+    if d.filter_overlong_prompts_workers < 1:
+        errors.append(f"data.filter_overlong_prompts_workers={d.filter_overlong_prompts_workers} must be >= 1 "
+                      "(processes that render and tokenize the prompts; 1: in the driver)")
     if d.truncation not in ("error", "left", "right"):
         errors.append(f"data.truncation={d.truncation!r}: choose error, left or right")
     if d.train_batch_size < 1 or actor.ppo_mini_batch_size < 1:

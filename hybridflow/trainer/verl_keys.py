@@ -91,7 +91,6 @@ PLANNED: dict[str, str] = {
     "critic.model.target_modules": "LoRA on the critic (issue #17)",
     "model.lora_": "LoRA in SFT (issue #17)",
     "model.target_modules": "LoRA in SFT (issue #17)",
-    "data.filter_overlong_prompts_workers": "parallel prompt filtering (issue #21)",
     "actor_rollout_ref.actor.fsdp_config.": "this FSDP option (issue #21)",
     "actor_rollout_ref.ref.fsdp_config.": "this FSDP option (issue #21)",
     "actor_rollout_ref.actor.optim.lr_decay_style": "veRL Megatron's scheduler key; use optim.lr_scheduler_type",
