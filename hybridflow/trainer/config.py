@@ -227,6 +227,8 @@ class RolloutConfig:
     # enable_chunked_prefill=true alone: the default budget, 8192
     enable_chunked_prefill: bool | None = None
     max_num_batched_tokens: int | None = None
+    # native: at most this many rows decode together (prompts in successive groups, same samples); vllm: its own cap
+    max_num_seqs: int | None = None
     tensor_model_parallel_size: int = 1  # ranks per tensor-parallel rollout group (native: tensor_parallel.py)
     calculate_log_probs: bool = True  # False: generated rows carry no rollout_log_probs (no mismatch metrics)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)

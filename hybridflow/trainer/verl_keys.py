@@ -81,7 +81,6 @@ UNSUPPORTED: dict[str, str] = {
 
 # prefix -> the open issue whose work adds the feature (refused until it lands)
 PLANNED: dict[str, str] = {
-    "actor_rollout_ref.rollout.max_num_seqs": "a decode batch cap (issue #21/#22)",
     "actor_rollout_ref.rollout.multi_stage_wake_up": "staged vLLM wake-up (issue #19)",
     "actor_rollout_ref.rollout.checkpoint_engine.": "bucketed weight streaming to a separate rollout (issue #19)",
     "actor_rollout_ref.rollout.expert_parallel_size": "expert-parallel rollout (issue #17/#20)",

@@ -54,7 +54,7 @@ def test_every_key_of_every_verl_script_is_taken_renamed_or_refused_with_a_reaso
     ("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", r"Megatron-LM training is not supported"),
     ("actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=fa3", r"SGLang"),
     ("data.image_key=images", r"vision-language"),
-    ("actor_rollout_ref.rollout.max_num_seqs=64", r"not in hybridflow yet: a decode batch cap"),
+    ("actor_rollout_ref.rollout.multi_stage_wake_up=true", r"not in hybridflow yet: staged vLLM wake-up"),
     # taken since tensor-parallel rollout landed; a size that does not divide the (default: 1) ranks is refused
     ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", r"does not divide the 1 rollout ranks"),
 ])

@@ -68,6 +68,7 @@ _SWITCH_ENGINES = {
     "gpu_memory_utilization": "vllm",
     "enable_chunked_prefill": "native",
     "max_num_batched_tokens": "native",
+    "max_num_seqs": "native and vllm",
 }
 
 
