@@ -24,6 +24,7 @@ memory right after, so between updates (rollout, log-prob passes) it holds no de
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -73,6 +74,9 @@ class EngineConfig:
     param_offload: bool = False  # GPU only: parameters live in host memory between calls (see "Offload" below)
     optimizer_offload: bool = False  # GPU only: AdamW state lives in host memory except during optimizer.step()
     fsdp_size: int = -1  # ranks that shard one copy; -1: all ranks (pure FSDP); smaller: HSDP replicas
+    # sharded only: each decoder layer starts the next one's all-gather before it computes (FSDP2's explicit
+    # forward prefetch, veRL's fsdp_config.forward_prefetch); one rank has nothing to gather
+    forward_prefetch: bool = False
     seed: int = 0  # same seed on every rank -> same initial value head
     optim: OptimConfig = field(default_factory=OptimConfig)
     use_remove_padding: bool = True  # strip rows to real tokens and bucket by length (False: plain padded forward)
@@ -259,6 +263,10 @@ class FSDPEngine:
         for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(self.model, **kwargs)
+        if self.config.forward_prefetch:
+            # layer i+1's parameters are gathered while layer i computes, instead of when layer i+1 is reached
+            for here, after in itertools.pairwise(layers):
+                here.set_modules_to_forward_prefetch([after])
 
     def _reshard(self) -> None:
         """Put every FSDP module back to its sharded parameters.

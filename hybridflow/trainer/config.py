@@ -106,6 +106,8 @@ class FSDPSection:
     # veRL's key: the dtype the weights are loaded and kept in; null: model.torch_dtype (actor/ref), else fp32.
     # bf16: weights, grads and optimizer state in bf16 (half the memory, no fp32 master copy)
     model_dtype: str | None = None
+    # veRL's key: each decoder layer prefetches the next one's all-gather in forward (sharded engines only)
+    forward_prefetch: bool = False
     # training tensor parallelism (engines/tensor_parallel_train.py): ranks that split every projection; veRL's name
     # for the TP size of its engines (the rollout's is actor_rollout_ref.rollout.tensor_model_parallel_size)
     tensor_model_parallel_size: int = 1
@@ -126,6 +128,17 @@ ROUTER_REPLAY_MODES = ("disabled", "R3")
 
 
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+
+
+@dataclass
+class RoleProfilerSection:
+    """veRL's <role>.profiler (trainer/profiling.py): torch.profiler traces of global_profiler.steps on these ranks."""
+
+    enable: bool = False
+    tool: str | None = None  # null: global_profiler.tool; torch only (nsys / npu / torch_memory are refused)
+    all_ranks: bool = False
+    ranks: list = field(default_factory=list)  # none listed (and all_ranks false): rank 0
+    save_path: str | None = None  # null: global_profiler.save_path
 
 
 @dataclass
@@ -170,6 +183,7 @@ class ActorConfig:
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
     ulysses_sequence_parallel_size: int = 1  # ranks that split every sequence (engines/ulysses.py)
     checkpoint: CheckpointContentsSection = field(default_factory=CheckpointContentsSection)
+    profiler: RoleProfilerSection = field(default_factory=RoleProfilerSection)
 
 
 @dataclass
@@ -258,6 +272,7 @@ class RefConfig:
     ulysses_sequence_parallel_size: int = 1
     # veRL's key; the reference computes no entropy and runs no backward, so true is refused (verl_model_keys.py)
     entropy_checkpointing: bool = False
+    profiler: RoleProfilerSection = field(default_factory=RoleProfilerSection)  # the actor's processes hold the ref
 
 
 @dataclass
@@ -287,6 +302,7 @@ class CriticConfig:
     grad_clip: float = 1.0
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
     ulysses_sequence_parallel_size: int = 1
+    profiler: RoleProfilerSection = field(default_factory=RoleProfilerSection)
 
 
 @dataclass
@@ -416,6 +432,16 @@ class TrainerConfig:
 
 
 @dataclass
+class GlobalProfilerSection:
+    """veRL's global_profiler (trainer/profiling.py): which tool and steps; the roles' profiler sections say where."""
+
+    tool: str | None = None  # torch, or null: off
+    steps: list | None = None  # global steps (from 1) to profile
+    profile_continuous_steps: bool = False  # consecutive listed steps make one trace
+    save_path: str | None = None  # null: trainer.default_local_dir/profile
+
+
+@dataclass
 class HybridFlowConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -424,6 +450,7 @@ class HybridFlowConfig:
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    global_profiler: GlobalProfilerSection = field(default_factory=GlobalProfilerSection)
 
 
 # ----------------------------------------------------------------------------------------------------- loading
@@ -683,6 +710,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
 
     errors += dynamic_sampling_errors(cfg)
     errors += switch_errors(cfg)
+    from hybridflow.trainer.profiling import profiler_errors
+
+    errors += profiler_errors(cfg)
     from hybridflow.rewards.managers import check_reward_manager_config
 
     crf = cfg.custom_reward_function

@@ -45,6 +45,7 @@ from hybridflow.trainer.metrics import (
     reduce_metrics,
 )
 from hybridflow.trainer.placement import WorkerGroups, start_rollout_group
+from hybridflow.trainer.profiling import StepProfiler
 from hybridflow.trainer.rollout_driver import SyncRollout, build_rollout_driver
 from hybridflow.trainer.validation import Validator
 from hybridflow.workers.agent_rollout import agent_batch_metrics
@@ -97,6 +98,7 @@ class RLTrainer:
         # Facts about the run logged in every step row (run_training sets them): training/restarts, data filter counts
         self.run_metrics: dict[str, float] = {}
         self.on_policy = is_on_policy(cfg)
+        self.profiler = StepProfiler(cfg)  # veRL's profiler keys, tool=torch (profiling.py)
         self.rollout: SyncRollout | None = None  # built by fit(): it owns the prompt stream
         self._rollout_state: dict | None = None  # from a checkpoint, until fit() builds the rollout driver
 
@@ -364,7 +366,8 @@ class RLTrainer:
             self.tracker.log(last, step=self.global_step)
         while self.global_step < total_steps:
             prompts = self.next_prompts()
-            metrics, batch = self.train_step(prompts)
+            with self.profiler.step(self.global_step + 1, self.groups):
+                metrics, batch = self.train_step(prompts)
             self.global_step += 1
             metrics["training/global_step"] = self.global_step
             metrics.update(self.run_metrics)

@@ -31,8 +31,9 @@ ALIASES: dict[str, str] = {
 
 _MEGATRON = "Megatron-LM training is not supported: hybridflow trains with FSDP2 (remove the megatron keys)"
 _PROFILER = (
-    "veRL's profiler hooks (nsys / npu / torch memory) are not supported; use benchmarks/rollout_profile.py or "
-    "torch.profiler around a step (remove the profiler keys)"
+    "this profiler option is not taken: hybridflow profiles with tool=torch (global_profiler.tool/steps/save_path/"
+    "profile_continuous_steps and each role's profiler.enable/ranks/all_ranks/tool/save_path, trainer/profiling.py); "
+    "veRL's nsys / npu / torch_memory tool options are not supported"
 )
 _VISION = "vision-language models and image data are not supported (text models only)"
 _SGLANG = "the SGLang / TensorRT-LLM rollouts are not supported; use rollout.name=vllm, native or hf"

@@ -42,6 +42,7 @@ from hybridflow.single_controller import Dispatch, Execute, Worker, register
 from hybridflow.single_controller.worker import find_free_port
 from hybridflow.workers.engine_config import engine_config, optim_config
 from hybridflow.workers.fault import maybe_inject_fault, step_of
+from hybridflow.workers.profiling import chosen_rank, start_profile, stop_profile
 from hybridflow.workers.rank_state import load_rank_state, save_rank_state
 
 VALID_ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref", "actor_ref")
@@ -395,6 +396,17 @@ class ActorRolloutRefWorker(Worker):
                 self.actor.hf_config.save_pretrained(hf_dir)
                 self.actor.tokenizer.save_pretrained(hf_dir)
         save_rank_state(os.path.join(path, "actor", f"rank_state_{self.rank}.json"))
+
+    # ------------------------------------------------------------------ profiling (trainer/profiling.py)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def start_profile(self, folder: str) -> None:
+        arr = self.config.actor_rollout_ref
+        if chosen_rank(arr.actor.profiler, self.rank) or chosen_rank(arr.ref.profiler, self.rank):
+            start_profile(self.role, self.rank, folder)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stop_profile(self) -> None:
+        stop_profile(self.role)
 
     def _checkpoint_contents(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(what the actor's checkpoint holds, what a resume restores): veRL's checkpoint.save/load_contents."""

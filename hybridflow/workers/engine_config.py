@@ -94,6 +94,7 @@ def engine_config(
         param_offload=fsdp.param_offload,
         optimizer_offload=fsdp.optimizer_offload,
         fsdp_size=fsdp.fsdp_size,
+        forward_prefetch=fsdp.forward_prefetch,
         tensor_parallel_size=fsdp.tensor_model_parallel_size,
         ulysses_sequence_parallel_size=ulysses_sequence_parallel_size,
         seed=seed,
