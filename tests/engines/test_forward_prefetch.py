@@ -28,7 +28,7 @@ class PrefetchRank:
         engine = FSDPEngine(EngineConfig(model_path=model_path, optim=OPTIM, forward_prefetch=prefetch))
         layers = engine.model.hf.model.layers
         # FSDP2 keeps each module's explicit prefetch targets on its state (no public getter)
-        targets = [[s._fsdp_param_group.module for s in layer._get_fsdp_state()._states_to_forward_prefetch]
+        targets = [[m for s in layer._get_fsdp_state()._states_to_forward_prefetch for m in s._modules]
                    for layer in layers]
         wired = all(t == [after] for t, after in zip(targets[:-1], layers[1:])) and not targets[-1]
         norms = [engine.train_step(shard, seq_mean_pg_loss)["grad_norm"] for shard in shards]
