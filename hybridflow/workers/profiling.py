@@ -4,7 +4,7 @@ The driver (trainer/profiling.py) calls ``start_profile(step)`` / ``stop_profile
 the steps of ``global_profiler.steps``; each rank of that group the role's ``profiler`` section chooses (``ranks``,
 ``all_ranks``) records CPU (and CUDA, on GPUs) activity with ``torch.profiler`` and writes one Chrome trace per rank:
 
-    SAVE_PATH/step_3/actor_rollout_ref_rank0.json        (steps 3-4 profiled as one: step_3-4/...)
+    SAVE_PATH/step_3/actor_rollout_rank0.json        (the worker's role; steps 3-4 profiled as one: step_3-4/...)
 
 Roles that share processes (colocated placement: the actor and the critic in one process per rank) share the one
 profiler of their process — torch allows one at a time — and its trace is named after all of them.

@@ -26,7 +26,7 @@ def test_listed_steps_are_traced_for_actor_and_critic(arithmetic_files, tiny_mod
     assert os.listdir(prof) == ["step_2-3"]  # steps 2 and 3 in one trace, step 1 not traced
     # one process holds actor and critic here (in-process backend): one profiler, named after both
     (trace,) = os.listdir(os.path.join(prof, "step_2-3"))
-    assert trace == "actor_rollout_ref+critic_rank0.json"
+    assert trace == "actor_rollout+critic_rank0.json"  # the workers' roles
     events = json.load(open(os.path.join(prof, "step_2-3", trace)))["traceEvents"]
     names = {e.get("name", "") for e in events}
     assert any("aten::" in n for n in names)  # real operator events were recorded
