@@ -67,6 +67,8 @@ class EngineConfig:
     # the dtype the weights are loaded and kept in (veRL's fsdp_config.model_dtype): fp32 (a master copy) | bf16
     # (weights, grads and AdamW state in bf16: half the memory, bf16 rounding in every update)
     model_dtype: str = "fp32"
+    reduce_dtype: str = "fp32"  # sharded only: the gradients' reduce-scatter dtype (veRL's mixed_precision)
+    buffer_dtype: str = "fp32"  # the model's floating buffers (e.g. RoPE's inv_freq), cast after loading
     micro_batch_size_per_gpu: int = 4
     use_dynamic_bsz: bool = False  # True: micro-batches by token budget instead of a fixed row count
     max_tokens_per_micro_batch: int = 4096  # padded tokens (rows * longest row) per micro-batch, dynamic mode
@@ -106,8 +108,9 @@ class EngineConfig:
             raise ValueError(f"engine role is {self.role!r}; choose one of {list(ROLES)}")
         if self.param_dtype not in PARAM_DTYPES:
             raise ValueError(f"param_dtype is {self.param_dtype!r}; choose one of {list(PARAM_DTYPES)}")
-        if self.model_dtype not in PARAM_DTYPES:
-            raise ValueError(f"model_dtype is {self.model_dtype!r}; choose one of {list(PARAM_DTYPES)}")
+        for name in ("model_dtype", "reduce_dtype", "buffer_dtype"):
+            if getattr(self, name) not in PARAM_DTYPES:
+                raise ValueError(f"{name} is {getattr(self, name)!r}; choose one of {list(PARAM_DTYPES)}")
         if self.micro_batch_size_per_gpu <= 0:
             raise ValueError(f"micro_batch_size_per_gpu must be positive, got {self.micro_batch_size_per_gpu}")
         if self.max_tokens_per_micro_batch <= 0:
@@ -153,6 +156,8 @@ class FSDPEngine:
         self.tokenizer = load_tokenizer(config.model_path)
         torch.manual_seed(config.seed)  # a fresh value head must be identical on every rank
         hf_model = load_model(config.model_path, config.role, dtype=PARAM_DTYPES[config.model_dtype])
+        if config.buffer_dtype != "fp32":
+            _cast_buffers(hf_model, PARAM_DTYPES[config.buffer_dtype])
         self.hf_config = hf_model.config
         # MoE routers: load-balancing loss and balance statistics in training (an empty tap on dense models)
         self.router_tap = RouterTap(hf_model, aux_loss_coef(hf_model.config, config.router_aux_loss_coef)
@@ -248,9 +253,12 @@ class FSDPEngine:
                 kind, (self.world_size // fsdp_size, fsdp_size), mesh_dim_names=("replicate", "shard")
             )
         kwargs: dict[str, Any] = {"mesh": self.mesh}
-        if self.compute_dtype != torch.float32:
-            # Gather parameters in bf16 for compute; reduce gradients in fp32 into the fp32 master shards.
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        reduce = PARAM_DTYPES[self.config.reduce_dtype]
+        if self.compute_dtype != torch.float32 or reduce != torch.float32:
+            # Gather parameters in bf16 for compute; reduce gradients in fp32 (unless reduce_dtype says bf16) into
+            # the master shards.
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=None if self.compute_dtype == torch.float32 else self.compute_dtype, reduce_dtype=reduce)
         if self.config.param_offload and kind != "cpu":
             kwargs["offload_policy"] = CPUOffloadPolicy()
         backbone = getattr(self.model.hf, self.model.hf.base_model_prefix)
@@ -708,6 +716,14 @@ class FSDPEngine:
     def _barrier(self) -> None:
         if self.distributed and self.world_size > 1:
             dist.barrier()
+
+
+def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every floating buffer of `model` (RoPE's inv_freq, ...) to `dtype`, in place (veRL's buffer_dtype)."""
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.is_floating_point():
+                module._buffers[name] = buf.to(dtype)
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

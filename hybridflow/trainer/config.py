@@ -98,6 +98,14 @@ class OptimSection:
 
 
 @dataclass
+class MixedPrecisionSection:
+    """veRL's fsdp_config.mixed_precision; its param_dtype is fsdp_config.param_dtype (trainer/verl_keys.py)."""
+
+    reduce_dtype: str = "fp32"  # the dtype gradients are reduce-scattered in across ranks: fp32 | bf16
+    buffer_dtype: str = "fp32"  # the model's floating buffers (e.g. RoPE's inv_freq): fp32 | bf16
+
+
+@dataclass
 class FSDPSection:
     param_offload: bool = False
     optimizer_offload: bool = False
@@ -108,6 +116,7 @@ class FSDPSection:
     model_dtype: str | None = None
     # veRL's key: each decoder layer prefetches the next one's all-gather in forward (sharded engines only)
     forward_prefetch: bool = False
+    mixed_precision: MixedPrecisionSection = field(default_factory=MixedPrecisionSection)
     # training tensor parallelism (engines/tensor_parallel_train.py): ranks that split every projection; veRL's name
     # for the TP size of its engines (the rollout's is actor_rollout_ref.rollout.tensor_model_parallel_size)
     tensor_model_parallel_size: int = 1

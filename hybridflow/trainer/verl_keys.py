@@ -11,6 +11,11 @@ from __future__ import annotations
 
 # veRL key (or prefix ending in ".") -> hybridflow key (or prefix)
 ALIASES: dict[str, str] = {
+    # veRL's fsdp_config.mixed_precision.param_dtype is the compute dtype, hybridflow's fsdp_config.param_dtype
+    **{f"{role}.mixed_precision.param_dtype": f"{ours}.param_dtype" for role, ours in (
+        ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.actor.fsdp_config"),
+        ("actor_rollout_ref.ref.fsdp_config", "actor_rollout_ref.ref.fsdp_config"),
+        ("critic.model.fsdp_config", "critic.fsdp_config"), ("critic.fsdp_config", "critic.fsdp_config"))},
     # newer veRL keeps the Ulysses size in each engine's fsdp_config; its older (and hybridflow's) place is the role
     "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size":
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size",

@@ -23,7 +23,9 @@
   engine): what a checkpoint holds and what a resume restores; see engines/checkpoint_io.py.
 * ``*.fsdp_config.model_dtype`` and ``actor_rollout_ref.model.torch_dtype``: the dtype an engine loads and keeps its
   weights in (workers/engine_config.py ``model_dtype``): fp32 (the default, a master copy under param_dtype=bf16
-  compute) or bf16 (weights, grads and optimizer state in bf16).
+  compute) or bf16 (weights, grads and optimizer state in bf16); ``fsdp_config.mixed_precision.reduce_dtype`` /
+  ``buffer_dtype``: the gradients' reduce-scatter dtype and the model buffers' dtype (its ``param_dtype`` is renamed to
+  ``fsdp_config.param_dtype``, verl_keys.py).
 """
 
 from __future__ import annotations
@@ -80,11 +82,16 @@ def switch_errors(cfg: Any) -> list[str]:
         errors.append(f"trainer.use_legacy_worker_impl={legacy!r}: choose auto or disable (both select hybridflow's "
                       "one worker implementation)")
     errors += _checkpoint_contents_errors(arr.actor.checkpoint)
-    from hybridflow.workers.engine_config import model_dtype
+    from hybridflow.workers.engine_config import MODEL_DTYPE_NAMES, model_dtype
 
     for prefix, fsdp, model in (("actor_rollout_ref.actor.", arr.actor.fsdp_config, arr.model),
                                 ("actor_rollout_ref.ref.", arr.ref.fsdp_config, arr.model),
                                 ("critic.", cfg.critic.fsdp_config, None)):
+        for name in ("reduce_dtype", "buffer_dtype"):
+            value = getattr(fsdp.mixed_precision, name)
+            if str(value) not in MODEL_DTYPE_NAMES:
+                errors.append(f"{prefix}fsdp_config.mixed_precision.{name}={value!r}: choose fp32/float32 or "
+                              "bf16/bfloat16")
         try:
             model_dtype(fsdp, model)
         except ValueError as err:

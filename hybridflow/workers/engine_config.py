@@ -87,6 +87,8 @@ def engine_config(
         role=role,
         param_dtype=fsdp.param_dtype,
         model_dtype=model_dtype(fsdp, model),
+        reduce_dtype=MODEL_DTYPE_NAMES[str(fsdp.mixed_precision.reduce_dtype)],
+        buffer_dtype=MODEL_DTYPE_NAMES[str(fsdp.mixed_precision.buffer_dtype)],
         micro_batch_size_per_gpu=micro_batch_size,
         use_dynamic_bsz=use_dynamic_bsz,
         max_tokens_per_micro_batch=max_token_len,
