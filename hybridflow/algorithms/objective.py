@@ -48,6 +48,8 @@ class LossContext:
     global_num_tokens: float | None = None
     global_num_seqs: float | None = None
     norm_length: float | None = None
+    # the whole batch's mean truncated IS weight (off_policy.py batch_normalize); None: the micro-batch's own
+    is_batch_mean: float | None = None
 
     def aggregate(self, loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[B, T] -> [] (this micro-batch's share; see aggregation.py)."""
@@ -134,7 +136,8 @@ class ActorObjective:
                     "algorithm.rollout_correction needs the rollout's log-probs (rollout_log_probs) in the batch; "
                     "this rollout engine did not return them"
                 )
-            weights, corr = rollout_correction_weights(old, batch["rollout_log_probs"], mask, c.correction)
+            weights, corr = rollout_correction_weights(old, batch["rollout_log_probs"], mask, c.correction,
+                                                       ctx.is_batch_mean)
             pg_losses = pg_losses * weights
             metrics.update({f"rollout_correction/{k}": v for k, v in corr.items()})
         pg_loss = ctx.aggregate(pg_losses, mask)

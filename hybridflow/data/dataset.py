@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.data.parallel_prompts import PromptWork
 from hybridflow.data.schema import DataConfigError, check_row
 from hybridflow.data.sources import read_source
 
@@ -56,6 +57,7 @@ class RLDataset:
         apply_chat_template_kwargs: dict[str, Any] | None = None,
         require_ground_truth: bool = True,
         name: str = "train",
+        num_workers: int = 1,
     ) -> None:
         if truncation not in _TRUNCATION_MODES:
             raise DataConfigError(f"{name} dataset: truncation={truncation!r} is not one of {list(_TRUNCATION_MODES)}")
@@ -87,30 +89,10 @@ class RLDataset:
                 rows.append(check_row(raw, path, i, prompt_key=prompt_key, require_ground_truth=require_ground_truth))
                 origins.append((path, i))
 
-        texts = self._render([r["raw_prompt"] for r in rows], origins)
-        # Cheap length bound before tokenizing: one token covers at most `chars_per_token` characters, so a text
-        # longer than max_prompt_length * chars_per_token characters is overlong for sure. Such rows are dropped (or
-        # cut to the kept side) without tokenizing them whole: a 10 MB row costs its own size, not the tokenizer's
-        # per-token bookkeeping for millions of tokens.
-        self.chars_per_token = _max_chars_per_token(tokenizer)
-        limit_chars = (max_prompt_length + 2) * self.chars_per_token
-        sure_overlong = [len(t) > limit_chars for t in texts]
-        to_encode = []
-        for text, over, (path, i) in zip(texts, sure_overlong, origins):
-            if not over:
-                to_encode.append(text)
-            elif filter_overlong_prompts:
-                to_encode.append("")  # counted as filtered below, never tokenized
-            elif truncation == "error":
-                raise DataConfigError(
-                    f"data file {path!r}, row {i}, column {prompt_key!r}: the prompt is {len(text)} characters after "
-                    f"the chat template, at least {len(text) // self.chars_per_token} tokens, longer than "
-                    f"max_prompt_length={max_prompt_length}; raise max_prompt_length, set filter_overlong_prompts=True, "
-                    "or truncation='left'/'right'"
-                )
-            else:  # tokenize only the side that is kept; the cut lies beyond the tokens kept
-                to_encode.append(text[-limit_chars:] if truncation == "left" else text[:limit_chars])
-        token_ids = self._encode(to_encode)
+        # templates and tokens in `num_workers` processes for large files (parallel_prompts.py); same result
+        with PromptWork(tokenizer, len(rows), num_workers, apply_chat_template, self.apply_chat_template_kwargs) as work:
+            token_ids, sure_overlong = self._ids(rows, origins, work)
+            self.num_prompt_workers = work.workers
         self._rows: list[dict[str, Any]] = []
         self._input_ids: list[torch.Tensor] = []
         filtered = truncated = duplicates = prefiltered = 0
@@ -160,33 +142,39 @@ class RLDataset:
             "num_duplicate_prompts": duplicates,
             "max_prompt_tokens": max(lengths),
             "mean_prompt_tokens": sum(lengths) / len(lengths),
+            "num_prompt_workers": self.num_prompt_workers,  # processes that rendered and tokenized (1: the driver)
         }
 
-    def _render(self, chats: list[list[dict[str, str]]], origins: list[tuple[str, int]]) -> list[str]:
-        """Each prompt's chat as the text the model reads (the chat template applied, or the contents joined)."""
-        texts = []
-        for chat, (path, i) in zip(chats, origins):
-            if self.apply_chat_template:
-                try:
-                    text = self.tokenizer.apply_chat_template(
-                        chat, add_generation_prompt=True, tokenize=False, **self.apply_chat_template_kwargs
-                    )
-                except Exception as e:  # jinja errors (e.g. a template rejecting a role) name neither file nor row
-                    raise DataConfigError(
-                        f"data file {path!r}, row {i}: the chat template failed on this prompt: {e}"
-                    ) from e
-            else:
-                # Without a template the messages' contents are joined; the model sees plain text.
-                text = "\n".join(m["content"] for m in chat)
-            texts.append(text)
-        return texts
-
-    def _encode(self, texts: list[str]) -> list[list[int]]:
-        # The template already wrote any special tokens as text; do not let the tokenizer add a second BOS.
-        backend = getattr(self.tokenizer, "_tokenizer", None)
-        if hasattr(backend, "encode_batch"):  # the Rust tokenizer directly: half the time of the Python wrapper
-            return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+    def _ids(self, rows: list[dict[str, Any]], origins: list[tuple[str, int]], work: PromptWork
+             ) -> tuple[list[list[int]], list[bool]]:
+        """(token ids, overlong by the character bound alone) of every row; see the module docstring."""
+        max_prompt_length, filter_overlong_prompts, truncation = (
+            self.max_prompt_length, self.filter_overlong_prompts, self.truncation)
+        prompt_key = self.prompt_key
+        texts = work.render([r["raw_prompt"] for r in rows], origins)
+        # Cheap length bound before tokenizing: one token covers at most `chars_per_token` characters, so a text
+        # longer than max_prompt_length * chars_per_token characters is overlong for sure. Such rows are dropped (or
+        # cut to the kept side) without tokenizing them whole: a 10 MB row costs its own size, not the tokenizer's
+        # per-token bookkeeping for millions of tokens.
+        self.chars_per_token = _max_chars_per_token(self.tokenizer)
+        limit_chars = (max_prompt_length + 2) * self.chars_per_token
+        sure_overlong = [len(t) > limit_chars for t in texts]
+        to_encode = []
+        for text, over, (path, i) in zip(texts, sure_overlong, origins):
+            if not over:
+                to_encode.append(text)
+            elif filter_overlong_prompts:
+                to_encode.append("")  # counted as filtered below, never tokenized
+            elif truncation == "error":
+                raise DataConfigError(
+                    f"data file {path!r}, row {i}, column {prompt_key!r}: the prompt is {len(text)} characters after "
+                    f"the chat template, at least {len(text) // self.chars_per_token} tokens, longer than "
+                    f"max_prompt_length={max_prompt_length}; raise max_prompt_length, set filter_overlong_prompts=True, "
+                    "or truncation='left'/'right'"
+                )
+            else:  # tokenize only the side that is kept; the cut lies beyond the tokens kept
+                to_encode.append(text[-limit_chars:] if truncation == "left" else text[:limit_chars])
+        return work.encode(to_encode), sure_overlong
 
     def data_source_counts(self, key: str = "data_source") -> dict[str, int]:
         """Rows per value of column `key` (the reward function chooser, data.reward_fn_key)."""

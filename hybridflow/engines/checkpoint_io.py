@@ -4,7 +4,8 @@ Layout of a checkpoint directory (one set of files per rank, written by that ran
   ``model_rank{r}.safetensors``   this rank's local shard of every parameter (HF names), exact bits
   ``optim_rank{r}.pt``            AdamW state (local shards) + param groups + LR scheduler + RNG; plain tensors and
                                   Python scalars only, read back with ``torch.load(weights_only=True)``
-  ``meta.json``                   world size, parameter names and full shapes (written by rank 0)
+  ``meta.json``                   world size, parameter names and full shapes, and "contents": what the files hold
+                                  (model, optimizer, extra = LR schedule + RNG; veRL's checkpoint.save_contents)
 Local shards (not gathered tensors) make resume bitwise exact and keep memory flat; the price is that a checkpoint
 is tied to its world size and sharding. For a portable copy use the engine's ``save_hf_model``.
 """
@@ -87,17 +88,22 @@ def save_engine_state(
     extra: dict[str, Any] | None = None,
     trainable_only: bool = False,
     meta_extra: dict[str, Any] | None = None,
+    save_rng: bool = True,
 ) -> None:
     """Write this rank's files; every rank calls it (no collectives inside). trainable_only: only the parameters
-    that require grad (LoRA: the adapter; the frozen base is the model path's). meta_extra: more keys for meta.json."""
+    that require grad (LoRA: the adapter; the frozen base is the model path's). meta_extra: more keys for meta.json.
+    optimizer / lr_scheduler None, save_rng False: that state is left out (veRL's checkpoint.save_contents without
+    'optimizer' / 'extra'); meta.json's "contents" says what the files hold."""
     os.makedirs(directory, exist_ok=True)
     named = _named(model, trainable_only)
     weights = {hf_name(n): local_tensor(p.detach()).cpu().contiguous() for n, p in named}
     save_file(weights, _model_file(directory, rank))
-    state: dict[str, Any] = {"rng_cpu": torch.get_rng_state(), "extra": dict(extra or {})}
+    state: dict[str, Any] = {"extra": dict(extra or {})}
     accelerator = _accelerator_module()
-    if accelerator is not None:
-        state["rng_device"] = accelerator.get_rng_state()
+    if save_rng:
+        state["rng_cpu"] = torch.get_rng_state()
+        if accelerator is not None:
+            state["rng_device"] = accelerator.get_rng_state()
     if optimizer is not None:
         index = {id(p): hf_name(n) for n, p in named}
         state["optimizer_state"] = {
@@ -115,6 +121,8 @@ def save_engine_state(
             "world_size": world_size,
             "parameters": {hf_name(n): list(p.shape) for n, p in named},
             "has_optimizer": optimizer is not None,
+            "contents": ["model"] + (["optimizer"] if optimizer is not None else [])
+            + (["extra"] if save_rng or lr_scheduler is not None else []),
             "trainable_only": trainable_only,
             **(meta_extra or {}),
         }
@@ -130,9 +138,12 @@ def load_engine_state(
     rank: int,
     world_size: int,
     trainable_only: bool = False,
+    load_rng: bool = True,
 ) -> dict[str, Any]:
     """Restore what `save_engine_state` wrote into an engine built with the same config; returns its `extra` dict.
-    trainable_only: as it was saved (LoRA: the adapter only, the base comes from the model path)."""
+    trainable_only: as it was saved (LoRA: the adapter only, the base comes from the model path).
+    optimizer / lr_scheduler None, load_rng False: that state is not restored (it keeps the engine's fresh one); asked
+    for but not in the checkpoint, it is a ValueError naming the checkpoint's contents."""
     meta_path = os.path.join(directory, META_FILE)
     if not os.path.exists(meta_path):
         raise FileNotFoundError(f"{meta_path} not found: {directory!r} is not an engine checkpoint (save_checkpoint)")
@@ -184,9 +195,19 @@ def load_engine_state(
             f"checkpoint file {optim_file} is unreadable or holds more than tensors and plain values ({e}); "
             f"it is truncated, corrupt or not ours, and was not unpickled; {_EARLIER}"
         ) from e
+    saved = meta.get("contents", ["model", "optimizer", "extra"])  # older checkpoints held everything
+    wanted = ["optimizer"] if optimizer is not None else []
+    wanted += ["extra"] if load_rng or lr_scheduler is not None else []
+    absent = [c for c in wanted if c not in saved or (c == "optimizer" and "optimizer_state" not in state)
+              or (c == "extra" and "rng_cpu" not in state)]
+    if absent:
+        raise ValueError(
+            f"checkpoint {directory!r} holds {saved} but resuming asks for {absent} too (it was saved with "
+            "checkpoint.save_contents without them). Resume without them (actor_rollout_ref.actor.checkpoint."
+            f"load_contents={[c for c in ['model', 'optimizer', 'extra'] if c in saved]}: they start afresh), from "
+            "another checkpoint, or start afresh (trainer.resume_mode=disable)"
+        )
     if optimizer is not None:
-        if "optimizer_state" not in state:
-            raise ValueError(f"checkpoint {directory!r} has no optimizer state (it was saved by a role without one)")
         by_name = {hf_name(n): p for n, p in named}
         optimizer.state.clear()
         for name, s in state["optimizer_state"].items():
@@ -199,10 +220,11 @@ def load_engine_state(
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     if optimizer is not None:
         _apply_configured(optimizer, lr_scheduler, configured, directory)
-    torch.set_rng_state(state["rng_cpu"])
-    accelerator = _accelerator_module()
-    if accelerator is not None and "rng_device" in state:
-        accelerator.set_rng_state(state["rng_device"])
+    if load_rng:
+        torch.set_rng_state(state["rng_cpu"])
+        accelerator = _accelerator_module()
+        if accelerator is not None and "rng_device" in state:
+            accelerator.set_rng_state(state["rng_device"])
     return state.get("extra", {})
 
 

@@ -24,6 +24,8 @@ memory right after, so between updates (rollout, log-prob passes) it holds no de
 from __future__ import annotations
 
 import contextlib
+import itertools
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -46,6 +48,8 @@ from hybridflow.protocol import DataProto
 
 __all__ = ["EngineConfig", "FSDPEngine", "LossFn", "OptimConfig"]
 
+logger = logging.getLogger(__name__)
+
 ROLES = ("actor", "ref", "critic")
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -60,6 +64,11 @@ class EngineConfig:
     model_path: str
     role: str = "actor"  # actor | ref (no optimizer, no grads) | critic (value head)
     param_dtype: str = "fp32"  # fp32 | bf16 (bf16 compute; fp32 master weights, grads and optimizer state)
+    # the dtype the weights are loaded and kept in (veRL's fsdp_config.model_dtype): fp32 (a master copy) | bf16
+    # (weights, grads and AdamW state in bf16: half the memory, bf16 rounding in every update)
+    model_dtype: str = "fp32"
+    reduce_dtype: str = "fp32"  # sharded only: the gradients' reduce-scatter dtype (veRL's mixed_precision)
+    buffer_dtype: str = "fp32"  # the model's floating buffers (e.g. RoPE's inv_freq), cast after loading
     micro_batch_size_per_gpu: int = 4
     use_dynamic_bsz: bool = False  # True: micro-batches by token budget instead of a fixed row count
     max_tokens_per_micro_batch: int = 4096  # padded tokens (rows * longest row) per micro-batch, dynamic mode
@@ -67,12 +76,17 @@ class EngineConfig:
     param_offload: bool = False  # GPU only: parameters live in host memory between calls (see "Offload" below)
     optimizer_offload: bool = False  # GPU only: AdamW state lives in host memory except during optimizer.step()
     fsdp_size: int = -1  # ranks that shard one copy; -1: all ranks (pure FSDP); smaller: HSDP replicas
+    # sharded only: each decoder layer starts the next one's all-gather before it computes (FSDP2's explicit
+    # forward prefetch, veRL's fsdp_config.forward_prefetch); one rank has nothing to gather
+    forward_prefetch: bool = False
     seed: int = 0  # same seed on every rank -> same initial value head
     optim: OptimConfig = field(default_factory=OptimConfig)
     use_remove_padding: bool = True  # strip rows to real tokens and bucket by length (False: plain padded forward)
     # True: each micro-batch's rows end to end in one [1, T] row, attention per row (packing.py); no padding at all
     use_sequence_packing: bool = False
     entropy_chunk_size: int = 2048  # tokens whose [chunk, vocab] logits are held at once
+    # veRL's entropy_checkpointing: training forwards recompute each chunk's entropy in backward (hf_model.py)
+    entropy_checkpointing: bool = False
     num_threads: int | None = None  # torch intra-op threads for this rank (None: leave as is)
     # Forward-only passes (compute_log_prob, compute_values) hold no activations for backward, so they may use
     # larger micro-batches than training (veRL's log_prob_* keys); None: the training setting above.
@@ -94,6 +108,9 @@ class EngineConfig:
             raise ValueError(f"engine role is {self.role!r}; choose one of {list(ROLES)}")
         if self.param_dtype not in PARAM_DTYPES:
             raise ValueError(f"param_dtype is {self.param_dtype!r}; choose one of {list(PARAM_DTYPES)}")
+        for name in ("model_dtype", "reduce_dtype", "buffer_dtype"):
+            if getattr(self, name) not in PARAM_DTYPES:
+                raise ValueError(f"{name} is {getattr(self, name)!r}; choose one of {list(PARAM_DTYPES)}")
         if self.micro_batch_size_per_gpu <= 0:
             raise ValueError(f"micro_batch_size_per_gpu must be positive, got {self.micro_batch_size_per_gpu}")
         if self.max_tokens_per_micro_batch <= 0:
@@ -138,7 +155,9 @@ class FSDPEngine:
         self.train_mesh = self._build_train_mesh()
         self.tokenizer = load_tokenizer(config.model_path)
         torch.manual_seed(config.seed)  # a fresh value head must be identical on every rank
-        hf_model = load_model(config.model_path, config.role)
+        hf_model = load_model(config.model_path, config.role, dtype=PARAM_DTYPES[config.model_dtype])
+        if config.buffer_dtype != "fp32":
+            _cast_buffers(hf_model, PARAM_DTYPES[config.buffer_dtype])
         self.hf_config = hf_model.config
         # MoE routers: load-balancing loss and balance statistics in training (an empty tap on dense models)
         self.router_tap = RouterTap(hf_model, aux_loss_coef(hf_model.config, config.router_aux_loss_coef)
@@ -161,6 +180,7 @@ class FSDPEngine:
         if config.use_sequence_packing:
             packing.enable_packed_attention(hf_model)
         self.model: nn.Module = self._wrap(hf_model)
+        self.model.entropy_checkpointing = config.entropy_checkpointing
         self.sharded = self.distributed and self.world_size > 1
         offload = self.device.type != "cpu"
         # param_offload on one rank: no FSDP offload policy to do it, so the engine moves the model per call
@@ -233,9 +253,12 @@ class FSDPEngine:
                 kind, (self.world_size // fsdp_size, fsdp_size), mesh_dim_names=("replicate", "shard")
             )
         kwargs: dict[str, Any] = {"mesh": self.mesh}
-        if self.compute_dtype != torch.float32:
-            # Gather parameters in bf16 for compute; reduce gradients in fp32 into the fp32 master shards.
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        reduce = PARAM_DTYPES[self.config.reduce_dtype]
+        if self.compute_dtype != torch.float32 or reduce != torch.float32:
+            # Gather parameters in bf16 for compute; reduce gradients in fp32 (unless reduce_dtype says bf16) into
+            # the master shards.
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=None if self.compute_dtype == torch.float32 else self.compute_dtype, reduce_dtype=reduce)
         if self.config.param_offload and kind != "cpu":
             kwargs["offload_policy"] = CPUOffloadPolicy()
         backbone = getattr(self.model.hf, self.model.hf.base_model_prefix)
@@ -248,6 +271,10 @@ class FSDPEngine:
         for layer in layers:
             fully_shard(layer, **kwargs)
         fully_shard(self.model, **kwargs)
+        if self.config.forward_prefetch:
+            # layer i+1's parameters are gathered while layer i computes, instead of when layer i+1 is reached
+            for here, after in itertools.pairwise(layers):
+                here.set_modules_to_forward_prefetch([after])
 
     def _reshard(self) -> None:
         """Put every FSDP module back to its sharded parameters.
@@ -623,30 +650,42 @@ class FSDPEngine:
                     param.copy_(full.to(param.device))
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, directory: str) -> None:
-        """Per-rank model/optimizer/LR-schedule/RNG state (checkpoint_io.py); every rank calls it."""
+    def save_checkpoint(self, directory: str, contents: tuple[str, ...] = ("model", "optimizer", "extra")) -> None:
+        """Per-rank model/optimizer/LR-schedule/RNG state (checkpoint_io.py); every rank calls it. `contents` (veRL's
+        checkpoint.save_contents): "optimizer" / "extra" (LR schedule + RNG) left out when absent; "hf_model" also
+        writes the full model in transformers format to ``directory/huggingface``."""
         self._reshard()
         save_engine_state(
             directory,
             self.model,
-            self.optimizer,
-            self.lr_scheduler,
+            self.optimizer if "optimizer" in contents else None,
+            self.lr_scheduler if "extra" in contents else None,
             self.rank,
             self.world_size,
             extra={"global_step": self.global_step},
             trainable_only=self.peft_model is not None,
             meta_extra=self._lora_meta(),
+            save_rng="extra" in contents,
         )
+        if "hf_model" in contents:
+            self.save_hf_model(os.path.join(directory, "huggingface"))
         self._barrier()
 
-    def load_checkpoint(self, directory: str) -> None:
-        """Restore a `save_checkpoint` of an engine with the same config and world size; bitwise exact."""
+    def load_checkpoint(self, directory: str, contents: tuple[str, ...] = ("model", "optimizer", "extra")) -> None:
+        """Restore a `save_checkpoint` of an engine with the same config and world size; bitwise exact. `contents`
+        (veRL's checkpoint.load_contents): without "optimizer" / "extra", AdamW / the LR schedule and RNG keep their
+        fresh state; asking for one the checkpoint lacks is a ValueError."""
         self._reshard()
         extra = load_engine_state(
-            directory, self.model, self.optimizer, self.lr_scheduler, self.rank, self.world_size,
-            trainable_only=self.peft_model is not None,
+            directory, self.model, self.optimizer if "optimizer" in contents else None,
+            self.lr_scheduler if "extra" in contents else None, self.rank, self.world_size,
+            trainable_only=self.peft_model is not None, load_rng="extra" in contents,
         )
         self.global_step = int(extra.get("global_step", 0))
+        skipped = [c for c in ("optimizer", "extra") if c not in contents] if self.trainable else []
+        if skipped and self.rank == 0:
+            logger.warning("resumed %s without its %s (checkpoint.load_contents=%s): they start afresh", directory,
+                           " and ".join(skipped), list(contents))
         self._barrier()
 
     def _lora_meta(self) -> dict[str, Any] | None:
@@ -681,6 +720,14 @@ class FSDPEngine:
     def _barrier(self) -> None:
         if self.distributed and self.world_size > 1:
             dist.barrier()
+
+
+def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every floating buffer of `model` (RoPE's inv_freq, ...) to `dtype`, in place (veRL's buffer_dtype)."""
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.is_floating_point():
+                module._buffers[name] = buf.to(dtype)
 
 
 def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

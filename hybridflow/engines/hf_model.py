@@ -10,6 +10,7 @@ tokens, so neither the LM head nor the log-softmax is spent on prompt or padding
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 __all__ = [
@@ -54,14 +55,17 @@ def from_pretrained(auto_class, path: str, attn_implementation: str = "sdpa", **
         return auto_class.from_pretrained(path, attn_implementation="eager", **kwargs)
 
 
-def load_model(path: str, role: str, attn_implementation: str = "sdpa") -> nn.Module:
-    """The transformers model for `role` ("actor" | "ref" -> causal LM, "critic" -> one-label token classifier), fp32.
+def load_model(path: str, role: str, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
+               ) -> nn.Module:
+    """The transformers model for `role` ("actor" | "ref" -> causal LM, "critic" -> one-label token classifier), in
+    `dtype` (fp32 unless veRL's fsdp_config.model_dtype / model.torch_dtype asks for bf16 weights).
 
-    Weights stay fp32 (the master copy); mixed precision is applied at compute time by the engine.
+    fp32 weights are the master copy, with mixed precision applied at compute time by the engine; bf16 weights are
+    trained as they are (half the memory, no fp32 copy).
     """
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    kwargs = {"dtype": torch.float32, "attn_implementation": attn_implementation}
+    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation}
     try:
         if role == "critic":
             model = from_pretrained(AutoModelForTokenClassification, path, num_labels=1, **kwargs)
@@ -107,6 +111,10 @@ class HeadOnPositions(nn.Module):
     ``attention_kwargs`` go to the backbone's attention layers (packing.py's row boundaries of a packed row).
     It is one module so that FSDP2's root hooks gather the embedding, final norm and head around the whole forward.
     """
+
+    # veRL's actor.entropy_checkpointing: in training, each chunk's entropy is recomputed from its logits in backward
+    # (torch.utils.checkpoint) instead of keeping the softmax's [chunk, V] activations; the engine sets it
+    entropy_checkpointing: bool = False
 
     def __init__(self, hf_model: nn.Module, is_critic: bool) -> None:
         super().__init__()
@@ -167,7 +175,12 @@ class HeadOnPositions(nn.Module):
             if cap:
                 logits = torch.tanh(logits / cap) * cap
             logits = logits.float() / temperature
-            if calculate_entropy:
+            if calculate_entropy and self.entropy_checkpointing and torch.is_grad_enabled():
+                # only the logits (which the log-prob keeps anyway) are saved; the entropy's log-softmax and
+                # probabilities [chunk, V] are recomputed in backward
+                log_probs.append(log_probs_from_logits(logits, target_ids[lo : lo + chunk_size]))
+                entropies.append(torch.utils.checkpoint.checkpoint(entropy_from_logits, logits, use_reentrant=False))
+            elif calculate_entropy:
                 lp, ent = log_probs_and_entropy(logits, target_ids[lo : lo + chunk_size])
                 log_probs.append(lp)
                 entropies.append(ent)

@@ -54,6 +54,8 @@ class DataConfig:
     val_batch_size: int | None = None  # None: the whole validation set in one batch
     val_max_samples: int = -1  # -1: all
     filter_overlong_prompts: bool = True
+    # veRL's key: processes that render and tokenize the prompts (data/parallel_prompts.py; 1: in the driver)
+    filter_overlong_prompts_workers: int = 1
     truncation: str = "error"  # error | left | right
     shuffle: bool = True
     seed: int = 1
@@ -91,6 +93,8 @@ class PolicyModelConfig(ModelConfig):
     # and use_shm: the model folder copied to /dev/shm once, loaded from there, removed at exit (trainer/shm_model.py)
     lora_adapter_path: str | None = None
     use_shm: bool = False
+    # veRL's key: the dtype actor and reference load their weights in where fsdp_config.model_dtype is unset
+    torch_dtype: str | None = None
 
 
 @dataclass
@@ -107,11 +111,25 @@ class OptimSection:
 
 
 @dataclass
+class MixedPrecisionSection:
+    """veRL's fsdp_config.mixed_precision; its param_dtype is fsdp_config.param_dtype (trainer/verl_keys.py)."""
+
+    reduce_dtype: str = "fp32"  # the dtype gradients are reduce-scattered in across ranks: fp32 | bf16
+    buffer_dtype: str = "fp32"  # the model's floating buffers (e.g. RoPE's inv_freq): fp32 | bf16
+
+
+@dataclass
 class FSDPSection:
     param_offload: bool = False
     optimizer_offload: bool = False
     fsdp_size: int = -1
     param_dtype: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights)
+    # veRL's key: the dtype the weights are loaded and kept in; null: model.torch_dtype (actor/ref), else fp32.
+    # bf16: weights, grads and optimizer state in bf16 (half the memory, no fp32 master copy)
+    model_dtype: str | None = None
+    # veRL's key: each decoder layer prefetches the next one's all-gather in forward (sharded engines only)
+    forward_prefetch: bool = False
+    mixed_precision: MixedPrecisionSection = field(default_factory=MixedPrecisionSection)
     # training tensor parallelism (engines/tensor_parallel_train.py): ranks that split every projection; veRL's name
     # for the TP size of its engines (the rollout's is actor_rollout_ref.rollout.tensor_model_parallel_size)
     tensor_model_parallel_size: int = 1
@@ -129,6 +147,29 @@ class RouterReplaySection:
 
 
 ROUTER_REPLAY_MODES = ("disabled", "R3")
+
+
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+
+
+@dataclass
+class RoleProfilerSection:
+    """veRL's <role>.profiler (trainer/profiling.py): torch.profiler traces of global_profiler.steps on these ranks."""
+
+    enable: bool = False
+    tool: str | None = None  # null: global_profiler.tool; torch only (nsys / npu / torch_memory are refused)
+    all_ranks: bool = False
+    ranks: list = field(default_factory=list)  # none listed (and all_ranks false): rank 0
+    save_path: str | None = None  # null: global_profiler.save_path
+
+
+@dataclass
+class CheckpointContentsSection:
+    """veRL's actor.checkpoint: what a checkpoint holds (model shards, optimizer state, extra = LR schedule + RNG,
+    hf_model = a transformers copy in actor/huggingface) and what a resume restores (null: save_contents)."""
+
+    save_contents: list = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    load_contents: list | None = None
 
 
 @dataclass
@@ -160,9 +201,13 @@ class ActorConfig:
     entropy_from_logits_with_chunking: bool = True  # veRL's key; always chunked here
     # veRL's diagnostic: log actor/sum_pi_squared, the mean over response tokens of sum_v pi(v)^2 (engines/hf_model.py)
     calculate_sum_pi_squared: bool = False
+    # veRL's key: recompute each chunk's entropy from its logits in backward instead of keeping its activations
+    entropy_checkpointing: bool = False
     optim: OptimSection = field(default_factory=OptimSection)
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
     ulysses_sequence_parallel_size: int = 1  # ranks that split every sequence (engines/ulysses.py)
+    checkpoint: CheckpointContentsSection = field(default_factory=CheckpointContentsSection)
+    profiler: RoleProfilerSection = field(default_factory=RoleProfilerSection)
 
 
 @dataclass
@@ -220,6 +265,8 @@ class RolloutConfig:
     # enable_chunked_prefill=true alone: the default budget, 8192
     enable_chunked_prefill: bool | None = None
     max_num_batched_tokens: int | None = None
+    # native: at most this many rows decode together (prompts in successive groups, same samples); vllm: its own cap
+    max_num_seqs: int | None = None
     tensor_model_parallel_size: int = 1  # ranks per tensor-parallel rollout group (native: tensor_parallel.py)
     calculate_log_probs: bool = True  # False: generated rows carry no rollout_log_probs (no mismatch metrics)
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
@@ -254,6 +301,9 @@ class RefConfig:
     entropy_from_logits_with_chunking: bool = True  # veRL's key; always chunked here
     ulysses_sequence_parallel_size: int = 1
     strategy: str = "fsdp2"  # veRL's key: fsdp / fsdp2 (the reference runs on the actor's FSDP2 engine); no megatron
+    # veRL's key; the reference computes no entropy and runs no backward, so true is refused (verl_model_keys.py)
+    entropy_checkpointing: bool = False
+    profiler: RoleProfilerSection = field(default_factory=RoleProfilerSection)  # the actor's processes hold the ref
 
 
 @dataclass
@@ -283,6 +333,7 @@ class CriticConfig:
     grad_clip: float = 1.0
     fsdp_config: FSDPSection = field(default_factory=FSDPSection)
     ulysses_sequence_parallel_size: int = 1
+    profiler: RoleProfilerSection = field(default_factory=RoleProfilerSection)
 
 
 @dataclass
@@ -377,6 +428,9 @@ class RolloutCorrectionConfig:
     rollout_rs_threshold: float | None = None  # None: rollout_is_threshold
     rollout_rs_threshold_lower: float | None = None  # None: 1 / the upper threshold
     bypass_mode: bool = False
+    # a sequence with any token whose ratio is below this is rejected whole (weight 0); None: no veto
+    rollout_token_veto_threshold: float | None = None
+    rollout_is_batch_normalize: bool = False  # IS weights divided by their mean over the step's batch
 
 
 # PF-PPO (veRL's algorithm.pf_ppo keys, algorithms/pf_ppo.py): after the advantages, the step's responses are
@@ -443,6 +497,18 @@ class TrainerConfig:
     # (trainer/high_diff_tokens.py) under dump_high_diff_dir (None: RUN_DIR/high_diff_tokens)
     dump_high_diff_tokens: bool = False
     dump_high_diff_dir: str | None = None
+    # veRL's key: auto / disable pick the new-style workers, hybridflow's only kind; enable is refused
+    use_legacy_worker_impl: str = "auto"
+
+
+@dataclass
+class GlobalProfilerSection:
+    """veRL's global_profiler (trainer/profiling.py): which tool and steps; the roles' profiler sections say where."""
+
+    tool: str | None = None  # torch, or null: off
+    steps: list | None = None  # global steps (from 1) to profile
+    profile_continuous_steps: bool = False  # consecutive listed steps make one trace
+    save_path: str | None = None  # null: trainer.default_local_dir/profile
 
 
 @dataclass
@@ -454,6 +520,7 @@ class HybridFlowConfig:
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    global_profiler: GlobalProfilerSection = field(default_factory=GlobalProfilerSection)
 
 
 # ----------------------------------------------------------------------------------------------------- loading
@@ -495,6 +562,7 @@ def classify_overrides(overrides: list[str], schema: type | None = None) -> dict
     """How each dotted override is taken: "taken" (a hybridflow key), "renamed" ("veRL key -> hybridflow key"),
     "refused" (one line each: the feature and what to use), "unknown" (a typo: merge_overrides names the closest)."""
     from hybridflow.trainer.verl_keys import alias_of, refusal
+    from hybridflow.trainer.verl_micro_batch import per_rank_key
 
     known, free_form = _schema_index(schema or HybridFlowConfig)
     out: dict[str, list[str]] = {"taken": [], "renamed": [], "refused": [], "unknown": []}
@@ -503,6 +571,8 @@ def classify_overrides(overrides: list[str], schema: type | None = None) -> dict
         ours = alias_of(key)
         if key in known or key.startswith(free_form):
             out["taken"].append(key)
+        elif per_rank := per_rank_key(key, known):  # veRL's global micro-batch key (verl_micro_batch.py)
+            out["renamed"].append(f"{key} -> {per_rank} (divided by the data-parallel ranks)")
         elif ours and (ours in known or ours.startswith(free_form)):  # renamed before refused, as merge_overrides
             out["renamed"].append(f"{key} -> {ours}")
         elif why := refusal(key):
@@ -521,9 +591,11 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
     # free-form dict fields (engine_kwargs, ...): any sub-key may be set, as in veRL's `+...engine_kwargs.x=y`
     known, free_form = _schema_index(schema)
     from hybridflow.trainer.verl_keys import alias_of, refusal
+    from hybridflow.trainer.verl_micro_batch import apply_global_micro_batches, per_rank_key
 
     layers = []
     refused: list[str] = []
+    global_micro: dict[str, Any] = {}  # veRL's global micro-batch keys, divided by the ranks once all keys are in
     if preset:
         if not os.path.exists(preset):
             raise ConfigError(f"config file {preset} does not exist")
@@ -533,6 +605,9 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
         key, value = _parse_override(item)
         if key not in known and not key.startswith(free_form) and alias_of(key):
             key = alias_of(key)  # veRL's name for a hybridflow key
+        if key not in known and per_rank_key(key, known):
+            global_micro[key] = value
+            continue
         if key not in known and (why := refusal(key)):
             refused.append(why)
             continue
@@ -548,11 +623,16 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
     if refused:
         raise ConfigError(f"{what} keys hybridflow does not take (veRL names them):\n  - " + "\n  - ".join(refused))
     try:
-        return OmegaConf.to_object(OmegaConf.merge(base, *layers))
+        cfg = OmegaConf.to_object(OmegaConf.merge(base, *layers))
     except (ConfigKeyError, ConfigAttributeError) as e:
         raise ConfigError(f"unknown {what} key: {e}") from None
     except ValidationError as e:
         raise ConfigError(f"invalid {what} value: {e}") from None
+    if global_micro:
+        explicitly_set = {k for layer in layers for k in _all_keys(layer)}
+        if problems := apply_global_micro_batches(cfg, global_micro, explicitly_set):
+            raise ConfigError(f"{what}: veRL's global micro-batch keys:\n  - " + "\n  - ".join(problems))
+    return cfg
 
 
 def load_config(overrides: list[str] | None = None, preset: str | None = None, validate: bool = True) -> HybridFlowConfig:
@@ -645,6 +725,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         )
     if n < 1:
         errors.append(f"actor_rollout_ref.rollout.n={n} must be >= 1")
+    if d.filter_overlong_prompts_workers < 1:
+        errors.append(f"data.filter_overlong_prompts_workers={d.filter_overlong_prompts_workers} must be >= 1 "
+                      "(processes that render and tokenize the prompts; 1: in the driver)")
     if d.truncation not in ("error", "left", "right"):
         errors.append(f"data.truncation={d.truncation!r}: choose error, left or right")
     if d.train_batch_size < 1 or actor.ppo_mini_batch_size < 1:
@@ -697,6 +780,9 @@ def validate_config(cfg: HybridFlowConfig) -> None:
 
     errors += dynamic_sampling_errors(cfg)
     errors += switch_errors(cfg)
+    from hybridflow.trainer.profiling import profiler_errors
+
+    errors += profiler_errors(cfg)
     from hybridflow.rewards.managers import check_reward_manager_config
 
     crf = cfg.custom_reward_function

@@ -106,6 +106,7 @@ def build_datasets(cfg: HybridFlowConfig, tokenizer):
         max_prompt_length=d.max_prompt_length,
         truncation=d.truncation,
         filter_overlong_prompts=d.filter_overlong_prompts,
+        num_workers=d.filter_overlong_prompts_workers,
         apply_chat_template_kwargs=dict(d.apply_chat_template_kwargs) or None,
     )
 

@@ -49,6 +49,7 @@ from hybridflow.trainer.metrics import (
     reduce_metrics,
 )
 from hybridflow.trainer.placement import WorkerGroups, start_rollout_group
+from hybridflow.trainer.profiling import StepProfiler
 from hybridflow.trainer.reward_loop import LateRMScores
 from hybridflow.trainer.rollout_driver import SyncRollout, build_rollout_driver
 from hybridflow.trainer.validation import Validator
@@ -67,6 +68,8 @@ def is_on_policy(cfg: Any) -> bool:
         and actor.ppo_epochs == 1
         and actor.ppo_mini_batch_size == cfg.data.train_batch_size
         and not cfg.algorithm.use_kl_in_reward
+        # the batch mean of the IS weights needs every row's pi_old before the first micro-batch
+        and not cfg.algorithm.rollout_correction.rollout_is_batch_normalize
         # overlapped modes train on samples of an older policy: the first forward is not the behaviour policy
         and cfg.trainer.rollout_mode == "sync"
         # dumping high-diff tokens needs the actor's per-token log-probs before the update (high_diff_tokens.py)
@@ -109,6 +112,7 @@ class RLTrainer:
         if t.dump_high_diff_dir and not t.dump_high_diff_tokens:  # veRL's recipes set the dir with dumping off
             logger.warning("trainer.dump_high_diff_dir=%s: nothing is dumped while trainer.dump_high_diff_tokens=false",
                            t.dump_high_diff_dir)
+        self.profiler = StepProfiler(cfg)  # veRL's profiler keys, tool=torch (profiling.py)
         self.rollout: SyncRollout | None = None  # built by fit(): it owns the prompt stream
         self._rollout_state: dict | None = None  # from a checkpoint, until fit() builds the rollout driver
 
@@ -390,7 +394,8 @@ class RLTrainer:
             self.tracker.log(last, step=self.global_step)
         while self.global_step < total_steps:
             prompts = self.next_prompts()
-            metrics, batch = self.train_step(prompts)
+            with self.profiler.step(self.global_step + 1, self.groups):
+                metrics, batch = self.train_step(prompts)
             self.global_step += 1
             metrics["training/global_step"] = self.global_step
             metrics.update(self.run_metrics)

@@ -104,6 +104,16 @@ def rollout_correction_errors(rc: Any) -> list[str]:
             errors.append(f"{key}.rollout_is_threshold is set but rollout_is and rollout_rs are off; set one of them")
     elif rc.rollout_rs is None and (rc.rollout_rs_threshold is not None or rc.rollout_rs_threshold_lower is not None):
         errors.append(f"{key}.rollout_rs_threshold(_lower) is set but rollout_rs is off; set rollout_rs=token|sequence")
+    veto = rc.rollout_token_veto_threshold
+    if veto is not None and not 0 < veto < 1:
+        errors.append(f"{key}.rollout_token_veto_threshold={veto} must be in (0, 1): a sequence is rejected when one "
+                      "token's pi_old/pi_rollout falls below it (veRL suggests 1e-4 .. 1e-6), or null: no veto")
+    if rc.rollout_is_batch_normalize and rc.rollout_is is None:
+        errors.append(f"{key}.rollout_is_batch_normalize=true normalises the IS weights, but rollout_is is off; set "
+                      "rollout_is=token|sequence, or drop the key")
+    if rc.bypass_mode and veto is not None:
+        errors.append(f"{key}.bypass_mode=true makes every ratio pi_old/pi_rollout 1, so the veto could never fire; "
+                      "set bypass_mode=false or rollout_token_veto_threshold=null")
     if rc.bypass_mode and (rc.rollout_is is not None or rc.rollout_rs is not None):
         errors.append(f"{key}.bypass_mode=true uses the rollout's log-probs as old log-probs, so every ratio "
                       "pi_old/pi_rollout would be 1: set rollout_is=null and rollout_rs=null, or bypass_mode=false "

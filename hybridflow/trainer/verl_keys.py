@@ -11,6 +11,11 @@ from __future__ import annotations
 
 # veRL key (or prefix ending in ".") -> hybridflow key (or prefix)
 ALIASES: dict[str, str] = {
+    # veRL's fsdp_config.mixed_precision.param_dtype is the compute dtype, hybridflow's fsdp_config.param_dtype
+    **{f"{role}.mixed_precision.param_dtype": f"{ours}.param_dtype" for role, ours in (
+        ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.actor.fsdp_config"),
+        ("actor_rollout_ref.ref.fsdp_config", "actor_rollout_ref.ref.fsdp_config"),
+        ("critic.model.fsdp_config", "critic.fsdp_config"), ("critic.fsdp_config", "critic.fsdp_config"))},
     # newer veRL keeps the Ulysses size in each engine's fsdp_config; its older (and hybridflow's) place is the role
     "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size":
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
@@ -31,8 +36,9 @@ ALIASES: dict[str, str] = {
 
 _MEGATRON = "Megatron-LM training is not supported: hybridflow trains with FSDP2 (remove the megatron keys)"
 _PROFILER = (
-    "veRL's profiler hooks (nsys / npu / torch memory) are not supported; use benchmarks/rollout_profile.py or "
-    "torch.profiler around a step (remove the profiler keys)"
+    "this profiler option is not taken: hybridflow profiles with tool=torch (global_profiler.tool/steps/save_path/"
+    "profile_continuous_steps and each role's profiler.enable/ranks/all_ranks/tool/save_path, trainer/profiling.py); "
+    "veRL's nsys / npu / torch_memory tool options are not supported"
 )
 _VISION = "vision-language models and image data are not supported (text models only)"
 _SGLANG = "the SGLang / TensorRT-LLM rollouts are not supported; use rollout.name=vllm, native or hf"
@@ -55,7 +61,6 @@ UNSUPPORTED: dict[str, str] = {
     "actor_rollout_ref.rollout.engine_kwargs.sglang.": _SGLANG,
     "actor_rollout_ref.rollout.engine_kwargs.trtllm.": _SGLANG,
     "actor_rollout_ref.actor.profiler.tool_config.npu.": _NPU,
-    "trainer.use_legacy_worker_impl": "hybridflow has one worker implementation; remove the key",
     "actor_rollout_ref.rollout.prometheus.": "vLLM's Prometheus server is not started by hybridflow; metrics go to "
     "trainer.logger (console, jsonl, tensorboard, wandb, mlflow)",
     "actor_rollout_ref.rollout.disable_log_stats": "hybridflow runs vLLM in-process and logs its own rollout metrics",
@@ -75,7 +80,6 @@ UNSUPPORTED: dict[str, str] = {
 
 # prefix -> the open issue whose work adds the feature (refused until it lands)
 PLANNED: dict[str, str] = {
-    "actor_rollout_ref.rollout.max_num_seqs": "a decode batch cap (issue #21/#22)",
     "actor_rollout_ref.rollout.multi_stage_wake_up": "staged vLLM wake-up (issue #19)",
     "actor_rollout_ref.rollout.checkpoint_engine.": "bucketed weight streaming to a separate rollout (issue #19)",
     "actor_rollout_ref.rollout.expert_parallel_size": "expert-parallel rollout (issue #17/#20)",
@@ -84,14 +88,11 @@ PLANNED: dict[str, str] = {
     "critic.model.target_modules": "LoRA on the critic (issue #17)",
     "model.lora_": "LoRA in SFT (issue #17)",
     "model.target_modules": "LoRA in SFT (issue #17)",
-    "actor_rollout_ref.model.torch_dtype": "a model load dtype apart from fsdp_config.param_dtype (issue #21)",
-    "data.filter_overlong_prompts_workers": "parallel prompt filtering (issue #21)",
-    "actor_rollout_ref.actor.checkpoint.": "choosing checkpoint contents (issue #21)",
     "actor_rollout_ref.actor.fsdp_config.": "this FSDP option (issue #21)",
     "actor_rollout_ref.ref.fsdp_config.": "this FSDP option (issue #21)",
-    "actor_rollout_ref.actor.entropy_checkpointing": "entropy recomputation in backward (issue #22)",
     "actor_rollout_ref.actor.optim.lr_decay_style": "veRL Megatron's scheduler key; use optim.lr_scheduler_type",
-    "algorithm.rollout_correction.": "rollout importance-sampling corrections (issue #19)",
+    "algorithm.rollout_correction.": "this rollout-correction option (hybridflow takes rollout_is, _threshold, "
+    "_batch_normalize, rollout_rs, _threshold, _threshold_lower, rollout_token_veto_threshold and bypass_mode)",
     # taken: rollout.name / gpu_memory_utilization / tensor_model_parallel_size / prompt_length / response_length
     "reward_model.rollout.": "this option of the reward model's engine (issue #21); the reward loop takes name, "
     "gpu_memory_utilization, tensor_model_parallel_size, prompt_length and response_length",
@@ -111,19 +112,12 @@ ALIASES.update({
     "custom_reward_function.overlong_buffer.": "reward_model.overlong_buffer.",
     "model.partial_pretrain": "model.path",  # veRL's SFT trainer names the model to fine-tune so
 })
-_GLOBAL_MICRO = (
-    "veRL's deprecated global micro-batch key; use {per_gpu} (rows per forward on one rank)"
-)
 UNSUPPORTED.update({
     "actor_rollout_ref.model.fused_kernel_options.": "hybridflow has one log-prob path (chunked rows from the "
     "hidden states, use_fused_kernels=true always) and no kernel backends to choose; remove the key",
-    "actor_rollout_ref.actor.ppo_micro_batch_size": _GLOBAL_MICRO.format(
-        per_gpu="actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size": _GLOBAL_MICRO.format(
-        per_gpu="actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
-    "actor_rollout_ref.ref.log_prob_micro_batch_size": _GLOBAL_MICRO.format(
-        per_gpu="actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
-    "data.micro_batch_size": _GLOBAL_MICRO.format(per_gpu="data.micro_batch_size_per_gpu"),
+    # veRL's global micro-batch keys are divided by the ranks (verl_micro_batch.py); this one is the SFT trainer's
+    "data.micro_batch_size": "veRL's SFT key, taken by `hybridflow sft`; an RL run's micro-batches are "
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (or veRL's global actor.ppo_micro_batch_size)",
     # known to `hybridflow sft` (its schema takes them first); in an RL run they name no feature
     "data.multiturn.": "data.multiturn.* is veRL's multi-turn SFT data, read by `hybridflow sft`; RL multi-turn "
     "rollouts are actor_rollout_ref.rollout.multi_turn (issue #18)",
@@ -139,10 +133,6 @@ _ASYNC_RECIPE = (
     "implemented"
 )
 UNSUPPORTED["async_training."] = _ASYNC_RECIPE
-PLANNED.update({
-    "actor_rollout_ref.ref.entropy_checkpointing": "entropy recomputation in backward (issue #22); the reference "
-    "computes no entropy here",
-})
 
 
 def alias_of(key: str) -> str | None:

@@ -17,7 +17,15 @@
   ``model.use_fused_kernels=true`` and ``*.entropy_from_logits_with_chunking=true`` (log-probs and entropy come from
   the hidden states of the response positions only, in chunks of rows: no [tokens, vocab] logits),
   ``*.use_torch_compile=false`` (the training forward is eager), ``rollout.mode=sync`` (veRL's ``async`` serves vLLM
-  behind an agent loop; the step's samples are the same either way).
+  behind an agent loop; the step's samples are the same either way), ``trainer.use_legacy_worker_impl=auto|disable``
+  (hybridflow's one worker implementation is veRL's new-style one; ``enable`` is refused).
+* ``actor_rollout_ref.actor.checkpoint.save_contents`` / ``load_contents`` (checked here, honoured by the actor's
+  engine): what a checkpoint holds and what a resume restores; see engines/checkpoint_io.py.
+* ``*.fsdp_config.model_dtype`` and ``actor_rollout_ref.model.torch_dtype``: the dtype an engine loads and keeps its
+  weights in (workers/engine_config.py ``model_dtype``): fp32 (the default, a master copy under param_dtype=bf16
+  compute) or bf16 (weights, grads and optimizer state in bf16); ``fsdp_config.mixed_precision.reduce_dtype`` /
+  ``buffer_dtype``: the gradients' reduce-scatter dtype and the model buffers' dtype (its ``param_dtype`` is renamed to
+  ``fsdp_config.param_dtype``, verl_keys.py).
 """
 
 from __future__ import annotations
@@ -51,6 +59,9 @@ def switch_errors(cfg: Any) -> list[str]:
          "change shape every call)"),
         ("actor_rollout_ref.ref.use_torch_compile", arr.ref.use_torch_compile, False,
          "the reference forward runs eagerly: a torch.compile'd forward is not offered"),
+        ("actor_rollout_ref.ref.entropy_checkpointing", arr.ref.entropy_checkpointing, False,
+         "the reference computes log-probs only, without grad: no entropy and no backward to recompute it for "
+         "(veRL's reference never uses the key either); actor_rollout_ref.actor.entropy_checkpointing is the actor's"),
     ]
     for key, value, only, why in fixed:
         if value is not only:
@@ -62,6 +73,31 @@ def switch_errors(cfg: Any) -> list[str]:
             "same samples as mode=sync (set sync or drop the key). To overlap generation with training use "
             "trainer.rollout_mode=one_step_off or async"
         )
+    legacy = cfg.trainer.use_legacy_worker_impl
+    if legacy == "enable":
+        errors.append("trainer.use_legacy_worker_impl=enable: veRL's legacy workers are not in hybridflow, which has "
+                      "one worker implementation (veRL's new-style one: a training engine behind each role); set "
+                      "auto or disable, or remove the key")
+    elif legacy not in ("auto", "disable"):
+        errors.append(f"trainer.use_legacy_worker_impl={legacy!r}: choose auto or disable (both select hybridflow's "
+                      "one worker implementation)")
+    errors += _checkpoint_contents_errors(arr.actor.checkpoint)
+    from hybridflow.workers.engine_config import MODEL_DTYPE_NAMES, model_dtype
+
+    for prefix, fsdp, model in (("actor_rollout_ref.actor.", arr.actor.fsdp_config, arr.model),
+                                ("actor_rollout_ref.ref.", arr.ref.fsdp_config, arr.model),
+                                ("critic.", cfg.critic.fsdp_config, None)):
+        for name in ("reduce_dtype", "buffer_dtype"):
+            value = getattr(fsdp.mixed_precision, name)
+            if str(value) not in MODEL_DTYPE_NAMES:
+                errors.append(f"{prefix}fsdp_config.mixed_precision.{name}={value!r}: choose fp32/float32 or "
+                              "bf16/bfloat16")
+        try:
+            model_dtype(fsdp, model)
+        except ValueError as err:
+            where = prefix if str(err).startswith("fsdp_config") else "actor_rollout_ref."
+            if f"{where}{err}" not in errors:  # model.torch_dtype is shared by actor and ref: said once
+                errors.append(f"{where}{err}")
     if arr.rollout.load_format not in LOAD_FORMATS:
         fix = ("random initial rollout weights are not offered: the engines load the checkpoint, then take the "
                "actor's weights" if str(arr.rollout.load_format).startswith("dummy") else "")
@@ -69,6 +105,28 @@ def switch_errors(cfg: Any) -> list[str]:
             f"actor_rollout_ref.rollout.load_format={arr.rollout.load_format!r}: choose one of {list(LOAD_FORMATS)}"
             + (f" ({fix})" if fix else "")
         )
+    return errors
+
+
+def _checkpoint_contents_errors(ck: Any) -> list[str]:
+    """actor.checkpoint.save_contents / load_contents: known names, the model's shards always in (a resume needs
+    them; an HF copy alone is `hybridflow export`'s job), hf_model never asked of a resume (it is not read back)."""
+    from hybridflow.trainer.config import CHECKPOINT_CONTENTS
+
+    key = "actor_rollout_ref.actor.checkpoint"
+    errors = []
+    for name, contents in (("save_contents", ck.save_contents), ("load_contents", ck.load_contents)):
+        if contents is None:
+            continue
+        unknown = [c for c in contents if c not in CHECKPOINT_CONTENTS]
+        if unknown:
+            errors.append(f"{key}.{name}={list(contents)}: {unknown} unknown; choose from {list(CHECKPOINT_CONTENTS)}")
+        elif "model" not in contents:
+            errors.append(f"{key}.{name}={list(contents)} leaves out 'model': a checkpoint always holds (and a resume "
+                          "always restores) the model's shards; add 'model' (for an HF copy only, use hybridflow export)")
+    if ck.load_contents is not None and "hf_model" in ck.load_contents:
+        errors.append(f"{key}.load_contents lists 'hf_model': a resume restores the shards ('model'), the HF copy is "
+                      "for export and never read back; remove it")
     return errors
 
 

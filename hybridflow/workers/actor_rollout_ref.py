@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms.objective import ActorLossConfig, LossContext, build_actor_objective
-from hybridflow.algorithms.off_policy import CorrectionSettings
+from hybridflow.algorithms.off_policy import CorrectionSettings, is_weight_batch_stats
 from hybridflow.common.metrics import measure_peak_flops, reduce_metrics
 from hybridflow.common.seeds import derive_seed
 from hybridflow.engines.fsdp_engine import FSDPEngine
@@ -42,6 +42,7 @@ from hybridflow.single_controller import Dispatch, Execute, Worker, register
 from hybridflow.single_controller.worker import find_free_port
 from hybridflow.workers.engine_config import engine_config, optim_config
 from hybridflow.workers.fault import maybe_inject_fault, step_of
+from hybridflow.workers.profiling import chosen_rank, start_profile, stop_profile
 from hybridflow.workers.rank_state import load_rank_state, save_rank_state
 
 VALID_ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref", "actor_ref")
@@ -56,6 +57,8 @@ def actor_loss_config(actor: Any, correction: Any = None) -> ActorLossConfig:
             is_level=correction.rollout_is, is_threshold=correction.rollout_is_threshold,
             rs_level=correction.rollout_rs, rs_upper=correction.rollout_rs_threshold,
             rs_lower=correction.rollout_rs_threshold_lower,
+            veto_threshold=correction.rollout_token_veto_threshold,
+            batch_normalize=correction.rollout_is_batch_normalize,
         )
     return ActorLossConfig(
         policy_loss=actor.policy_loss.loss_mode,
@@ -117,6 +120,7 @@ class ActorRolloutRefWorker(Worker):
                     router_aux_loss_coef=actor.router_aux_loss_coef,
                     router_replay=actor.router_replay.mode == "R3",
                     ulysses_sequence_parallel_size=actor.ulysses_sequence_parallel_size,
+                    entropy_checkpointing=actor.entropy_checkpointing,
                 )
             )
             self.objective = build_actor_objective(actor_loss_config(actor, cfg.algorithm.rollout_correction))
@@ -328,6 +332,8 @@ class ActorRolloutRefWorker(Worker):
         mini_rows = actor.ppo_mini_batch_size * n // self.world_size
         data.meta_info.setdefault("calculate_entropy", actor.entropy_coeff != 0)
         data.meta_info.setdefault("calculate_sum_pi_squared", actor.calculate_sum_pi_squared)
+        if self.objective.config.correction.batch_normalize and self.objective.config.correction.is_level:
+            data.meta_info["rollout_is_batch_mean"] = self._is_batch_mean(data)
         loss_fn = self._loss_fn(actor.loss_agg_mode, data.meta_info.get("max_response_length"))
         per_step: list[dict[str, float]] = []
         step = int(data.meta_info.get("global_step", 0))
@@ -339,6 +345,19 @@ class ActorRolloutRefWorker(Worker):
         out = reduce_metrics(per_step)
         out["actor/lr"] = self.actor.lr_scheduler_step()
         return out
+
+    def _is_batch_mean(self, data: DataProto) -> float:
+        """The mean truncated IS weight over the whole step batch (every rank's rows), from the old log-probs."""
+        if "old_log_probs" not in data.batch:
+            raise ValueError("algorithm.rollout_correction.rollout_is_batch_normalize needs the old log-probs of every "
+                             "row before the update; this batch has none (the trainer computes them when it is set)")
+        stats = is_weight_batch_stats(data.batch["old_log_probs"], data.batch["rollout_log_probs"],
+                                      data.batch["response_mask"], self.objective.config.correction)
+        if torch.distributed.is_initialized() and self.world_size > 1:
+            stats = stats.to(self.actor.device)  # nccl reduces device tensors only
+            torch.distributed.all_reduce(stats)
+        total, count = stats.cpu().tolist()
+        return total / count if count else 1.0
 
     def _fault_point(self, method: str, data: DataProto | str) -> None:
         t = self.config.trainer
@@ -354,6 +373,7 @@ class ActorRolloutRefWorker(Worker):
                 global_num_tokens=micro.meta_info.get("global_num_tokens"),
                 global_num_seqs=micro.meta_info.get("global_num_seqs"),
                 norm_length=norm_length,
+                is_batch_mean=micro.meta_info.get("rollout_is_batch_mean"),
             )
             log_prob = outputs["log_probs"]
             loss, metrics = objective(micro.batch, log_prob, outputs.get("entropy"), ctx)
@@ -373,7 +393,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         if self.actor is not None:
-            self.actor.save_checkpoint(os.path.join(path, "actor"))
+            self.actor.save_checkpoint(os.path.join(path, "actor"), self._checkpoint_contents()[0])
             self._fault_point("save_checkpoint", path)  # after the shards, before the rank state: a half-written save
             if self.rank == 0:  # config + tokenizer only; `hybridflow export` assembles the weights from the shards
                 hf_dir = os.path.join(path, "actor", "huggingface")
@@ -381,10 +401,28 @@ class ActorRolloutRefWorker(Worker):
                 self.actor.tokenizer.save_pretrained(hf_dir)
         save_rank_state(os.path.join(path, "actor", f"rank_state_{self.rank}.json"))
 
+    # ------------------------------------------------------------------ profiling (trainer/profiling.py)
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def start_profile(self, folder: str) -> None:
+        arr = self.config.actor_rollout_ref
+        if chosen_rank(arr.actor.profiler, self.rank) or chosen_rank(arr.ref.profiler, self.rank):
+            start_profile(self.role, self.rank, folder)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stop_profile(self) -> None:
+        stop_profile(self.role)
+
+    def _checkpoint_contents(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(what the actor's checkpoint holds, what a resume restores): veRL's checkpoint.save/load_contents."""
+        ck = self.config.actor_rollout_ref.actor.checkpoint
+        load = ck.load_contents if ck.load_contents is not None else ck.save_contents  # veRL: ${.save_contents}
+        # an hf_model inherited from save_contents is an export copy: a resume reads the shards
+        return tuple(ck.save_contents), tuple(c for c in load if c != "hf_model")
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
         if self.actor is not None:
-            self.actor.load_checkpoint(os.path.join(path, "actor"))
+            self.actor.load_checkpoint(os.path.join(path, "actor"), self._checkpoint_contents()[1])
         load_rank_state(os.path.join(path, "actor", f"rank_state_{self.rank}.json"))
         if self.actor is not None and self.rollout is not None:
             self._push_to_rollout()

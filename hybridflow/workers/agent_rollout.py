@@ -132,8 +132,9 @@ class AgentRollout:
         self.pad_token_id = int(getattr(engine, "pad_token_id", None) or tokenizer.pad_token_id or 0)
         env_name, env_kwargs = mt.environment, mt.environment_kwargs
         env_factory = environment_factory(env_name, env_kwargs) if env_name else None
+        cap = cfg.actor_rollout_ref.rollout.max_num_seqs  # veRL's decode batch cap: the turns batched at once too
         self.loop = AgentLoop(
-            RolloutEngineGenerator(engine),
+            RolloutEngineGenerator(engine, **({"max_batch_size": int(cap)} if cap is not None else {})),
             tokenizer,
             agent_loop_config(mt, self.max_response_length, seed=cfg.trainer.seed),
             tools=multi_turn_tools(mt),

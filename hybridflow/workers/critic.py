@@ -12,6 +12,7 @@ from hybridflow.engines.fsdp_engine import FSDPEngine
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Worker, register
 from hybridflow.workers.engine_config import engine_config, optim_config
+from hybridflow.workers.profiling import chosen_rank, start_profile, stop_profile
 from hybridflow.workers.rank_state import load_rank_state, save_rank_state
 
 
@@ -40,6 +41,16 @@ class CriticWorker(Worker):
             )
         )
         self.objective = build_critic_objective(CriticLossConfig(cliprange_value=critic.cliprange_value))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def start_profile(self, folder: str) -> None:
+        """torch.profiler on the ranks critic.profiler chooses (workers/profiling.py)."""
+        if chosen_rank(self.config.critic.profiler, self.rank):
+            start_profile("critic", self.rank, folder)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stop_profile(self) -> None:
+        stop_profile("critic")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:

@@ -43,6 +43,25 @@ def lora_settings(model: Any) -> LoraSettings:
     )
 
 
+# veRL's spellings of a model load dtype (fsdp_config.model_dtype, model.torch_dtype) -> the engine's name
+MODEL_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "torch.float32": "fp32",
+                     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16"}
+
+
+def model_dtype(fsdp: Any, model: Any) -> str:
+    """The dtype an engine loads its weights in: the role's fsdp_config.model_dtype, else the policy model's
+    torch_dtype (actor and ref), else fp32. ValueError naming the key for a dtype the engine does not train in."""
+    for key, value in (("fsdp_config.model_dtype", getattr(fsdp, "model_dtype", None)),
+                       ("model.torch_dtype", getattr(model, "torch_dtype", None))):
+        if value is None:
+            continue
+        if str(value) not in MODEL_DTYPE_NAMES:
+            fp16 = " (fp16 weights need loss scaling, which the engine does not do)" if "16" in str(value) else ""
+            raise ValueError(f"{key}={value!r}: choose fp32/float32 or bf16/bfloat16{fp16}")
+        return MODEL_DTYPE_NAMES[str(value)]
+    return "fp32"
+
+
 def engine_config(
     *,
     model_path: str,
@@ -60,6 +79,7 @@ def engine_config(
     router_aux_loss_coef: float | None = None,
     router_replay: bool = False,
     ulysses_sequence_parallel_size: int = 1,
+    entropy_checkpointing: bool = False,
 ) -> EngineConfig:
     """One engine's config. The ``infer_*`` settings size the forward-only passes (log-probs, values), which hold
     no activations for backward and may use larger micro-batches than training; None: the training settings."""
@@ -67,6 +87,9 @@ def engine_config(
         model_path=model_path,
         role=role,
         param_dtype=fsdp.param_dtype,
+        model_dtype=model_dtype(fsdp, model),
+        reduce_dtype=MODEL_DTYPE_NAMES[str(fsdp.mixed_precision.reduce_dtype)],
+        buffer_dtype=MODEL_DTYPE_NAMES[str(fsdp.mixed_precision.buffer_dtype)],
         micro_batch_size_per_gpu=micro_batch_size,
         use_dynamic_bsz=use_dynamic_bsz,
         max_tokens_per_micro_batch=max_token_len,
@@ -74,6 +97,7 @@ def engine_config(
         param_offload=fsdp.param_offload,
         optimizer_offload=fsdp.optimizer_offload,
         fsdp_size=fsdp.fsdp_size,
+        forward_prefetch=fsdp.forward_prefetch,
         tensor_parallel_size=fsdp.tensor_model_parallel_size,
         ulysses_sequence_parallel_size=ulysses_sequence_parallel_size,
         seed=seed,
@@ -83,6 +107,7 @@ def engine_config(
         infer_max_tokens_per_micro_batch=infer_max_token_len,
         router_aux_loss_coef=router_aux_loss_coef,
         router_replay=router_replay,
+        entropy_checkpointing=entropy_checkpointing,
     )
     if optim is not None:
         kwargs["optim"] = optim

@@ -108,6 +108,9 @@ RUNS = {
         "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=sequence",
         "algorithm.rollout_correction.rollout_rs_threshold=4.0",
         "algorithm.rollout_correction.rollout_rs_threshold_lower=0.1",
+        "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+        "algorithm.rollout_correction.rollout_token_veto_threshold=0.0001",
+        "actor_rollout_ref.actor.entropy_checkpointing=true",
         "actor_rollout_ref.model.use_sequence_packing=true",
     ],
     "ppo_critic_rm": [
@@ -118,6 +121,10 @@ RUNS = {
         "critic.use_dynamic_bsz=true", "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true",
         "actor_rollout_ref.actor.optim.warmup_style=constant", "trainer.critic_warmup=1",
         "custom_reward_function.path=CUSTOM_REWARD_FILE", "custom_reward_function.name=exact",
+        # veRL's profiler keys: step 2 traced on every role (trainer/profiling.py)
+        "global_profiler.tool=torch", "global_profiler.steps=[2]", "global_profiler.profile_continuous_steps=true",
+        "actor_rollout_ref.actor.profiler.enable=true", "actor_rollout_ref.ref.profiler.enable=true",
+        "critic.profiler.enable=true",
     ],
     # LoRA: the adapter keys, and the reference as the adapter-disabled actor
     "grpo_lora": [

@@ -72,6 +72,7 @@ _SWITCH_ENGINES = {
     "actor_rollout_ref.rollout.dtype=int8 gives it int8 weight matmuls",
     "enable_prefix_caching": "vllm; the native engine prefills each prompt once for its n samples and multi-turn "
     "sessions keep their KV between turns, with no switch",
+    "max_num_seqs": "native and vllm",
 }
 
 

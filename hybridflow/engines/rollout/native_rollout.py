@@ -7,6 +7,11 @@ One ``generate`` call:
      are moved to the front of the cache (``compact_fraction`` trades copy cost against computing dead rows).
 Sampling and per-row random streams are in sampling.py; the output layout is built by layout.py.
 
+``max_num_seqs`` (veRL's rollout.max_num_seqs) caps the rows of one decode batch: prompts are generated in successive
+groups of ``max_num_seqs // n`` prompts (a prompt's n samples stay together: they share its K/V). Each row keeps its
+random stream (sampling.py keys rows by prompt and sample index in the whole call), so the samples are the same as
+one uncapped call's; the groups' responses are padded to one width and joined in order.
+
 ``decode`` picks how step 2 runs: ``eager`` (the loop above, dynamic shapes; the default on CPU) or ``cuda_graph``
 (fixed-shape steps replayed as CUDA graphs, the default on GPUs: static_decode.py); ``static`` runs the fixed-shape
 step without graphs (for testing that path on CPU).
@@ -29,6 +34,7 @@ from hybridflow.engines.rollout.chunked_prefill import chunked_prefill
 from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows
 from hybridflow.engines.rollout.layout import (
     assemble_output,
+    pad_responses,
     read_prompts,
     resolve_dtype,
     special_token_ids,
@@ -70,7 +76,8 @@ class NativeRollout(RolloutEngine):
     docstring."""
 
     DTYPES = ("fp32", "bf16", "int8")
-    SWITCHES = ("enforce_eager", "free_cache_engine", "enable_chunked_prefill", "max_num_batched_tokens")
+    SWITCHES = ("enforce_eager", "free_cache_engine", "enable_chunked_prefill", "max_num_batched_tokens",
+                "max_num_seqs")
     DEFAULT_PREFILL_BUDGET = 8192  # veRL's max_num_batched_tokens default, used when only chunking is switched on
     TENSOR_PARALLEL = True  # tensor_parallel.py
 
@@ -103,7 +110,18 @@ class NativeRollout(RolloutEngine):
             budget = cls.DEFAULT_PREFILL_BUDGET
         if budget is not None:
             kwargs["max_num_batched_tokens"] = int(budget)
+        if getattr(rollout, "max_num_seqs", None) is not None:
+            kwargs["max_num_seqs"] = int(rollout.max_num_seqs)
         return kwargs
+
+    @classmethod
+    def config_errors(cls, rollout) -> list[str]:
+        errors = super().config_errors(rollout)
+        cap = getattr(rollout, "max_num_seqs", None)
+        if cap is not None and cap < rollout.n:
+            errors.append(f"actor_rollout_ref.rollout.max_num_seqs={cap} is below rollout.n={rollout.n}: the native "
+                          "engine decodes a prompt's n samples together (they share its K/V); give at least n")
+        return errors
 
     def __init__(
         self,
@@ -120,6 +138,7 @@ class NativeRollout(RolloutEngine):
         record_routes: bool = False,
         tensor_parallel_size: int = 1,
         max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = None,
     ):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -143,6 +162,9 @@ class NativeRollout(RolloutEngine):
             raise ValueError(f"native rollout: max_num_batched_tokens={max_num_batched_tokens}; give a positive "
                              "prefill token budget or leave it unset")
         self.max_num_batched_tokens = None if max_num_batched_tokens is None else int(max_num_batched_tokens)
+        if max_num_seqs is not None and int(max_num_seqs) <= 0:
+            raise ValueError(f"native rollout: max_num_seqs={max_num_seqs}; give a positive row cap or leave it unset")
+        self.max_num_seqs = None if max_num_seqs is None else int(max_num_seqs)
         self._seed_source = torch.Generator().manual_seed(int(seed))
         # prepack: on CPU in fp32, matmul weights in oneDNN's packed layout (onednn_linear.py); False: plain F.linear;
         # None: packed from hidden size 256 up (where it was measured to pay)
@@ -225,6 +247,19 @@ class NativeRollout(RolloutEngine):
     @torch.inference_mode()
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         params.validate()
+        seed = None if params.greedy else self._call_seed(params)
+        cap, n = self.max_num_seqs, params.n
+        if cap is None or len(prompts) * n <= cap:
+            return self._generate(prompts, params, seed, 0)
+        if cap < n:
+            raise ValueError(f"native rollout: max_num_seqs={cap} is below n={n}; a prompt's samples decode together")
+        per = cap // n  # prompts per decode batch
+        parts = [self._generate(prompts[lo : lo + per], params, seed, lo) for lo in range(0, len(prompts), per)]
+        width = max(p.batch["responses"].shape[1] for p in parts)
+        return DataProto.concat([pad_responses(p, width, self.pad_token_id) for p in parts])
+
+    def _generate(self, prompts: DataProto, params: SamplingParams, seed: int | None, first_prompt: int) -> DataProto:
+        """One decode batch; `first_prompt`: the index of its first prompt in the whole call (its rows' streams)."""
         read = read_prompts(prompts)
         ids, mask, pos = (t.to(self.device) for t in (read.input_ids, read.attention_mask, read.position_ids))
         B, P = ids.shape
@@ -239,8 +274,8 @@ class NativeRollout(RolloutEngine):
         stop_ids = torch.tensor(sorted({*self.eos_token_ids, *params.stop_token_ids}), device=self.device)
         row_index = torch.arange(rows, device=self.device)  # original output row of each running slot
         keys = None
-        if not params.greedy:
-            keys = row_keys(self._call_seed(params), row_index // n, row_index % n)
+        if seed is not None:
+            keys = row_keys(seed, first_prompt + row_index // n, row_index % n)
 
         routes = RouteRecorder(self.model, rows, P, max_new, n) if self.record_routes else None
         if routes is not None:

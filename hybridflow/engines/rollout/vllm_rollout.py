@@ -178,7 +178,8 @@ class VLLMRollout(RolloutEngine):
 
     name = "vllm"
     DTYPES = ("fp32", "bf16", "fp16")
-    SWITCHES = ("enforce_eager", "free_cache_engine", "gpu_memory_utilization", "quantization", "enable_prefix_caching")
+    SWITCHES = ("enforce_eager", "free_cache_engine", "gpu_memory_utilization", "quantization", "enable_prefix_caching",
+                "max_num_seqs")
     TENSOR_PARALLEL = True
 
     @classmethod
@@ -197,6 +198,8 @@ class VLLMRollout(RolloutEngine):
             kwargs["quantization"] = str(rollout.quantization)
         if getattr(rollout, "enable_prefix_caching", None) is not None:
             kwargs["enable_prefix_caching"] = bool(rollout.enable_prefix_caching)
+        if getattr(rollout, "max_num_seqs", None) is not None:  # vLLM's own cap on the sequences of one batch
+            kwargs["max_num_seqs"] = int(rollout.max_num_seqs)
         if rollout.tensor_model_parallel_size > 1:
             # every rank of a TP group builds the engine in its own worker process, on the ranks' torch.distributed
             # world (vLLM's external launcher), and gets the same prompts; the worker returns TP rank 0's rows
