@@ -67,6 +67,13 @@ class DataConfig:
 
 
 @dataclass
+class FusedKernelOptions:
+    """veRL's ``model.fused_kernel_options``: which implementation computes the fused log-probs / entropy."""
+
+    impl_backend: str = "torch"  # hybridflow's chunked path is torch code; veRL's triton kernels are refused
+
+
+@dataclass
 class ModelConfig:
     path: str | None = None  # None = the shipped base model of the built-in task
     enable_gradient_checkpointing: bool = False
@@ -86,6 +93,7 @@ class PolicyModelConfig(ModelConfig):
     # veRL's keys (trainer/verl_model_keys.py): attributes set on the actor's, ref's and rollout's transformers config
     override_config: dict = field(default_factory=dict)
     use_fused_kernels: bool = True  # always: log-probs from the response positions' hidden states, in chunks
+    fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
     # true: actor and ref pack each micro-batch's rows into one row with per-row attention (engines/packing.py)
     # instead of bucketing them by length; no padding is computed at all
     use_sequence_packing: bool = False

@@ -113,8 +113,6 @@ ALIASES.update({
     "model.partial_pretrain": "model.path",  # veRL's SFT trainer names the model to fine-tune so
 })
 UNSUPPORTED.update({
-    "actor_rollout_ref.model.fused_kernel_options.": "hybridflow has one log-prob path (chunked rows from the "
-    "hidden states, use_fused_kernels=true always) and no kernel backends to choose; remove the key",
     # veRL's global micro-batch keys are divided by the ranks (verl_micro_batch.py); this one is the SFT trainer's
     "data.micro_batch_size": "veRL's SFT key, taken by `hybridflow sft`; an RL run's micro-batches are "
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (or veRL's global actor.ppo_micro_batch_size)",

@@ -14,7 +14,7 @@
   offered.
 * Switches whose one value is what hybridflow always does (the other value is refused with the reason):
   ``rollout.layered_summon=true`` (weight sync gathers one tensor at a time, less than one layer),
-  ``model.use_fused_kernels=true`` and ``*.entropy_from_logits_with_chunking=true`` (log-probs and entropy come from
+  ``model.use_fused_kernels=true`` with ``model.fused_kernel_options.impl_backend=torch``, and ``*.entropy_from_logits_with_chunking=true`` (log-probs and entropy come from
   the hidden states of the response positions only, in chunks of rows: no [tokens, vocab] logits),
   ``*.use_torch_compile=false`` (the training forward is eager), ``rollout.mode=sync`` (veRL's ``async`` serves vLLM
   behind an agent loop; the step's samples are the same either way), ``trainer.use_legacy_worker_impl=auto|disable``
@@ -73,6 +73,11 @@ def switch_errors(cfg: Any) -> list[str]:
             "same samples as mode=sync (set sync or drop the key). To overlap generation with training use "
             "trainer.rollout_mode=one_step_off or async"
         )
+    backend = arr.model.fused_kernel_options.impl_backend
+    if backend != "torch":
+        errors.append(f"actor_rollout_ref.model.fused_kernel_options.impl_backend={backend}: hybridflow's fused "
+                      "log-prob / entropy path (chunked rows from the hidden states) is torch code, with no triton "
+                      "kernels; set torch or remove the key")
     legacy = cfg.trainer.use_legacy_worker_impl
     if legacy == "enable":
         errors.append("trainer.use_legacy_worker_impl=enable: veRL's legacy workers are not in hybridflow, which has "

@@ -23,7 +23,7 @@ from hybridflow.trainer.preflight import preflight_errors
     ("actor_rollout_ref.rollout.mode=async", r"rollout.mode='async': veRL's async mode serves vLLM"),
     ("actor_rollout_ref.rollout.load_format=dummy_dtensor", r"random initial rollout weights are not offered"),
     ("actor_rollout_ref.rollout.load_format=pt", r"load_format='pt': choose one of \['auto', 'hf', 'safetensors'\]"),
-    ("actor_rollout_ref.model.fused_kernel_options.impl_backend=triton", r"no kernel backends to choose"),
+    ("actor_rollout_ref.model.fused_kernel_options.impl_backend=triton", r"impl_backend=triton: .* is torch code"),
 ])
 def test_switch_values_hybridflow_does_not_have_are_refused_with_the_reason(override, match):
     with pytest.raises(ConfigError, match=match):
@@ -36,7 +36,8 @@ def test_the_values_hybridflow_has_are_taken():
                        "actor_rollout_ref.rollout.mode=sync", "actor_rollout_ref.rollout.load_format=safetensors",
                        "actor_rollout_ref.actor.entropy_from_logits_with_chunking=True",
                        "actor_rollout_ref.model.trust_remote_code=True", "data.trust_remote_code=True",
-                       "critic.model.trust_remote_code=True"])
+                       "critic.model.trust_remote_code=True",
+                       "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"])
     assert cfg.actor_rollout_ref.rollout.load_format == "safetensors" and cfg.actor_rollout_ref.model.trust_remote_code
 
 
