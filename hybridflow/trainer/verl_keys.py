@@ -32,6 +32,9 @@ ALIASES: dict[str, str] = {
     "reward.reward_kwargs.": "reward_model.reward_kwargs.",
     "reward.custom_reward_function.": "custom_reward_function.",
     "reward.num_workers": "reward_model.num_workers",
+    # newer veRL groups the weight-transfer bucket under rollout.checkpoint_engine
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
 }
 
 _MEGATRON = "Megatron-LM training is not supported: hybridflow trains with FSDP2 (remove the megatron keys)"
@@ -81,7 +84,8 @@ UNSUPPORTED: dict[str, str] = {
 # prefix -> the open issue whose work adds the feature (refused until it lands)
 PLANNED: dict[str, str] = {
     "actor_rollout_ref.rollout.multi_stage_wake_up": "staged vLLM wake-up (issue #19)",
-    "actor_rollout_ref.rollout.checkpoint_engine.": "bucketed weight streaming to a separate rollout (issue #19)",
+    "actor_rollout_ref.rollout.checkpoint_engine.": "this option of veRL's checkpoint engine (its bucket size is taken: "
+    "checkpoint_engine.update_weights_bucket_megabytes)",
     "actor_rollout_ref.rollout.expert_parallel_size": "expert-parallel rollout (issue #17/#20)",
     "actor_rollout_ref.rollout.data_parallel_size": "rollout data parallelism apart from training (issue #19)",
     "critic.model.lora_": "LoRA on the critic (issue #17); LoRA is on the actor (actor_rollout_ref.model.lora_rank)",

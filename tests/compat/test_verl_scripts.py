@@ -47,8 +47,8 @@ def test_every_key_of_every_verl_script_is_taken_renamed_or_refused_with_a_reaso
     # correction, model-dtype, prompt-worker, max_num_seqs, fsdp_config (forward_prefetch, mixed_precision) and
     # profiler keys were honoured (5309 as-is, 63 renamed, 530 refused, 61 with no refused key); taking more keys only
     # raises it. After the reward-loop keys, PF-PPO, use_shm, LoRA adapters, vLLM knobs and fused_kernel_options
-    # (5376 as-is, 63 renamed, 463 refused): 75
-    assert fully_accepted >= 75 and len(SCRIPTS) == 120
+    # and checkpoint_engine's bucket size (5376 as-is, 65 renamed, 461 refused): 76
+    assert fully_accepted >= 76 and len(SCRIPTS) == 120
     assert not unknown, "keys neither taken, renamed nor refused with a reason:\n" + "\n".join(
         f"  {k} ({len(v)} scripts, e.g. {v[0]})" for k, v in sorted(unknown.items())
     )
@@ -75,8 +75,11 @@ def test_renamed_keys_reach_hybridflows_keys():
 
     cfg = load_config(["critic.model.fsdp_config.param_offload=True", "trainer.max_actor_ckpt_to_keep=5",
                        "trainer.logger=console", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-                       "actor_rollout_ref.actor.optim.clip_grad=0.5"])
+                       "actor_rollout_ref.actor.optim.clip_grad=0.5",
+                       "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=16",
+                       "actor_rollout_ref.hybrid_engine=false"])
     assert cfg.critic.fsdp_config.param_offload is True and cfg.trainer.max_ckpt_to_keep == 5
+    assert cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes == 16
     assert cfg.trainer.logger == ["console"] and cfg.actor_rollout_ref.actor.grad_clip == 0.5
 
 
