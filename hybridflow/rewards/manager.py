@@ -120,6 +120,7 @@ class RewardManager:
         overlong: OverlongShaping | None = None,
         record_acc: bool = False,
         strip_eos: bool = False,
+        scorer_overrides: dict[str, Callable[..., Any]] | None = None,
     ) -> None:
         if num_workers < 0:
             raise RewardConfigError(f"reward num_workers must be >= 0 (0 = score in the driver), got {num_workers}")
@@ -129,7 +130,11 @@ class RewardManager:
             raise RewardConfigError(f"reward max_failure_fraction must be in [0, 1], got {max_failure_fraction}")
         self.tokenizer = tokenizer
         # The registry snapshot (not default_compute_score itself) so scorers registered at run time reach workers.
-        self.compute_score = compute_score if compute_score is not None else ScorerTable()
+        # scorer_overrides: data_source -> scorer in place of the registered one (e.g. code on a SandboxFusion service)
+        if compute_score is None:
+            table = ScorerTable()
+            compute_score = ScorerTable({**table.scorers, **scorer_overrides}) if scorer_overrides else table
+        self.compute_score = compute_score
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.failure_score = float(failure_score)

@@ -374,6 +374,16 @@ class RewardModelRolloutConfig:
 
 
 @dataclass
+class SandboxFusionConfig:
+    """veRL's reward_model.sandbox_fusion: code rewards' test cases run on a SandboxFusion service
+    (rewards/sandbox_fusion.py) instead of hybridflow's local box."""
+
+    url: str | None = None  # the service's run_code endpoint, e.g. http://host:8080/run_code; None: the local box
+    max_concurrent: int = 64  # requests in flight at most (caps reward_model.num_workers)
+    memory_limit_mb: int = 1024  # per test case
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = False
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
@@ -393,6 +403,7 @@ class RewardModelConfig:
     max_failure_fraction: float = 0.5
     batch_timeout_s: float = 300.0  # reward_manager=batch: the limit for one call on the whole batch
     sandbox: bool = False  # run custom_reward_function in the sandbox (no network, limits, no secrets; see docs)
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
 
 
 @dataclass
@@ -815,6 +826,12 @@ def validate_config(cfg: HybridFlowConfig) -> None:
         errors.append(f"trainer.log_val_generations={t.log_val_generations} must be >= 0")
     if actor.recompute_old_log_prob not in ("auto", "always"):
         errors.append("actor_rollout_ref.actor.recompute_old_log_prob: choose auto or always")
+    fusion = cfg.reward_model.sandbox_fusion
+    if fusion.url is not None and not str(fusion.url).startswith(("http://", "https://")):
+        errors.append(f"reward_model.sandbox_fusion.url={fusion.url!r}: give the service's run_code endpoint as an "
+                      "http(s) url, e.g. http://host:8080/run_code")
+    if fusion.max_concurrent < 1 or fusion.memory_limit_mb < 1:
+        errors.append("reward_model.sandbox_fusion.max_concurrent and memory_limit_mb must be >= 1")
     if cfg.reward_model.sandbox and not cfg.custom_reward_function.path:
         errors.append(
             "reward_model.sandbox=true boxes a custom reward function, but custom_reward_function.path is not set; "

@@ -149,13 +149,21 @@ def reward_spec(cfg: HybridFlowConfig, custom: Any = None):
     if rm.overlong_buffer.enable:
         legacy = OverlongShaping(len=rm.overlong_buffer.len, max_resp_len=cfg.data.max_response_length,
                                  penalty_factor=rm.overlong_buffer.penalty_factor, log=rm.overlong_buffer.log)
+    options = dict(num_workers=rm.num_workers, timeout_s=rm.timeout_s, failure_score=rm.failure_score,
+                   max_failure_fraction=rm.max_failure_fraction, reward_fn_key=cfg.data.reward_fn_key,
+                   rm_score_weight=rm.weight)
+    fusion = rm.sandbox_fusion
+    if fusion.url:  # veRL's sandbox_fusion: the code scorers' cases run on the service (rewards/sandbox_fusion.py)
+        from hybridflow.rewards.registry import CODE_DATA_SOURCES
+        from hybridflow.rewards.sandbox_fusion import RemoteCodeScorer, RemoteRunner
+
+        runner = RemoteRunner(fusion.url, fusion.max_concurrent, fusion.memory_limit_mb)
+        options["scorer_overrides"] = {name: RemoteCodeScorer(runner) for name in CODE_DATA_SOURCES}
+        options["num_workers"] = min(rm.num_workers, fusion.max_concurrent)  # one request in flight per worker
     return RewardManagerSpec(
         custom_path=crf.path, custom_name=crf.name, custom_kwargs=dict(crf.reward_kwargs), custom_fn=custom,
         reward_kwargs=dict(rm.reward_kwargs), max_response_length=cfg.data.max_response_length,
-        legacy_overlong=legacy, batch_timeout_s=rm.batch_timeout_s,
-        options=dict(num_workers=rm.num_workers, timeout_s=rm.timeout_s, failure_score=rm.failure_score,
-                     max_failure_fraction=rm.max_failure_fraction, reward_fn_key=cfg.data.reward_fn_key,
-                     rm_score_weight=rm.weight),
+        legacy_overlong=legacy, batch_timeout_s=rm.batch_timeout_s, options=options,
     )
 
 

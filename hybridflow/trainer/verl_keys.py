@@ -67,8 +67,6 @@ UNSUPPORTED: dict[str, str] = {
     "actor_rollout_ref.rollout.prometheus.": "vLLM's Prometheus server is not started by hybridflow; metrics go to "
     "trainer.logger (console, jsonl, tensorboard, wandb, mlflow)",
     "actor_rollout_ref.rollout.disable_log_stats": "hybridflow runs vLLM in-process and logs its own rollout metrics",
-    "reward_model.sandbox_fusion.": "the remote SandboxFusion service is not used; code rewards run in hybridflow's "
-    "local sandbox (data_source 'code', hybridflow/rewards/sandbox.py)",
     "actor_rollout_ref.rollout.multi_turn.interaction_config_path": "veRL's Interaction classes are not loaded; "
     "give an environment (reset/step) as actor_rollout_ref.rollout.multi_turn.environment=package.module:Class",
     "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template": "episodes are kept token-in/token-out: the "

@@ -125,6 +125,9 @@ RUNS = {
         "global_profiler.tool=torch", "global_profiler.steps=[2]", "global_profiler.profile_continuous_steps=true",
         "actor_rollout_ref.actor.profiler.enable=true", "actor_rollout_ref.ref.profiler.enable=true",
         "critic.profiler.enable=true",
+        # a SandboxFusion service for the code data sources (none in this data: the url is never called)
+        "reward_model.sandbox_fusion.url=http://127.0.0.1:9/run_code", "reward_model.sandbox_fusion.max_concurrent=4",
+        "reward_model.sandbox_fusion.memory_limit_mb=512",
     ],
     # LoRA: the adapter keys, and the reference as the adapter-disabled actor
     "grpo_lora": [

@@ -60,9 +60,12 @@ def compute_score(
     memory_limit_mb: int = 512,
     max_cases: int = 16,
     total_time_limit_s: float = 8.0,
+    runner: Any = None,
 ) -> dict[str, float]:
     """Cases stop once `total_time_limit_s` is spent (the rest count as failed), which keeps one sample inside the
-    reward manager's default per-sample timeout (10 s)."""
+    reward manager's default per-sample timeout (10 s). `runner` runs one case (default: the local box,
+    `run_python_sandboxed`; rewards/sandbox_fusion.py's RemoteRunner sends it to a SandboxFusion service)."""
+    runner = run_python_sandboxed if runner is None else runner
     cases = parse_test_cases(ground_truth)[:max_cases]
     code = extract_code(solution_str)
     passed = 0
@@ -70,7 +73,7 @@ def compute_score(
     for stdin, expected in cases:
         if time.monotonic() >= deadline:
             break
-        result = run_python_sandboxed(code, stdin, time_limit_s=time_limit_s, memory_limit_mb=memory_limit_mb)
+        result = runner(code, stdin, time_limit_s=time_limit_s, memory_limit_mb=memory_limit_mb)
         if result.ok and _same_output(result.stdout, expected):
             passed += 1
         elif result.timed_out or result.memory_exceeded:
