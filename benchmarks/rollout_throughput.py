@@ -88,7 +88,7 @@ def matmul_floor(size: str, dtype: str, batch: int, steps: int = 20) -> float:
 
     No engine can beat this on the same device and dtype; it shows how much of a step is the model itself. The
     kernels are the native engine's: for int8 its packed int8 layer matmuls (the output head stays fp32, as there),
-    for fp32 on CPU its oneDNN-packed weights.
+    for fp32 on CPU (and bf16 on CPUs with bf16 units) its oneDNN-packed weights.
     """
     spec = SIZES[size]
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
@@ -106,8 +106,9 @@ def matmul_floor(size: str, dtype: str, batch: int, steps: int = 20) -> float:
             for width, packed in layers:
                 int8_linear(xs[width], packed)
             torch.nn.functional.linear(xs[h], weights[-1])
-    elif dtype == "fp32" and device.device_name() == "cpu" and onednn_available():
-        # the native engine's fp32 CPU matmuls use oneDNN-packed weights (onednn_linear.py): its floor is theirs
+    elif dtype != "int8" and device.device_name() == "cpu" and onednn_available(torch_dtype):
+        # the native engine's fp32 CPU matmuls (and bf16 on CPUs with bf16 units) use oneDNN-packed weights
+        # (onednn_linear.py): its floor is theirs
         packed = [(w.shape[1], pack_onednn(w)) for w in weights]
 
         def step():

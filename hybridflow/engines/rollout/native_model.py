@@ -13,8 +13,9 @@ MLP) so fp32 greedy decoding picks the same tokens. Differences are for speed:
   * decode attention is batched matmuls and one softmax: for one query per row, torch's CPU flash-attention kernel
     was 2-3x slower than that (measured at 64 rows);
   * on CPU the matmul weights are packed once into a kernel's own layout and re-packed lazily after a weight update:
-    fp32 -> oneDNN's blocked layout (onednn_linear.py; same arithmetic, ~1.6x faster layer matmuls at 64 rows of the
-    mid model; by default only from hidden size 256 up, below which it was slower), or,
+    fp32, and bf16 on CPUs with bf16 units -> oneDNN's blocked layout (onednn_linear.py; same arithmetic, ~1.6x
+    faster layer matmuls at 64 rows of the mid model; by default only from hidden size 256 up, below which it was
+    slower), or,
     with ``int8=True``, int8 weights for the layer matmuls (int8_linear.py; embeddings, norms, attention, the KV
     cache and the output head stay in ``dtype``). The packed copies cost a second copy of the weights' memory.
 """
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from hybridflow.engines.rollout.arch_specs import DecoderShape, resolve, supported_architectures
 from hybridflow.engines.rollout.int8_linear import check_int8_supported, int8_linear, pack_int8
 from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows, attention_bias, decode_attention, softcap_scores
-from hybridflow.engines.rollout.moe import moe_mlp
+from hybridflow.engines.rollout.moe import dense_experts, moe_mlp
 from hybridflow.engines.rollout.onednn_linear import MIN_PACKED_WIDTH, onednn_available, onednn_linear, pack_onednn
 from hybridflow.engines.rollout.rope import rotary_tables
 
@@ -86,10 +87,10 @@ class NativeDecoder:
         if int8:
             check_int8_supported(device)
             self.matmul = "int8"
-        elif prepack and device.type == "cpu" and dtype == torch.float32 and onednn_available():
+        elif prepack and device.type == "cpu" and onednn_available(dtype):  # fp32; bf16 where the CPU has bf16 units
             self.matmul = "onednn"
         else:
-            self.matmul = "dense"  # F.linear on the fused tensors (GPUs, bf16, small models, or prepack=False)
+            self.matmul = "dense"  # F.linear on the fused tensors (GPUs, emulated bf16, small models, prepack=False)
         self._packed: dict | None = None  # packed weights; None = (re)build before the next forward
         self.dtype, self.device = dtype, device
         self.q_size = s.num_heads * s.head_dim
@@ -238,13 +239,17 @@ class NativeDecoder:
         return True
 
     def _pack_all(self) -> dict:
-        # the projections; routed experts stay in dtype and run as plain matmuls (moe.py)
+        # the projections; with int8 the routed experts stay in dtype and run as plain matmuls (moe.py)
         names = ("qkv", "o", "gate_up", "down")
         if self.matmul == "int8":  # the output head stays in fp32
             layers = [{n: pack_int8(layer[f"w_{n}"], layer[f"b_{n}"]) for n in names if f"w_{n}" in layer}
                       for layer in self.layers]
             return {"layers": layers, "lm_head": None}
         layers = [{n: pack_onednn(layer[f"w_{n}"]) for n in names if f"w_{n}" in layer} for layer in self.layers]
+        for packed, layer in zip(layers, self.layers):
+            if "router" in layer:  # each routed expert's pair, packed like a dense MLP
+                packed["experts"] = [(pack_onednn(gate_up), pack_onednn(down))
+                                     for gate_up, down in zip(layer["experts_gate_up"], layer["experts_down"])]
         return {"layers": layers, "lm_head": pack_onednn(self.lm_head)}
 
     def _packed_weights(self) -> dict:
@@ -269,15 +274,28 @@ class NativeDecoder:
     def _mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
         layer, s = self.layers[li], self.shape
         if s.layers[li].moe:
-            return moe_mlp(x, layer["router"], layer["experts_gate_up"], layer["experts_down"], s.experts_per_token,
-                           s.norm_topk_prob, self.act, record=self.route_log)
+            if self.matmul == "onednn":
+                expert_mlp = self._packed_expert(self._packed_weights()["layers"][li]["experts"])
+            else:
+                expert_mlp = dense_experts(layer["experts_gate_up"], layer["experts_down"], self.act)
+            return moe_mlp(x, layer["router"], s.experts_per_token, s.norm_topk_prob, expert_mlp, record=self.route_log)
         gate, up = self._linear(li, "gate_up", x).chunk(2, dim=-1)
         return self._linear(li, "down", self.act(gate).mul_(up))
+
+    def _packed_expert(self, packed: list[tuple[torch.Tensor, torch.Tensor]]):
+        """moe_mlp's expert_mlp over one layer's oneDNN-packed (gate_up, down) pairs."""
+
+        def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            gate_up, down = packed[expert]
+            gate, up = onednn_linear(rows, gate_up, None).chunk(2, dim=-1)
+            return onednn_linear(self.act(gate) * up, down, None)
+
+        return expert_mlp
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self._rms(h, self.norm)
         if self.matmul == "onednn":
-            logits = onednn_linear(h, self._packed_weights()["lm_head"], None)
+            logits = onednn_linear(h, self._packed_weights()["lm_head"], None).float()
         else:
             logits = F.linear(h, self.lm_head).float()
         cap = self.shape.final_softcap

@@ -144,8 +144,8 @@ class NativeRollout(RolloutEngine):
                              "prefill token budget or leave it unset")
         self.max_num_batched_tokens = None if max_num_batched_tokens is None else int(max_num_batched_tokens)
         self._seed_source = torch.Generator().manual_seed(int(seed))
-        # prepack: on CPU in fp32, matmul weights in oneDNN's packed layout (onednn_linear.py); False: plain F.linear;
-        # None: packed from hidden size 256 up (where it was measured to pay)
+        # prepack: on CPU in fp32 (and bf16 where the CPU has bf16 units), matmul weights in oneDNN's packed layout
+        # (onednn_linear.py); False: plain F.linear; None: packed from hidden size 256 up (where it was measured to pay)
         # tensor_parallel_size > 1: this rank holds its TP slice of every weight (tensor_parallel.py)
         self.tensor_parallel = tp_group_of(tensor_parallel_size) if tensor_parallel_size > 1 else None
         if self.tensor_parallel is None:
