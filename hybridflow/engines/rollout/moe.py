@@ -9,7 +9,8 @@ on CPU (native_model.py) — at decode batch sizes the experts' matmuls are smal
 their layout is what matters.
 
 The group sizes are read on the host (``tolist``) to slice the sorted rows, which a CUDA graph cannot capture:
-the native engine decodes MoE checkpoints eagerly or with the uncaptured fixed-shape step (native_rollout.py).
+the native engine decodes MoE checkpoints eagerly or with the uncaptured fixed-shape step (native_rollout.py). A
+compiled step (compiled_step.py) traces the routing and calls ``dispatch`` as one opaque op.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["dense_experts", "moe_mlp", "route"]
+__all__ = ["dense_experts", "dispatch", "moe_mlp", "route"]
 
 
 def route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,11 +57,22 @@ def moe_mlp(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
     weights, experts = route(x, router, k, normalize)
     if record is not None:
         record.append(experts)
+    return dispatch(x, weights, experts, router.shape[0], expert_mlp).view(*lead, hidden)
+
+
+def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, num_experts: int,
+             expert_mlp: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """x [T, H], routing weights and expert ids [T, k] (``route``) -> sum over each token's k experts of weight *
+    expert_mlp(e, token) [T, H].
+
+    Reads the group sizes on the host (a compiled step calls it as one op: compiled_step.routed_experts).
+    """
+    k = experts.shape[-1]
     flat = experts.reshape(-1)  # [T * k] assignment -> expert
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens ascending within each group
     token = order // k
     rows = x[token]
-    counts = torch.bincount(flat, minlength=router.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     outputs, start = [], 0
     for expert, count in enumerate(counts):
         if count:
@@ -68,7 +80,7 @@ def moe_mlp(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
         start += count
     y = torch.cat(outputs) * weights.reshape(-1)[order, None]
     # index_add_ in assignment order: each token's k contributions are summed in expert order, as transformers does
-    return torch.zeros_like(x).index_add_(0, token, y).view(*lead, hidden)
+    return torch.zeros_like(x).index_add_(0, token, y)
 
 
 class RouteRecorder:

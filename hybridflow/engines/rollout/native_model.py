@@ -28,9 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.engines.rollout.arch_specs import DecoderShape, resolve, supported_architectures
+from hybridflow.engines.rollout.compiled_step import packed_linear as compiled_packed_linear
+from hybridflow.engines.rollout.compiled_step import register_decoder
+from hybridflow.engines.rollout.compiled_step import routed_experts as compiled_routed_experts
 from hybridflow.engines.rollout.int8_linear import check_int8_supported, int8_linear, pack_int8
 from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows, attention_bias, decode_attention, softcap_scores
-from hybridflow.engines.rollout.moe import dense_experts, moe_mlp
+from hybridflow.engines.rollout.moe import dense_experts, dispatch, moe_mlp, route
 from hybridflow.engines.rollout.onednn_linear import MIN_PACKED_WIDTH, onednn_available, onednn_linear, pack_onednn
 from hybridflow.engines.rollout.rope import rotary_tables
 
@@ -262,10 +265,34 @@ class NativeDecoder:
         layer = self.layers[li]
         if self.matmul == "dense":
             return F.linear(x, layer[f"w_{name}"], layer[f"b_{name}"])
-        packed = self._packed_weights()["layers"][li][name]
+        if torch.compiler.is_compiling():  # packed weights are opaque to the compiler: one op runs them
+            return compiled_packed_linear(x, self.compile_key(), li, name, -1)
+        return self.packed_linear(li, name, x)
+
+    def packed_linear(self, li: int, name: str, x: torch.Tensor, expert: int = -1) -> torch.Tensor:
+        """x [..., in] times a packed weight: layer li's projection `name`; with `expert` >= 0 that routed expert's
+        'gate_up' or 'down'; li = -1: the output head ('lm_head', onednn only). Output in x's dtype."""
+        if li < 0:
+            return onednn_linear(x, self._packed_weights()["lm_head"], None)
+        packed = self._packed_weights()["layers"][li]
+        if expert >= 0:
+            return onednn_linear(x, packed["experts"][expert][name == "down"], None)
         if self.matmul == "int8":
-            return int8_linear(x, packed)
-        return onednn_linear(x, packed, layer[f"b_{name}"])
+            return int8_linear(x, packed[name])
+        return onednn_linear(x, packed[name], self.layers[li][f"b_{name}"])
+
+    def packed_out(self, li: int, name: str, expert: int = -1) -> int:
+        """The output width of packed_linear(li, name, ., expert)."""
+        if li < 0:
+            return self.lm_head.shape[0]
+        layer = self.layers[li]
+        return layer[f"experts_{name}"].shape[1] if expert >= 0 else layer[f"w_{name}"].shape[0]
+
+    def compile_key(self) -> int:
+        """This decoder's key for compiled_step.packed_linear (registered on first use)."""
+        if getattr(self, "_compile_key", None) is None:
+            self._compile_key = register_decoder(self)
+        return self._compile_key
 
     # ------------------------------------------------------------------ forward
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -274,28 +301,38 @@ class NativeDecoder:
     def _mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
         layer, s = self.layers[li], self.shape
         if s.layers[li].moe:
-            if self.matmul == "onednn":
-                expert_mlp = self._packed_expert(self._packed_weights()["layers"][li]["experts"])
-            else:
-                expert_mlp = dense_experts(layer["experts_gate_up"], layer["experts_down"], self.act)
-            return moe_mlp(x, layer["router"], s.experts_per_token, s.norm_topk_prob, expert_mlp, record=self.route_log)
+            if torch.compiler.is_compiling():  # the dispatch reads group sizes on the host: one op the compiler calls
+                flat = x.reshape(-1, x.shape[-1])
+                weights, experts = route(flat, layer["router"], s.experts_per_token, s.norm_topk_prob)
+                return compiled_routed_experts(flat, weights, experts, self.compile_key(), li).view_as(x)
+            return moe_mlp(x, layer["router"], s.experts_per_token, s.norm_topk_prob, self._expert_mlp(li),
+                           record=self.route_log)
         gate, up = self._linear(li, "gate_up", x).chunk(2, dim=-1)
         return self._linear(li, "down", self.act(gate).mul_(up))
 
-    def _packed_expert(self, packed: list[tuple[torch.Tensor, torch.Tensor]]):
-        """moe_mlp's expert_mlp over one layer's oneDNN-packed (gate_up, down) pairs."""
+    def routed_experts(self, li: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """MoE layer li's experts on tokens x [T, H] routed to `experts` with `weights` [T, k] -> [T, H]."""
+        return dispatch(x, weights, experts, self.shape.num_experts, self._expert_mlp(li))
+
+    def _expert_mlp(self, li: int):
+        """moe.py's expert_mlp for layer li: its oneDNN-packed (gate_up, down) expert pairs, or F.linear."""
+        layer = self.layers[li]
+        if self.matmul != "onednn":
+            return dense_experts(layer["experts_gate_up"], layer["experts_down"], self.act)
 
         def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
-            gate_up, down = packed[expert]
-            gate, up = onednn_linear(rows, gate_up, None).chunk(2, dim=-1)
-            return onednn_linear(self.act(gate) * up, down, None)
+            gate, up = self.packed_linear(li, "gate_up", rows, expert).chunk(2, dim=-1)
+            return self.packed_linear(li, "down", self.act(gate) * up, expert)
 
         return expert_mlp
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self._rms(h, self.norm)
         if self.matmul == "onednn":
-            logits = onednn_linear(h, self._packed_weights()["lm_head"], None).float()
+            if torch.compiler.is_compiling():
+                logits = compiled_packed_linear(h, self.compile_key(), -1, "lm_head", -1).float()
+            else:
+                logits = self.packed_linear(-1, "lm_head", h).float()
         else:
             logits = F.linear(h, self.lm_head).float()
         cap = self.shape.final_softcap

@@ -9,7 +9,8 @@ Sampling and per-row random streams are in sampling.py; the output layout is bui
 
 ``decode`` picks how step 2 runs: ``eager`` (the loop above, dynamic shapes; the default on CPU) or ``cuda_graph``
 (fixed-shape steps replayed as CUDA graphs, the default on GPUs: static_decode.py); ``static`` runs the fixed-shape
-step without graphs (for testing that path on CPU).
+step without graphs (for testing that path on CPU); ``compiled`` runs it compiled by torch.compile (compiled_step.py;
+chosen on CPU by ``graph``, which is veRL's ``enforce_eager=false``).
 """
 
 from __future__ import annotations
@@ -87,11 +88,11 @@ class NativeRollout(RolloutEngine):
 
     @classmethod
     def options_from_config(cls, rollout) -> dict:
-        """veRL's switches: enforce_eager -> decode ("eager", or "auto": CUDA graphs on GPUs); free_cache_engine ->
-        free the fixed-shape decode buffers after each generation."""
+        """veRL's switches: enforce_eager -> decode ("eager", or "graph": CUDA graphs on GPUs, the compiled step on
+        CPU); free_cache_engine -> free the fixed-shape decode buffers after each generation."""
         kwargs = {}
         if rollout.enforce_eager is not None:
-            kwargs["decode"] = "eager" if rollout.enforce_eager else "auto"
+            kwargs["decode"] = "eager" if rollout.enforce_eager else "graph"
         if rollout.free_cache_engine is not None:
             kwargs["free_cache_engine"] = bool(rollout.free_cache_engine)
         if rollout.tensor_model_parallel_size > 1:
@@ -163,9 +164,15 @@ class NativeRollout(RolloutEngine):
         loaded = {name for name, tensor in iter_checkpoint_tensors(model_path) if self.model.load(name, tensor)}
         if decode not in DECODE_MODES:
             raise ValueError(f"native rollout: decode={decode!r}; choose one of {list(DECODE_MODES)}")
+        if decode == "graph":  # the device's fixed-shape replay (veRL's enforce_eager=false): on CPU the compiled step
+            decode = "auto" if self.device.type == "cuda" else "compiled"
+            decode = "eager" if self.tensor_parallel is not None else decode  # TP collectives are not compiled
         if decode == "auto":  # MoE expert dispatch has data-dependent shapes, which a CUDA graph cannot replay
             decode = "cuda_graph" if self.device.type == "cuda" and not self.model.shape.moe else "eager"
             decode = "eager" if self.tensor_parallel is not None else decode  # TP collectives are not captured
+        if decode == "compiled" and self.tensor_parallel is not None:
+            raise ValueError("native rollout: decode='compiled' does not compile the tensor-parallel collectives; "
+                             "use decode='eager' (actor_rollout_ref.rollout.enforce_eager=true)")
         if decode == "cuda_graph" and self.tensor_parallel is not None:
             raise ValueError("native rollout: decode='cuda_graph' does not capture the tensor-parallel collectives; "
                              "use decode='eager' (actor_rollout_ref.rollout.enforce_eager=true)")
@@ -178,7 +185,8 @@ class NativeRollout(RolloutEngine):
                              f"{self.device.type}; use decode='eager' (or 'static' to test the fixed-shape step)")
         self.decode = decode
         self.free_cache_engine = bool(free_cache_engine)  # fixed-shape decode: drop its buffers after each call
-        self._graphs = GraphDecoder(self.model, capture=decode == "cuda_graph") if decode != "eager" else None
+        self._graphs = None if decode == "eager" else GraphDecoder(self.model, capture=decode == "cuda_graph",
+                                                                     compiled=decode == "compiled")
         # routing replay (R3): the experts of every token go out with the batch as `routed_experts` (moe.py)
         if record_routes and not self.model.shape.moe:
             raise ValueError(f"native rollout: routing replay records MoE routes, but {model_path} "
