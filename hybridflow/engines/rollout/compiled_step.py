@@ -30,21 +30,23 @@ import torch
 
 __all__ = ["compile_decode_step", "packed_linear", "register_decoder", "routed_experts"]
 
-_DECODERS: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
+# keys are strings: dynamo specialises strings, while an int attribute that differs between two decoders' compiles
+# would be turned into a symbolic int
+_DECODERS: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 # the compiled step is recompiled per (rows, length) bucket until dynamo turns the shapes symbolic, and once per
 # decoder; the default limit (8) would silently fall back to eager in a process holding several engines
 _RECOMPILE_LIMIT = 64
 
 
-def register_decoder(decoder) -> int:
+def register_decoder(decoder) -> str:
     """A key under which ``packed_linear`` finds `decoder` (a NativeDecoder); held weakly."""
-    key = next(_KEYS)
+    key = f"decoder{next(_KEYS)}"
     _DECODERS[key] = decoder
     return key
 
 
-def _decoder(key: int):
+def _decoder(key: str):
     decoder = _DECODERS.get(key)
     if decoder is None:
         raise RuntimeError(f"compiled decode step: decoder {key} is gone (its engine was deleted)")
@@ -52,26 +54,26 @@ def _decoder(key: int):
 
 
 @torch.library.custom_op("hybridflow::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, key: int, layer: int, name: str, expert: int) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, key: str, layer: int, name: str, expert: int) -> torch.Tensor:
     """x [..., in] -> [..., out] in x's dtype: decoder `key`'s packed projection `name` of layer `layer` (-1: the
     output head), or of routed expert `expert` (>= 0) (NativeDecoder.packed_linear)."""
     return _decoder(key).packed_linear(layer, name, x, expert)
 
 
 @packed_linear.register_fake
-def _(x: torch.Tensor, key: int, layer: int, name: str, expert: int) -> torch.Tensor:
+def _(x: torch.Tensor, key: str, layer: int, name: str, expert: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], _decoder(key).packed_out(layer, name, expert)))
 
 
 @torch.library.custom_op("hybridflow::routed_experts", mutates_args=())
-def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, key: int, layer: int) -> torch.Tensor:
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, key: str, layer: int) -> torch.Tensor:
     """MoE layer `layer` of decoder `key`: tokens x [T, H] through their routed experts [T, k] (weights [T, k]) ->
     [T, H] (moe.dispatch, which reads the group sizes on the host)."""
     return _decoder(key).routed_experts(layer, x, weights, experts)
 
 
 @routed_experts.register_fake
-def _(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, key: int, layer: int) -> torch.Tensor:
+def _(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, key: str, layer: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 

@@ -288,7 +288,7 @@ class NativeDecoder:
         layer = self.layers[li]
         return layer[f"experts_{name}"].shape[1] if expert >= 0 else layer[f"w_{name}"].shape[0]
 
-    def compile_key(self) -> int:
+    def compile_key(self) -> str:
         """This decoder's key for compiled_step.packed_linear (registered on first use)."""
         if getattr(self, "_compile_key", None) is None:
             self._compile_key = register_decoder(self)
