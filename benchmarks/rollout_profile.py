@@ -33,7 +33,8 @@ from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.engines.tiny import write_tiny_model
 
 GROUPS = {
-    "layer_matmuls": ("aten::mm", "aten::addmm", "quantized::linear_dynamic"),
+    # the oneDNN-packed fp32/bf16 matmuls (onednn_linear.py) are mkldnn::_linear_pointwise
+    "layer_matmuls": ("aten::mm", "aten::addmm", "quantized::linear_dynamic", "mkldnn::_linear_pointwise"),
     "attention_matmuls": ("aten::bmm", "aten::baddbmm"),
 }
 

@@ -7,6 +7,7 @@ prints one JSON document.
     .venv/bin/python benchmarks/rollout_throughput.py --dtypes fp32,int8   # int8: native engine, CPU
     .venv/bin/python benchmarks/rollout_throughput.py --n 8 --prompt-len 240,256 --batch-sizes 64   # GRPO-like
     python benchmarks/rollout_throughput.py --backends hf,native,native:eager   # GPU: CUDA graphs vs eager decode
+    .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,native:compiled   # CPU: compiled step
     .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,native:prepack=false   # CPU: oneDNN packing
     .venv/bin/python benchmarks/rollout_throughput.py --arch gemma3_text --dtypes fp32 --batch-sizes 64   # one arch
     .venv/bin/python benchmarks/rollout_throughput.py --model DIR --dtypes fp32 --batch-sizes 32,64    # a real model
@@ -60,7 +61,9 @@ def make_prompts(tokenizer, batch: int, min_len: int, max_len: int, seed: int) -
 
 
 def measure(engine, prompts: DataProto, params: SamplingParams, repeats: int) -> dict:
-    best = None
+    """The best of `repeats` calls; ``first_call_seconds`` is the first one's wall time (with a compiled decode step
+    it includes compiling this batch's shape)."""
+    best, first = None, None
     for r in range(repeats):
         device.synchronize()
         start = time.perf_counter()
@@ -68,9 +71,10 @@ def measure(engine, prompts: DataProto, params: SamplingParams, repeats: int) ->
         device.synchronize()
         seconds = time.perf_counter() - start
         tokens = int(out.batch["response_mask"].sum())
+        first = seconds if first is None else first
         if best is None or tokens / seconds > best["new_tokens_per_s"]:
             best = {"seconds": round(seconds, 4), "new_tokens": tokens, "new_tokens_per_s": round(tokens / seconds, 1)}
-    return best
+    return {**best, "first_call_seconds": round(first, 4)}
 
 
 def engine_options(options: list[str]) -> dict:
@@ -90,7 +94,7 @@ def matmul_floor(size: str, dtype: str, batch: int, steps: int = 20) -> float:
 
     No engine can beat this on the same device and dtype; it shows how much of a step is the model itself. The
     kernels are the native engine's: for int8 its packed int8 layer matmuls (the output head stays fp32, as there),
-    for fp32 on CPU its oneDNN-packed weights.
+    for fp32 on CPU (and bf16 on CPUs with bf16 units) its oneDNN-packed weights.
     """
     spec = SIZES[size]
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
@@ -108,8 +112,9 @@ def matmul_floor(size: str, dtype: str, batch: int, steps: int = 20) -> float:
             for width, packed in layers:
                 int8_linear(xs[width], packed)
             torch.nn.functional.linear(xs[h], weights[-1])
-    elif dtype == "fp32" and device.device_name() == "cpu" and onednn_available():
-        # the native engine's fp32 CPU matmuls use oneDNN-packed weights (onednn_linear.py): its floor is theirs
+    elif dtype != "int8" and device.device_name() == "cpu" and onednn_available(torch_dtype):
+        # the native engine's fp32 CPU matmuls (and bf16 on CPUs with bf16 units) use oneDNN-packed weights
+        # (onednn_linear.py): its floor is theirs
         packed = [(w.shape[1], pack_onednn(w)) for w in weights]
 
         def step():
@@ -169,12 +174,14 @@ def main() -> None:
                     errors[f"{backend}/{dtype}"] = str(err)
                     continue
                 params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.n)
+                start = time.perf_counter()
                 engine.generate(make_prompts(engine.tokenizer, 4, min_len, max_len, seed=99), params)  # warm-up
+                warmup_seconds = round(time.perf_counter() - start, 3)
                 for batch in batch_sizes:
                     if batch % args.n:
                         raise SystemExit(f"--batch-sizes: {batch} rows is not a multiple of --n {args.n}")
                     prompts = make_prompts(engine.tokenizer, batch // args.n, min_len, max_len, seed=batch)
-                    row = {"backend": backend, "dtype": dtype, "batch": batch}
+                    row = {"backend": backend, "dtype": dtype, "batch": batch, "warmup_seconds": warmup_seconds}
                     row.update(measure(engine, prompts, params, args.repeats))
                     results.append(row)
                     print(json.dumps(row), file=sys.stderr)

@@ -1,5 +1,5 @@
-"""The native rollout's oneDNN-packed fp32 weights (CPU): the same function as F.linear, used by default on CPU, and
-the decode with and without packing gives the same tokens and log-probs."""
+"""The native rollout's oneDNN-packed fp32 and bf16 weights (CPU): the same function as F.linear (bitwise in bf16),
+used by default on CPU, and the decode with and without packing gives the same tokens and log-probs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ from test_rollout_engines import make_prompts, write_model
 from hybridflow import device
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.engines.rollout.native_model import NativeDecoder
-from hybridflow.engines.rollout.onednn_linear import MIN_PACKED_WIDTH, onednn_available, onednn_linear, pack_onednn
+from hybridflow.engines.rollout.onednn_linear import (
+    MIN_PACKED_WIDTH,
+    native_bf16,
+    onednn_available,
+    onednn_linear,
+    pack_onednn,
+)
 from hybridflow.engines.tiny import SIZES, make_config
 
 pytestmark = [
@@ -60,10 +66,42 @@ def test_packed_decoder_matches_the_unpacked_one(tmp_path):
         torch.testing.assert_close(a.batch["rollout_log_probs"], b.batch["rollout_log_probs"], atol=1e-5, rtol=0)
 
 
-def test_bf16_and_int8_do_not_use_the_fp32_packing(tmp_path):
+def test_int8_does_not_use_the_onednn_packing_and_bf16_only_with_bf16_units(tmp_path):
     path = write_model(tmp_path / "qwen2", "qwen2", seed=0)
     assert create_rollout_engine("native", path, dtype="int8").model.matmul == "int8"
     with warnings.catch_warnings():  # "bf16 is emulated" on CPUs without bf16 units
         warnings.simplefilter("ignore")
-        bf16 = create_rollout_engine("native", path, dtype="bf16")
-    assert bf16.model.matmul == "dense"
+        bf16 = create_rollout_engine("native", path, dtype="bf16", prepack=True)
+    assert bf16.model.matmul == ("onednn" if native_bf16() else "dense")
+    assert onednn_available(torch.bfloat16) == native_bf16()
+
+
+needs_bf16_units = pytest.mark.skipif(not native_bf16(), reason="bf16 is packed only on CPUs with AVX512-BF16/AMX")
+
+
+@needs_bf16_units
+def test_bf16_packed_linear_is_f_linear_bitwise():
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(96, 80, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    packed = pack_onednn(w)
+    assert packed.dtype == torch.bfloat16
+    for rows in (1, 7, 64, 300):
+        x = torch.randn(rows, 80, generator=g).bfloat16()
+        assert torch.equal(onednn_linear(x, packed, b), F.linear(x, w, b))
+        assert torch.equal(onednn_linear(x, packed, None), F.linear(x, w))
+
+
+@needs_bf16_units
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bf16_packed_decoder_is_the_unpacked_one(tmp_path, arch):
+    """Packing changes the layout, not the bf16 arithmetic: same tokens and bitwise the same log-probs."""
+    path = write_model(tmp_path / arch, arch, seed=3, tie=False)  # untied head: the packed lm_head is used
+    packed = create_rollout_engine("native", path, dtype="bf16", num_threads=1, prepack=True)
+    plain = create_rollout_engine("native", path, dtype="bf16", num_threads=1, prepack=False)
+    assert packed.model.matmul == "onednn" and plain.model.matmul == "dense"
+    prompts = make_prompts(packed.tokenizer)
+    for params in (SamplingParams(greedy=True, max_new_tokens=16),
+                   SamplingParams(temperature=1.0, n=3, max_new_tokens=16, seed=4)):
+        a, b = packed.generate(prompts, params), plain.generate(prompts, params)
+        assert torch.equal(a.batch["responses"], b.batch["responses"])
+        assert torch.equal(a.batch["rollout_log_probs"], b.batch["rollout_log_probs"])

@@ -32,7 +32,7 @@ def test_verl_rollout_engine_switches_reach_the_engine():
 
     base = ["actor_rollout_ref.rollout.enforce_eager=False", "actor_rollout_ref.rollout.free_cache_engine=True"]
     native = load_config(base).actor_rollout_ref.rollout
-    assert rollout_engine_kwargs(native) == {"decode": "auto", "free_cache_engine": True}
+    assert rollout_engine_kwargs(native) == {"decode": "graph", "free_cache_engine": True}
     # vllm's switches: tests/vllm_rollout/test_install_hint.py (run in the vLLM virtualenv)
     assert rollout_engine_kwargs(load_config(["actor_rollout_ref.rollout.name=hf"]).actor_rollout_ref.rollout) == {}
     eager = load_config(["actor_rollout_ref.rollout.enforce_eager=True"]).actor_rollout_ref.rollout

@@ -13,8 +13,9 @@ MLP) so fp32 greedy decoding picks the same tokens. Differences are for speed:
   * decode attention is batched matmuls and one softmax: for one query per row, torch's CPU flash-attention kernel
     was 2-3x slower than that (measured at 64 rows);
   * on CPU the matmul weights are packed once into a kernel's own layout and re-packed lazily after a weight update:
-    fp32 -> oneDNN's blocked layout (onednn_linear.py; same arithmetic, ~1.6x faster layer matmuls at 64 rows of the
-    mid model; by default only from hidden size 256 up, below which it was slower), or,
+    fp32, and bf16 on CPUs with bf16 units -> oneDNN's blocked layout (onednn_linear.py; same arithmetic, ~1.6x
+    faster layer matmuls at 64 rows of the mid model; by default only from hidden size 256 up, below which it was
+    slower), or,
     with ``int8=True``, int8 weights for the layer matmuls (int8_linear.py; embeddings, norms, attention, the KV
     cache and the output head stay in ``dtype``). The packed copies cost a second copy of the weights' memory.
 """
@@ -27,9 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.engines.rollout.arch_specs import DecoderShape, resolve, supported_architectures
+from hybridflow.engines.rollout.compiled_step import packed_linear as compiled_packed_linear
+from hybridflow.engines.rollout.compiled_step import register_decoder
+from hybridflow.engines.rollout.compiled_step import routed_experts as compiled_routed_experts
 from hybridflow.engines.rollout.int8_linear import check_int8_supported, int8_linear, pack_int8
 from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows, attention_bias, decode_attention, softcap_scores
-from hybridflow.engines.rollout.moe import moe_mlp
+from hybridflow.engines.rollout.moe import dense_experts, dispatch, moe_mlp, route
 from hybridflow.engines.rollout.onednn_linear import MIN_PACKED_WIDTH, onednn_available, onednn_linear, pack_onednn
 from hybridflow.engines.rollout.rope import rotary_tables
 
@@ -86,10 +90,10 @@ class NativeDecoder:
         if int8:
             check_int8_supported(device)
             self.matmul = "int8"
-        elif prepack and device.type == "cpu" and dtype == torch.float32 and onednn_available():
+        elif prepack and device.type == "cpu" and onednn_available(dtype):  # fp32; bf16 where the CPU has bf16 units
             self.matmul = "onednn"
         else:
-            self.matmul = "dense"  # F.linear on the fused tensors (GPUs, bf16, small models, or prepack=False)
+            self.matmul = "dense"  # F.linear on the fused tensors (GPUs, emulated bf16, small models, prepack=False)
         self._packed: dict | None = None  # packed weights; None = (re)build before the next forward
         self.dtype, self.device = dtype, device
         self.q_size = s.num_heads * s.head_dim
@@ -238,13 +242,17 @@ class NativeDecoder:
         return True
 
     def _pack_all(self) -> dict:
-        # the projections; routed experts stay in dtype and run as plain matmuls (moe.py)
+        # the projections; with int8 the routed experts stay in dtype and run as plain matmuls (moe.py)
         names = ("qkv", "o", "gate_up", "down")
         if self.matmul == "int8":  # the output head stays in fp32
             layers = [{n: pack_int8(layer[f"w_{n}"], layer[f"b_{n}"]) for n in names if f"w_{n}" in layer}
                       for layer in self.layers]
             return {"layers": layers, "lm_head": None}
         layers = [{n: pack_onednn(layer[f"w_{n}"]) for n in names if f"w_{n}" in layer} for layer in self.layers]
+        for packed, layer in zip(layers, self.layers):
+            if "router" in layer:  # each routed expert's pair, packed like a dense MLP
+                packed["experts"] = [(pack_onednn(gate_up), pack_onednn(down))
+                                     for gate_up, down in zip(layer["experts_gate_up"], layer["experts_down"])]
         return {"layers": layers, "lm_head": pack_onednn(self.lm_head)}
 
     def _packed_weights(self) -> dict:
@@ -257,10 +265,34 @@ class NativeDecoder:
         layer = self.layers[li]
         if self.matmul == "dense":
             return F.linear(x, layer[f"w_{name}"], layer[f"b_{name}"])
-        packed = self._packed_weights()["layers"][li][name]
+        if torch.compiler.is_compiling():  # packed weights are opaque to the compiler: one op runs them
+            return compiled_packed_linear(x, self.compile_key(), li, name, -1)
+        return self.packed_linear(li, name, x)
+
+    def packed_linear(self, li: int, name: str, x: torch.Tensor, expert: int = -1) -> torch.Tensor:
+        """x [..., in] times a packed weight: layer li's projection `name`; with `expert` >= 0 that routed expert's
+        'gate_up' or 'down'; li = -1: the output head ('lm_head', onednn only). Output in x's dtype."""
+        if li < 0:
+            return onednn_linear(x, self._packed_weights()["lm_head"], None)
+        packed = self._packed_weights()["layers"][li]
+        if expert >= 0:
+            return onednn_linear(x, packed["experts"][expert][name == "down"], None)
         if self.matmul == "int8":
-            return int8_linear(x, packed)
-        return onednn_linear(x, packed, layer[f"b_{name}"])
+            return int8_linear(x, packed[name])
+        return onednn_linear(x, packed[name], self.layers[li][f"b_{name}"])
+
+    def packed_out(self, li: int, name: str, expert: int = -1) -> int:
+        """The output width of packed_linear(li, name, ., expert)."""
+        if li < 0:
+            return self.lm_head.shape[0]
+        layer = self.layers[li]
+        return layer[f"experts_{name}"].shape[1] if expert >= 0 else layer[f"w_{name}"].shape[0]
+
+    def compile_key(self) -> str:
+        """This decoder's key for compiled_step.packed_linear (registered on first use)."""
+        if getattr(self, "_compile_key", None) is None:
+            self._compile_key = register_decoder(self)
+        return self._compile_key
 
     # ------------------------------------------------------------------ forward
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -269,15 +301,38 @@ class NativeDecoder:
     def _mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
         layer, s = self.layers[li], self.shape
         if s.layers[li].moe:
-            return moe_mlp(x, layer["router"], layer["experts_gate_up"], layer["experts_down"], s.experts_per_token,
-                           s.norm_topk_prob, self.act, record=self.route_log)
+            if torch.compiler.is_compiling():  # the dispatch reads group sizes on the host: one op the compiler calls
+                flat = x.reshape(-1, x.shape[-1])
+                weights, experts = route(flat, layer["router"], s.experts_per_token, s.norm_topk_prob)
+                return compiled_routed_experts(flat, weights, experts, self.compile_key(), li).view_as(x)
+            return moe_mlp(x, layer["router"], s.experts_per_token, s.norm_topk_prob, self._expert_mlp(li),
+                           record=self.route_log)
         gate, up = self._linear(li, "gate_up", x).chunk(2, dim=-1)
         return self._linear(li, "down", self.act(gate).mul_(up))
+
+    def routed_experts(self, li: int, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """MoE layer li's experts on tokens x [T, H] routed to `experts` with `weights` [T, k] -> [T, H]."""
+        return dispatch(x, weights, experts, self.shape.num_experts, self._expert_mlp(li))
+
+    def _expert_mlp(self, li: int):
+        """moe.py's expert_mlp for layer li: its oneDNN-packed (gate_up, down) expert pairs, or F.linear."""
+        layer = self.layers[li]
+        if self.matmul != "onednn":
+            return dense_experts(layer["experts_gate_up"], layer["experts_down"], self.act)
+
+        def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            gate, up = self.packed_linear(li, "gate_up", rows, expert).chunk(2, dim=-1)
+            return self.packed_linear(li, "down", self.act(gate) * up, expert)
+
+        return expert_mlp
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self._rms(h, self.norm)
         if self.matmul == "onednn":
-            logits = onednn_linear(h, self._packed_weights()["lm_head"], None)
+            if torch.compiler.is_compiling():
+                logits = compiled_packed_linear(h, self.compile_key(), -1, "lm_head", -1).float()
+            else:
+                logits = self.packed_linear(-1, "lm_head", h).float()
         else:
             logits = F.linear(h, self.lm_head).float()
         cap = self.shape.final_softcap

@@ -14,7 +14,8 @@ one uncapped call's; the groups' responses are padded to one width and joined in
 
 ``decode`` picks how step 2 runs: ``eager`` (the loop above, dynamic shapes; the default on CPU) or ``cuda_graph``
 (fixed-shape steps replayed as CUDA graphs, the default on GPUs: static_decode.py); ``static`` runs the fixed-shape
-step without graphs (for testing that path on CPU).
+step without graphs (for testing that path on CPU); ``compiled`` runs it compiled by torch.compile (compiled_step.py;
+chosen on CPU by ``graph``, which is veRL's ``enforce_eager=false``).
 """
 
 from __future__ import annotations
@@ -94,11 +95,11 @@ class NativeRollout(RolloutEngine):
 
     @classmethod
     def options_from_config(cls, rollout) -> dict:
-        """veRL's switches: enforce_eager -> decode ("eager", or "auto": CUDA graphs on GPUs); free_cache_engine ->
-        free the fixed-shape decode buffers after each generation."""
+        """veRL's switches: enforce_eager -> decode ("eager", or "graph": CUDA graphs on GPUs, the compiled step on
+        CPU); free_cache_engine -> free the fixed-shape decode buffers after each generation."""
         kwargs = {}
         if rollout.enforce_eager is not None:
-            kwargs["decode"] = "eager" if rollout.enforce_eager else "auto"
+            kwargs["decode"] = "eager" if rollout.enforce_eager else "graph"
         if rollout.free_cache_engine is not None:
             kwargs["free_cache_engine"] = bool(rollout.free_cache_engine)
         if rollout.tensor_model_parallel_size > 1:
@@ -166,8 +167,8 @@ class NativeRollout(RolloutEngine):
             raise ValueError(f"native rollout: max_num_seqs={max_num_seqs}; give a positive row cap or leave it unset")
         self.max_num_seqs = None if max_num_seqs is None else int(max_num_seqs)
         self._seed_source = torch.Generator().manual_seed(int(seed))
-        # prepack: on CPU in fp32, matmul weights in oneDNN's packed layout (onednn_linear.py); False: plain F.linear;
-        # None: packed from hidden size 256 up (where it was measured to pay)
+        # prepack: on CPU in fp32 (and bf16 where the CPU has bf16 units), matmul weights in oneDNN's packed layout
+        # (onednn_linear.py); False: plain F.linear; None: packed from hidden size 256 up (where it was measured to pay)
         # tensor_parallel_size > 1: this rank holds its TP slice of every weight (tensor_parallel.py)
         self.tensor_parallel = tp_group_of(tensor_parallel_size) if tensor_parallel_size > 1 else None
         if self.tensor_parallel is None:
@@ -185,9 +186,15 @@ class NativeRollout(RolloutEngine):
         loaded = {name for name, tensor in iter_checkpoint_tensors(model_path) if self.model.load(name, tensor)}
         if decode not in DECODE_MODES:
             raise ValueError(f"native rollout: decode={decode!r}; choose one of {list(DECODE_MODES)}")
+        if decode == "graph":  # the device's fixed-shape replay (veRL's enforce_eager=false): on CPU the compiled step
+            decode = "auto" if self.device.type == "cuda" else "compiled"
+            decode = "eager" if self.tensor_parallel is not None else decode  # TP collectives are not compiled
         if decode == "auto":  # MoE expert dispatch has data-dependent shapes, which a CUDA graph cannot replay
             decode = "cuda_graph" if self.device.type == "cuda" and not self.model.shape.moe else "eager"
             decode = "eager" if self.tensor_parallel is not None else decode  # TP collectives are not captured
+        if decode == "compiled" and self.tensor_parallel is not None:
+            raise ValueError("native rollout: decode='compiled' does not compile the tensor-parallel collectives; "
+                             "use decode='eager' (actor_rollout_ref.rollout.enforce_eager=true)")
         if decode == "cuda_graph" and self.tensor_parallel is not None:
             raise ValueError("native rollout: decode='cuda_graph' does not capture the tensor-parallel collectives; "
                              "use decode='eager' (actor_rollout_ref.rollout.enforce_eager=true)")
@@ -200,7 +207,8 @@ class NativeRollout(RolloutEngine):
                              f"{self.device.type}; use decode='eager' (or 'static' to test the fixed-shape step)")
         self.decode = decode
         self.free_cache_engine = bool(free_cache_engine)  # fixed-shape decode: drop its buffers after each call
-        self._graphs = GraphDecoder(self.model, capture=decode == "cuda_graph") if decode != "eager" else None
+        self._graphs = None if decode == "eager" else GraphDecoder(self.model, capture=decode == "cuda_graph",
+                                                                     compiled=decode == "compiled")
         # routing replay (R3): the experts of every token go out with the batch as `routed_experts` (moe.py)
         if record_routes and not self.model.shape.moe:
             raise ValueError(f"native rollout: routing replay records MoE routes, but {model_path} "

@@ -20,6 +20,8 @@ Buffers and graphs persist between ``generate`` calls (a training loop repeats t
 freed after generation on this path unless the engine has ``free_cache_engine=True`` (then the next call allocates
 and captures again). ``decode="eager"`` frees it and uses no graphs. ``decode="static"`` runs the same
 fixed-shape step without capturing it (any device): that is how the CPU tests check this path's arithmetic.
+``decode="compiled"`` runs the step compiled by torch.compile (compiled_step.py), the CPU counterpart of a graph;
+``decode="graph"`` is whichever of the two the device has (CUDA graphs on GPUs, compiled on CPU).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 __all__ = ["DECODE_MODES", "GraphDecoder", "StepBuffers", "bucket"]
 
-DECODE_MODES = ("auto", "eager", "static", "cuda_graph")
+DECODE_MODES = ("auto", "eager", "static", "compiled", "cuda_graph", "graph")
 _MIN_LENGTH = 64
 
 
@@ -81,8 +83,10 @@ class GraphDecoder:
 
     model: object  # NativeDecoder
     capture: bool
+    compiled: bool = False  # run the step compiled by inductor (compiled_step.py) instead of capturing it
     _buffers: dict[tuple[int, int], StepBuffers] = field(default_factory=dict)
     _pool: object | None = None
+    _compiled_step: object | None = None
 
     def buffers(self, rows: int, length: int) -> StepBuffers:
         key = (bucket(rows), bucket(length, _MIN_LENGTH))
@@ -123,7 +127,13 @@ class GraphDecoder:
         buffers.tokens[:r] = tokens
         buffers.positions[:r] = positions
         buffers.column.fill_(column)
-        if not self.capture:
+        if self.compiled:
+            if self._compiled_step is None:
+                from hybridflow.engines.rollout.compiled_step import compile_decode_step
+
+                self._compiled_step = compile_decode_step(self.model)
+            self._compiled_step(buffers)
+        elif not self.capture:
             self.model.decode_static(buffers)
         elif buffers.graph is None:
             self._capture(buffers)

@@ -204,7 +204,7 @@ class TensorParallelDecoder(NativeDecoder):
         """fp32 logits [..., V]: this rank's vocabulary slice of the output head, all-gathered."""
         h = self._rms(h, self.norm)
         if self.matmul == "onednn":
-            local = onednn_linear(h, self._packed_weights()["lm_head"], None)
+            local = onednn_linear(h, self._packed_weights()["lm_head"], None).float()
         else:
             local = F.linear(h, self.lm_head).float()
         parts = [torch.empty_like(local) for _ in range(self.tp.size)]
