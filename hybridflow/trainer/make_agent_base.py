@@ -28,7 +28,7 @@ _CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 # per task: SFT steps, learning rate, the longest demonstration (tokens), how its SFT rows are laid out (whole
 # conversations in `messages`, trained on every assistant turn; or one prompt -> next turn per row), its RL preset
-RECIPES = {"calculator": {"steps": 400, "lr": 3e-3, "max_length": 192, "layout": "conversation",
+RECIPES = {"calculator": {"steps": 480, "lr": 3e-3, "max_length": 192, "layout": "conversation",
                           "preset": os.path.join(_CONFIG_DIR, "agent_calculator_grpo.yaml")},
            "guess_number": {"steps": 400, "lr": 3e-3, "max_length": 256, "layout": "turns",
                             "preset": os.path.join(_CONFIG_DIR, "agent_guess_number_grpo.yaml")}}
