@@ -60,7 +60,7 @@ def test_the_key_reaches_native_and_vllm_and_is_checked():
 
     rollout = load_config(["actor_rollout_ref.rollout.max_num_seqs=64"]).actor_rollout_ref.rollout
     assert rollout_engine_kwargs(rollout) == {"max_num_seqs": 64}
-    with pytest.raises(ConfigError, match=r"max_num_seqs=2 is below rollout\.n=4"):
+    with pytest.raises(ConfigError, match=r"max_num_seqs=2 is below actor_rollout_ref\.rollout\.n=4"):
         load_config(["actor_rollout_ref.rollout.max_num_seqs=2", "actor_rollout_ref.rollout.n=4"])
     with pytest.raises(ConfigError, match=r"max_num_seqs has no effect with actor_rollout_ref\.rollout\.name=hf"):
         load_config(["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.max_num_seqs=8"])

@@ -22,7 +22,7 @@ _DATA_FIELDS = {"reward_model.ground_truth", "reward_model.style"}
 # Messages of the training engine name keys of its own EngineConfig ("optim.lr" = EngineConfig.optim.lr).
 _ENGINE_DIRS = ("engines/",)
 # The table of veRL's own key names (those hybridflow renames or refuses): by design not hybridflow keys.
-_VERL_NAME_TABLES = ("trainer/verl_keys.py",)
+_VERL_NAME_TABLES = ("trainer/verl_keys.py", "trainer/verl_micro_batch.py")
 
 
 def _engine_optim_keys() -> set[str]:

@@ -120,8 +120,9 @@ class NativeRollout(RolloutEngine):
         errors = super().config_errors(rollout)
         cap = getattr(rollout, "max_num_seqs", None)
         if cap is not None and cap < rollout.n:
-            errors.append(f"actor_rollout_ref.rollout.max_num_seqs={cap} is below rollout.n={rollout.n}: the native "
-                          "engine decodes a prompt's n samples together (they share its K/V); give at least n")
+            errors.append(f"actor_rollout_ref.rollout.max_num_seqs={cap} is below actor_rollout_ref.rollout.n="
+                          f"{rollout.n}: the native engine decodes a prompt's n samples together (they share its "
+                          "K/V); give at least n")
         return errors
 
     def __init__(
