@@ -6,7 +6,10 @@ Three small things the step (and validation) do differently when rows are episod
     row in ``non_tensor_batch``, next to its tensors;
   * ``AgentRewardFn``: the reward manager scores each row with ``extra_info`` extended by the episode's
     ``turns`` (the conversation), ``tool_calls``, ``num_turns``, ``termination`` and ``env_reward``, then the
-    environment's reward is added to the score (``scores`` and the last generated token of ``token_level_scores``).
+    environment's reward is added to the score (``scores``); in ``token_level_scores`` each environment step's reward
+    sits on the last token of the turn it scored (``turn_rewards``: per-token credit for GAE), the rest (the final
+    ``get_reward``, the user's score, a failure reward) on the last generated token. Row sums are the same either way,
+    so outcome estimators (GRPO, RLOO, ...) see the same returns.
     ``reward/env_reward_mean`` and ``reward/user_score_mean`` are logged apart.
 """
 
@@ -67,6 +70,26 @@ def _extra_info(batch: DataProto) -> np.ndarray:
     return out
 
 
+def place_turn_rewards(token_scores: torch.Tensor, mask: torch.Tensor, turn_rewards: Any, terminations: Any,
+                       rows: torch.Tensor) -> torch.Tensor:
+    """Add each step reward of `turn_rewards` (per row: [(response position, reward), ...]) to `token_scores
+    [B, R]` at its position; returns ``[B]`` what was placed (0 for rows without, or whose environment failed: their
+    failure reward replaces the steps' rewards). A position past the row's generated tokens goes to the last one."""
+    placed = torch.zeros(token_scores.shape[0], dtype=token_scores.dtype)
+    if turn_rewards is None:
+        return placed
+    for i in rows.tolist():
+        if str(terminations[i]) == "env_error":
+            continue
+        entries = turn_rewards[i]
+        for position, reward in (() if entries is None else entries):
+            position = int(position)
+            if 0 <= position < mask.shape[1] and mask[i, position]:
+                token_scores[i, position] += float(reward)
+                placed[i] += float(reward)
+    return placed
+
+
 class AgentRewardFn:
     """Wraps a reward manager: episode records in extra_info for compute_score, plus the environment's reward.
     Rows without episode columns are scored as they are."""
@@ -98,6 +121,7 @@ class AgentRewardFn:
         has = mask.any(-1)
         last = (mask.shape[1] - 1) - mask.flip(-1).long().argmax(-1)  # the last generated token of each row
         rows = torch.nonzero(has, as_tuple=True)[0]
-        result.token_level_scores[rows, last[rows]] += env[rows]
+        placed = place_turn_rewards(result.token_level_scores, mask, nt.get("turn_rewards"), nt["termination"], rows)
+        result.token_level_scores[rows, last[rows]] += env[rows] - placed[rows]
         result.metrics["reward/score_mean"] = float(result.scores.mean()) if len(env) else 0.0
         return result
