@@ -133,7 +133,29 @@ def _decode_sdpa_order(q, cache, layer, rows, bias, length, scale, softcap=None)
     return _normalise_last(scores, weighted)
 
 
+def _decode_sdpa(q, cache, layer, rows, bias, length, scale, softcap=None):
+    """torch's SDPA itself on each row's keys (its prompt's, gathered, then its own): the training engine's kernel."""
+    r, kv, G, D = q.shape
+    if softcap is not None:
+        raise SystemExit("attention=sdpa: no soft-capping")
+    if not cache.shared:
+        end = cache.offset + length
+        keys, values = cache.keys[layer][:r, :, :end], cache.values[layer][:r, :, :end]
+        mask = bias.view(r, kv, 1, end)[:, :1]
+    else:
+        prompt_bias, own_bias = bias
+        index = rows.prompt_index[:r]
+        keys = torch.cat((cache.prompt_keys[layer][index], cache.keys[layer][:r, :, :length]), dim=2)
+        values = torch.cat((cache.prompt_values[layer][index], cache.values[layer][:r, :, :length]), dim=2)
+        own = torch.zeros(1, 1, 1, length, dtype=q.dtype) if own_bias is None else own_bias
+        mask = torch.cat((prompt_bias, own.expand(r, 1, 1, length)), dim=-1)
+    out = torch.nn.functional.scaled_dot_product_attention(q.reshape(r, kv * G, 1, D), keys, values, attn_mask=mask,
+                                                           scale=scale, enable_gqa=True)
+    return out.reshape(r, kv, G, D)
+
+
 PATCHES = {
+    ("attention", "sdpa"): (native_model, "decode_attention", _decode_sdpa),
     ("rope", "hf"): (native_model, "_rotate", _rotate_hf),
     ("attention", "sdpa_order"): (native_model, "decode_attention", _decode_sdpa_order),  # (variant key, value) -> (module, attribute, replacement); absent: the shipped code
     ("rope", "addcmul"): (native_model, "_rotate", _rotate_addcmul),
