@@ -10,7 +10,7 @@ mismatch in: train mode, with grad) and, with --fp64, with the HF model in float
     .venv/bin/python benchmarks/logprob_mismatch_sources.py --model DIR --variants default,prepack=false --fp64
 
 A variant is comma-free ``key=value`` pairs joined by ``+``: prepack=true|false, rope=hf|addcmul,
-attention=sdpa_order|softmax_first. ``default`` is the engine as shipped.
+attention=sdpa_order|softmax_first|sdpa (torch SDPA per row). ``default`` is the engine as shipped.
 """
 
 from __future__ import annotations
