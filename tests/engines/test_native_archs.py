@@ -106,10 +106,31 @@ def ref_engine(path: str, role: str = "ref") -> FSDPEngine:
                                    micro_batch_size_per_gpu=4))
 
 
+def fp64_log_probs(engine: FSDPEngine, out, temperature: float) -> torch.Tensor:
+    """The rollout's tokens scored by the engine's current weights in float64: [B, R], the values both fp32 engines
+    approximate."""
+    hf = engine.model.hf
+    exact = AutoModelForCausalLM.from_config(hf.config, experts_implementation="eager").double().eval()  # MoE: no fp64 grouped_mm
+    exact.load_state_dict({name: t.detach().double() for name, t in hf.state_dict().items()})
+    b = out.batch
+    R = b["responses"].shape[1]
+    with torch.no_grad():
+        logits = exact(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"]).logits[:, -R - 1:-1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, b["responses"][..., None]).squeeze(-1)
+
+
 def assert_log_probs_match(out, engine: FSDPEngine, temperature: float, tol: float = 1e-5) -> dict:
+    """max |native - training engine| <= tol, or, where the training engine's own fp32 error (max |train - fp64|)
+    is larger than tol, no larger than that: on these wide-init models it reaches 2e-5, and a bound below it
+    measures which rounding noise a run happens to draw, not the decoder."""
     train = engine.compute_log_prob(out, temperature=temperature)["log_probs"]
-    stats = logprob_mismatch(out.batch["rollout_log_probs"], train, out.batch["response_mask"])
-    assert stats["mismatch/max_abs"] <= tol, stats
+    mask = out.batch["response_mask"]
+    stats = logprob_mismatch(out.batch["rollout_log_probs"], train, mask)
+    own = logprob_mismatch(train, fp64_log_probs(engine, out, temperature), mask)["mismatch/max_abs"]
+    stats["train_vs_fp64/max_abs"] = own
+    # Gemma 2's fp64 eager forward gives NaN at some of these positions: there the plain tol
+    assert stats["mismatch/max_abs"] <= (max(tol, own) if math.isfinite(own) else tol), stats
     return stats
 
 

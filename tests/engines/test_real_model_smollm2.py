@@ -88,7 +88,12 @@ def test_one_grpo_step_with_the_real_model(smollm2, arithmetic_files, tmp_path):
     assert result.global_step == 1
     row = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][-1]
     print("rollout/mismatch_max_abs", row["rollout/mismatch_max_abs"], "mean", row["rollout/mismatch_mean_abs"])
-    assert math.isfinite(row["actor/pg_loss"]) and row["rollout/mismatch_max_abs"] < 1e-4
+    # Measured here (2 cores, AVX-512): max 2.3e-5, mean 6.9e-6 with the default oneDNN-packed matmuls (1.5e-5 /
+    # 4.1e-6 with F.linear). Not the 1e-5 of issue #24: over 498 sampled tokens of this model the training engine's
+    # own fp32 error (max |train - fp64|) is 2.1e-5, each side's rounding alone is that large (benchmarks/
+    # logprob_mismatch_sources.py; docs/benchmarks.md, SmolLM2).
+    assert math.isfinite(row["actor/pg_loss"])
+    assert row["rollout/mismatch_max_abs"] < 4e-5 and row["rollout/mismatch_mean_abs"] < 1.2e-5
 
 
 def test_bad_gguf_files_are_named(tmp_path):

@@ -69,13 +69,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     """Rotary embedding on the first cos.shape[-1] features of x: x*cos + rotate_half(x)*sin, the rest unchanged.
 
     rotate_half(x) = roll(x)*sign with the sign folded into signed_sin: bitwise equal to transformers' form, since
-    (-a)*b == a*(-b) in IEEE arithmetic.
+    (-a)*b == a*(-b) in IEEE arithmetic. Two products and a sum, in transformers' order: a fused ``addcmul`` rounds
+    differently, and that alone kept the fp32 prefill from being bitwise equal to the training engine's forward.
     """
     dim = cos.shape[-1]
     if dim == x.shape[-1]:
-        return torch.addcmul(x * cos, torch.roll(x, dim // 2, dims=-1), signed_sin)
+        return x * cos + torch.roll(x, dim // 2, dims=-1) * signed_sin
     rot = x[..., :dim]
-    return torch.cat((torch.addcmul(rot * cos, torch.roll(rot, dim // 2, dims=-1), signed_sin), x[..., dim:]), -1)
+    return torch.cat((rot * cos + torch.roll(rot, dim // 2, dims=-1) * signed_sin, x[..., dim:]), -1)
 
 
 class NativeDecoder:
