@@ -2,7 +2,7 @@
 training engines' tensor / Ulysses sequence parallelism (``<role>.fsdp_config.tensor_model_parallel_size``,
 ``<role>.ulysses_sequence_parallel_size``).
 
-`layout_errors` judges the rollout numbers alone (called by config.validate_config); `model_layout_errors` also reads
+`layout_errors` judges the rollout numbers alone (called by config_checks.config_errors); `model_layout_errors` also reads
 the model's config (heads, KV heads, MLP width; called by preflight); `model_parallel_errors` checks each training
 engine's sizes (the engine repeats them when it builds its mesh). Each message names the numbers and what to change.
 """

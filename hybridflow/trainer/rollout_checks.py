@@ -1,7 +1,7 @@
 """Start-up checks of the rollout's placement and mode (``hybrid_engine``, ``rollout.nnodes/n_gpus_per_node``,
 ``trainer.rollout_mode``, staleness) and of the off-policy corrections (``algorithm.rollout_correction``).
 
-Called by config.validate_config; each message names the key and what to change.
+Called by config_checks.config_errors; each message names the key and what to change.
 """
 
 from __future__ import annotations
