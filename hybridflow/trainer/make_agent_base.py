@@ -21,30 +21,55 @@ import tempfile
 import time
 
 from hybridflow.data.tasks.agent_tasks import TASKS
-from hybridflow.engines.tiny import write_tiny_model
+from hybridflow.engines.tiny import SIZES, write_tiny_model
 from hybridflow.trainer.make_base_model import BASE_SPEC
 
-# per task: SFT steps, learning rate, the longest demonstration (tokens)
-RECIPES = {"calculator": {"steps": 300, "lr": 3e-3, "max_length": 160},
-           "guess_number": {"steps": 400, "lr": 3e-3, "max_length": 256}}
+_CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
+
+# per task: SFT steps, learning rate, the longest demonstration (tokens), how its SFT rows are laid out (whole
+# conversations in `messages`, trained on every assistant turn; or one prompt -> next turn per row), its RL preset
+RECIPES = {"calculator": {"steps": 400, "lr": 3e-3, "max_length": 192, "layout": "conversation",
+                          "preset": os.path.join(_CONFIG_DIR, "agent_calculator_grpo.yaml")},
+           "guess_number": {"steps": 400, "lr": 3e-3, "max_length": 256, "layout": "turns",
+                            "preset": os.path.join(_CONFIG_DIR, "agent_guess_number_grpo.yaml")}}
+SIZE_NAMES = ("base", *SIZES)  # base: the built-in task's shape (make_base_model.BASE_SPEC)
 
 
 def make_agent_base(task: str, data_dir: str, out_dir: str, *, steps: int | None = None, seed: int = 0,
                     batch_size: int = 64, threads: int | None = None, init: str | None = None,
-                    lr: float | None = None, task_kwargs: dict | None = None) -> dict:
-    """`init`: continue from this model instead of a random-init one (a second SFT stage)."""
+                    lr: float | None = None, task_kwargs: dict | None = None, size: str = "base",
+                    eval_every: int = 0, evaluate: bool = False) -> dict:
+    """`init`: continue from this model instead of a random-init one of `size` (a second SFT stage).
+    `eval_every`: measure the held-out numbers (agent_eval.agent_heldout, the preset's sampling) every that many
+    steps (``probes`` in the result); `evaluate`: also measure the final base (``heldout``)."""
     from hybridflow.trainer.sft_trainer import load_sft_config, run_sft
 
+    if size not in SIZE_NAMES:
+        raise ValueError(f"make_agent_base: unknown size {size!r}; choose one of {list(SIZE_NAMES)}")
     recipe = dict(RECIPES[task])
     steps = steps or recipe["steps"]
     files = TASKS[task](data_dir, seed=seed, **dict(task_kwargs or {}))
     work = tempfile.mkdtemp(prefix=f"hybridflow-{task}-base-")
     start = time.perf_counter()
+    probes: list[dict] = []
+
+    def heldout(model_dir: str) -> dict:
+        from hybridflow.trainer.agent_eval import agent_heldout
+
+        return agent_heldout(model_dir, files["val"], recipe["preset"], seed=seed)
+
+    def probe(model_dir: str, step: int) -> bool:
+        probes.append({"step": step, "wall_s": round(time.perf_counter() - start, 1), **heldout(model_dir)})
+        print(f"SFT step {step}: held-out {json.dumps(probes[-1])}", flush=True)
+        return False
+
+    layout = (["data.multiturn.enable=true", "data.multiturn.messages_key=messages"]
+              if recipe["layout"] == "conversation" else ["data.prompt_key=prompt", "data.response_key=response"])
     try:
         lr = lr or recipe["lr"]
-        init = init or write_tiny_model(os.path.join(work, "init"), BASE_SPEC, seed=seed)
+        init = init or write_tiny_model(os.path.join(work, "init"), BASE_SPEC if size == "base" else size, seed=seed)
         cfg = load_sft_config([
-            f"data.train_files={files['sft']}", "data.prompt_key=prompt", "data.response_key=response",
+            f"data.train_files={files['sft']}", *layout,
             f"data.max_length={recipe['max_length']}", f"data.train_batch_size={batch_size}",
             f"data.micro_batch_size_per_gpu={batch_size}", f"model.path={init}", f"optim.lr={lr}",
             f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={os.path.join(work, 'sft')}",
@@ -52,14 +77,16 @@ def make_agent_base(task: str, data_dir: str, out_dir: str, *, steps: int | None
             "optim.lr_scheduler_type=cosine", "optim.warmup_ratio=0.02",
             *([f"trainer.num_threads_per_worker={threads}"] if threads else []),
         ])
-        summary = run_sft(cfg)
+        summary = run_sft(cfg, eval_every=eval_every, stop_when=probe if eval_every else None)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         shutil.copytree(summary["model_dir"], out_dir)
-        info = {"task": task, "init": init if init and "hybridflow-" not in init else "random", "sft_steps": summary["steps"],
-                "batch_size": batch_size, "lr": lr,
-                "seed": seed, "final_nll": summary["final_nll"], "wall_s": round(time.perf_counter() - start, 1),
-                "data": files}
+        info = {"task": task, "init": init if init and "hybridflow-" not in init else "random", "size": size,
+                "sft_steps": summary["steps"], "batch_size": batch_size, "lr": lr, "seed": seed,
+                "final_nll": summary["final_nll"], "wall_s": round(time.perf_counter() - start, 1),
+                "task_kwargs": dict(task_kwargs or {}), "data": files, "probes": probes}
+        if evaluate:
+            info["heldout"] = heldout(out_dir)
         with open(os.path.join(out_dir, "hybridflow_base.json"), "w") as f:
             json.dump(info, f, indent=1)
         return info
@@ -78,10 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init", default=None, help="continue SFT from this model folder (default: random init)")
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--task-kwargs", type=json.loads, default=None,
-                   help='options of the data generator as JSON, e.g. \'{"answer_repeats": 1}\'')
+                   help='options of the data generator as JSON, e.g. \'{"tool_fraction": 0.3}\'')
+    p.add_argument("--size", default="base", choices=SIZE_NAMES, help="random-init model shape (default: base)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="measure held-out accuracy / tool-call rate every N SFT steps (agent_eval, the preset's sampling)")
+    p.add_argument("--evaluate", action="store_true", help="measure the finished base the same way (hybridflow_base.json)")
     a = p.parse_args(argv)
     info = make_agent_base(a.task, a.data_dir, a.out, steps=a.steps, seed=a.seed, threads=a.threads, init=a.init,
-                           lr=a.lr, task_kwargs=a.task_kwargs)
+                           lr=a.lr, task_kwargs=a.task_kwargs, size=a.size, batch_size=a.batch_size,
+                           eval_every=a.eval_every, evaluate=a.evaluate)
     print(json.dumps(info, indent=1))
     return 0
 

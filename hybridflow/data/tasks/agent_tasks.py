@@ -1,18 +1,19 @@
 """The two built-in agent tasks: prompt files (veRL's schema) for RL and demonstration files for SFT.
 
-* ``calculator`` (data_source ``hybridflow/agent_calculator``): multiply two 3-digit numbers. A tiny model cannot do
-  it in its head, but can with the ``calculator`` tool (hybridflow.agents.builtin:calculator). The demonstrations
-  call the tool for a fraction ``tool_fraction`` of the problems (a ``<tool_call>`` turn, then ``#### <result>``
-  after the tool's answer) and answer directly otherwise, so the SFT base calls the tool only sometimes; the direct
-  answers are right in the demonstrations but a tiny model only imitates their shape. The verifier reads the last
-  ``#### N`` of the generated text.
+* ``calculator`` (data_source ``hybridflow/agent_calculator``): multiply two 3-digit numbers whose product has 6
+  digits. A tiny model cannot do it in its head, but can with the ``calculator`` tool
+  (hybridflow.agents.builtin:calculator). The demonstrations call the tool for a fraction ``tool_fraction`` of the
+  problems (a ``<tool_call>`` turn, then ``#### <result>`` after the tool's answer) and answer directly otherwise,
+  so the SFT base calls the tool only sometimes; the direct answers are right in the demonstrations but a tiny model
+  only imitates their shape. The verifier reads the last ``#### N`` of the generated text.
 * ``guess_number`` (data_source ``hybridflow/agent_guess_number``): find a hidden integer in ``[low, high]`` from
   "higher"/"lower" answers (hybridflow.agents.builtin.GuessNumberEnv, which gives the reward). The demonstrations
   are games played by a mix of players: bisection (fraction ``bisect_fraction``), a player guessing at random
   within the interval still possible, and one guessing at random in the whole range; each turn of each game is one
   SFT example (the conversation so far -> the next guess).
 
-SFT files hold ``prompt`` (chat messages) and ``response`` (the next assistant turn); RL files hold ``prompt``,
+SFT files hold ``messages`` (calculator: whole conversations) or ``prompt`` (chat messages) and ``response`` (the
+next assistant turn; guess_number); RL files hold ``prompt``,
 ``reward_model.ground_truth`` and ``extra_info``. Validation problems never appear in the training files.
 
     python -m hybridflow.data.tasks.agent_tasks calculator --out-dir data/agent_calculator
@@ -45,18 +46,28 @@ def _user(text: str) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------------------------- calculator
-def generate_calculator_task(out_dir: str, *, num_train: int = 4000, num_val: int = 256, num_sft: int = 6000,
-                             tool_fraction: float = 0.4, answer_repeats: int = 3, seed: int = 0) -> dict[str, str]:
-    """Write train/val (RL) and sft parquet files under `out_dir`; returns their paths. `answer_repeats`: how
-    often each "tool result -> #### result" example appears (copying the result is what a tiny model learns
-    last; the first turn's mix, which sets how often the base calls the tool, is unchanged by it)."""
+def generate_calculator_task(out_dir: str, *, num_train: int = 4000, num_val: int = 256, num_sft: int = 20000,
+                             tool_fraction: float = 0.4, digits: int = 3, min_product: int | None = None,
+                             seed: int = 0) -> dict[str, str]:
+    """Write train/val (RL) and sft parquet files under `out_dir`; returns their paths.
+
+    Problems are ``a*b`` with `digits`-digit operands and a product of at least `min_product` (default
+    ``10 ** (2 * digits - 1)``: every product has ``2 * digits`` digits, so the tool's result and the answer sit
+    at the same distance from each other in every episode, which is what lets a 2-layer model learn to copy it).
+    SFT rows are whole conversations (``messages``: user, assistant tool call, tool result, assistant answer; or
+    user, direct answer), trained on the assistant turns (``data.multiturn``)."""
     rng = random.Random(seed)
     seen: set[tuple[int, int]] = set()
+    low, high = 10 ** (digits - 1), 10 ** digits - 1
+    min_product = 10 ** (2 * digits - 1) if min_product is None else int(min_product)
+    if min_product > high * high:
+        raise ValueError(f"calculator task: min_product={min_product} is above the largest product {high * high} "
+                         f"of {digits}-digit numbers")
 
     def problem() -> tuple[int, int]:
         while True:
-            a, b = rng.randint(100, 999), rng.randint(100, 999)
-            if (a, b) not in seen:
+            a, b = rng.randint(low, high), rng.randint(low, high)
+            if a * b >= min_product and (a, b) not in seen:
                 seen.add((a, b))
                 return a, b
 
@@ -74,11 +85,10 @@ def generate_calculator_task(out_dir: str, *, num_train: int = 4000, num_val: in
         q = f"{a}*{b}"
         if rng.random() < tool_fraction:
             call = tool_call_text("calculator", {"expression": q})
-            sft.append({"prompt": [_user(q)], "response": call})
-            sft += [{"prompt": [_user(q), {"role": "assistant", "content": call},
-                                {"role": "tool", "content": str(a * b)}], "response": f"#### {a * b}"}] * answer_repeats
+            messages = [_user(q), {"role": "assistant", "content": call}, {"role": "tool", "content": str(a * b)}]
         else:
-            sft.append({"prompt": [_user(q)], "response": f"#### {a * b}"})
+            messages = [_user(q)]
+        sft.append({"messages": [*messages, {"role": "assistant", "content": f"#### {a * b}"}]})
     os.makedirs(out_dir, exist_ok=True)
     return {"train": write_rows(train, os.path.join(out_dir, "train.parquet")),
             "val": write_rows(val, os.path.join(out_dir, "val.parquet")),
