@@ -130,6 +130,7 @@ register_scorer(["countdown", "Jiayi-Pan/Countdown-Tasks-3to4"], countdown_score
 register_scorer(["hybridflow/arithmetic"], arithmetic_score)
 register_scorer(["hybridflow/agent_calculator"], arithmetic_score)  # the last "#### N" of the generated turns
 register_scorer(["hybridflow/agent_guess_number"], environment_score)
+register_scorer(["textarena/*"], environment_score)  # textarena games (agents/adapters/textarena_env.py) give the reward
 CODE_DATA_SOURCES = ("code", "codecontests", "apps", "taco")  # scored by running the response against test cases
 register_scorer(list(CODE_DATA_SOURCES), code_score)
 register_scorer(["reasoning_gym/*"], reasoning_gym_score)  # every task, by the task's own score_answer

@@ -145,7 +145,14 @@ def generate_guess_number_task(out_dir: str, *, low: int = 1, high: int = 20, nu
             "sft": write_rows(sft, os.path.join(out_dir, "sft.parquet"))}
 
 
-TASKS = {"calculator": generate_calculator_task, "guess_number": generate_guess_number_task}
+def _textarena_guess_number(out_dir: str, **kwargs: Any) -> dict[str, str]:
+    from hybridflow.data.tasks.textarena_tasks import generate_textarena_guess_number_task  # imports textarena
+
+    return generate_textarena_guess_number_task(out_dir, **kwargs)
+
+
+TASKS = {"calculator": generate_calculator_task, "guess_number": generate_guess_number_task,
+         "textarena_guess_number": _textarena_guess_number}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
