@@ -11,8 +11,11 @@ played as-is through hybridflow.agents.adapters.textarena_env.TextArenaEnvironme
   ``max_tool_response_length`` / ``tool_response_truncate_side`` (default 28, kept side "right": the game's
   508-character first prompt becomes its last 28 characters, its 27-28-character answers stay whole), so the base learns the library's own text. The player guesses ``[k]`` (the game's format):
   the middle of the interval still possible with probability ``bisect_prob`` per turn, else a random number in it;
-  it never repeats a guess (textarena counts a repeat as an invalid move). A game the player does not finish within
-  `max_turns` guesses (the preset's ``max_assistant_turns``) is kept as played.
+  it never repeats a guess (textarena counts a repeat as an invalid move). The game is made with
+  ``max_turns = max_assistant_turns - 1`` (textarena ends it after max_turns + 1 guesses): every episode ends by the
+  game's own rules with the game's reward - 1 for a win, else the closeness of the last guess ("percentage
+  completion"). Cut by the loop's turn limit instead, a lost episode would score 0, below what an invalid move
+  (which also ends the game with the closeness reward) earns, and RL learns to end games with invalid moves.
 
     python -m hybridflow.trainer.make_agent_base textarena_guess_number --data-dir D --out M
 """
@@ -39,22 +42,23 @@ def _truncate(tokenizer: Any, text: str, max_tokens: int | None, side: str) -> s
     return truncate_text(tokenizer, text, max_tokens, side=side)[0]
 
 
-def hidden_number(seed: int) -> int:
+def hidden_number(seed: int, make_kwargs: dict[str, Any] | None = None) -> int:
     """The number textarena's game hides after ``reset(seed=seed)`` (read from the game's state)."""
     from hybridflow.agents.adapters.textarena_env import TextArenaEnvironment
 
-    env = TextArenaEnvironment(ENV_ID)
+    env = TextArenaEnvironment(ENV_ID, make_kwargs=make_kwargs)
     env.reset(seed=seed)
     return int(env.env.state.game_state["game_number"])
 
 
 def demonstration(seed: int, rng: random.Random, tokenizer: Any, *, max_tokens: int | None, side: str,
-                  bisect_prob: float, max_turns: int) -> tuple[list[dict[str, str]], float | None]:
-    """Play one game on the real environment -> (messages as the agent loop renders them, the env's reward or None
-    when the game was not over within `max_turns` guesses)."""
+                  bisect_prob: float, max_turns: int, make_kwargs: dict[str, Any] | None = None,
+                  ) -> tuple[list[dict[str, str]], float | None]:
+    """Play one game on the real environment (``textarena.make(ENV_ID, **make_kwargs)``) -> (messages as the agent
+    loop renders them, the env's reward or None when the game was not over within `max_turns` guesses)."""
     from hybridflow.agents.adapters.textarena_env import TextArenaEnvironment
 
-    env = TextArenaEnvironment(ENV_ID)
+    env = TextArenaEnvironment(ENV_ID, make_kwargs=make_kwargs)
     first = env.reset(seed=seed)
     messages = [{"role": "user", "content": PROMPT + _truncate(tokenizer, first, max_tokens, side)}]
     lo, hi, reward = 1, 20, None
@@ -82,10 +86,13 @@ def demonstration(seed: int, rng: random.Random, tokenizer: Any, *, max_tokens: 
 def generate_textarena_guess_number_task(out_dir: str, *, num_train: int = 2000, num_val: int = 128,
                                          num_sft_games: int = 6000, bisect_prob: float = 0.5, max_turns: int = 6,
                                          max_observation_tokens: int | None = 28, truncate_side: str = "right",
-                                         seed: int = 0) -> dict[str, str]:
+                                         make_kwargs: dict[str, Any] | None = None, seed: int = 0) -> dict[str, str]:
     """Write train/val (RL) and sft parquet files under `out_dir`; returns their paths. `max_observation_tokens` /
     `truncate_side` must be the preset's ``max_tool_response_length`` / ``tool_response_truncate_side`` (character
-    tokenizer: tokens = characters), `max_turns` its ``max_assistant_turns``."""
+    tokenizer: tokens = characters), `max_turns` its ``max_assistant_turns``, `make_kwargs` its
+    ``environment_kwargs.make_kwargs`` (default ``{"max_turns": max_turns - 1}``: textarena's game ends after
+    ``max_turns + 1`` guesses, so the game itself ends at the loop's last turn and pays its own reward)."""
+    make_kwargs = {"max_turns": max_turns - 1} if make_kwargs is None else dict(make_kwargs)
     from hybridflow.engines.tiny import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
@@ -97,13 +104,14 @@ def generate_textarena_guess_number_task(out_dir: str, *, num_train: int = 2000,
     def rl_row(i: int, game_seed: int, split: str) -> dict[str, Any]:
         # ground truth: the number textarena hides for this seed (for the sample viewer; the env gives the reward)
         return {"data_source": TEXTARENA_SOURCE, "prompt": [{"role": "user", "content": PROMPT}], "ability": "game",
-                "reward_model": {"style": "env", "ground_truth": str(hidden_number(game_seed))},
+                "reward_model": {"style": "env", "ground_truth": str(hidden_number(game_seed, make_kwargs))},
                 "extra_info": {"index": i, "split": split, "seed": game_seed}}
 
     val = [rl_row(i, _VAL_SEED0 + i, "val") for i in range(num_val)]
     train = [rl_row(i, i, "train") for i in range(num_train)]
     sft = [{"messages": demonstration(num_train + g, rng, tokenizer, max_tokens=max_observation_tokens,
-                                      side=truncate_side, bisect_prob=bisect_prob, max_turns=max_turns)[0]}
+                                      side=truncate_side, bisect_prob=bisect_prob, max_turns=max_turns,
+                                      make_kwargs=make_kwargs)[0]}
            for g in range(num_sft_games)]
     os.makedirs(out_dir, exist_ok=True)
     return {"train": write_rows(train, os.path.join(out_dir, "train.parquet")),
