@@ -33,9 +33,11 @@ def _preset_limits() -> tuple[int, str, int, dict]:
 
 def test_demonstrations_are_what_the_loop_sees_on_the_real_game(tiny_lm, tmp_path):
     model, tok = tiny_lm
-    max_obs, side, max_turns, make_kwargs = _preset_limits()
-    # the game ends on the loop's last turn by its own rules (textarena stops after max_turns + 1 guesses)
-    assert make_kwargs == {"max_turns": max_turns - 1}
+    max_obs, side, assistant_turns, make_kwargs = _preset_limits()
+    # every episode ends by the game's own rules: textarena stops after max_turns + 1 guesses, and one invalid move
+    # (a warning, no turn taken) fits in the loop's limit too
+    max_turns = make_kwargs["max_turns"] + 1
+    assert assistant_turns == max_turns + 1
     num_train = 6
     files = generate_textarena_guess_number_task(str(tmp_path), num_train=num_train, num_val=4, num_sft_games=5,
                                                  max_observation_tokens=max_obs, truncate_side=side,
@@ -50,7 +52,7 @@ def test_demonstrations_are_what_the_loop_sees_on_the_real_game(tiny_lm, tmp_pat
     for g, demo in enumerate(demos):
         moves = iter([m["content"] for m in demo if m["role"] == "assistant"])
         gen = ScriptedGenerator(model, tok, lambda context, moves=moves: next(moves))
-        cfg = AgentLoopConfig(max_assistant_turns=max_turns, max_response_tokens=1024, max_observation_tokens=max_obs,
+        cfg = AgentLoopConfig(max_assistant_turns=assistant_turns, max_response_tokens=1024, max_observation_tokens=max_obs,
                               observation_truncate_side=side)
         loop = AgentLoop(gen, tok, cfg, env_factory=lambda: TextArenaEnvironment(ENV_ID, make_kwargs=make_kwargs))
         (ep,) = loop.run_sync([{"prompt": [{"role": "user", "content": PROMPT}], "seed": num_train + g}])
@@ -71,10 +73,10 @@ def test_one_grpo_step_with_the_textarena_environment(ray_session, tiny_model_pa
     mt = "actor_rollout_ref.rollout.multi_turn"
     cfg = load_config(tiny_run_overrides(
         (files["train"], files["val"]), tiny_model_path, run_dir,
-        "data.return_raw_chat=true", "data.max_prompt_length=96", "data.max_response_length=160",
+        "data.return_raw_chat=true", "data.max_prompt_length=96", "data.max_response_length=224",
         f"{mt}.enable=true", f"{mt}.environment=textarena",
-        f"{mt}.environment_kwargs={{env_id: {ENV_ID}, make_kwargs: {{max_turns: 2}}}}",  # the game: 3 guesses
-        f"{mt}.max_assistant_turns=3", f"{mt}.max_tokens_per_turn=6", f"{mt}.max_tool_response_length=28",
+        f"{mt}.environment_kwargs={{env_id: {ENV_ID}, make_kwargs: {{max_turns: 2}}}}",  # 3 guesses + 1 invalid
+        f"{mt}.max_assistant_turns=4", f"{mt}.max_tokens_per_turn=6", f"{mt}.max_tool_response_length=28",
         f"{mt}.tool_response_truncate_side=right", "actor_rollout_ref.rollout.name=native",
         "trainer.backend=ray", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=1",
         "trainer.log_samples_freq=1",

@@ -11,8 +11,9 @@ played as-is through hybridflow.agents.adapters.textarena_env.TextArenaEnvironme
   ``max_tool_response_length`` / ``tool_response_truncate_side`` (default 28, kept side "right": the game's
   508-character first prompt becomes its last 28 characters, its 27-28-character answers stay whole), so the base learns the library's own text. The player guesses ``[k]`` (the game's format):
   the middle of the interval still possible with probability ``bisect_prob`` per turn, else a random number in it;
-  it never repeats a guess (textarena counts a repeat as an invalid move). The game is made with
-  ``max_turns = max_assistant_turns - 1`` (textarena ends it after max_turns + 1 guesses): every episode ends by the
+  it never repeats a guess (textarena counts a repeat as an invalid move). The game is made with ``max_turns =
+  guesses - 1`` (textarena ends it after max_turns + 1 guesses) and the preset allows ``guesses + 1`` assistant
+  turns (a first invalid move is a warning that takes no turn, a second ends the game): every episode ends by the
   game's own rules with the game's reward - 1 for a win, else the closeness of the last guess ("percentage
   completion"). Cut by the loop's turn limit instead, a lost episode would score 0, below what an invalid move
   (which also ends the game with the closeness reward) earns, and RL learns to end games with invalid moves.
@@ -89,9 +90,9 @@ def generate_textarena_guess_number_task(out_dir: str, *, num_train: int = 2000,
                                          make_kwargs: dict[str, Any] | None = None, seed: int = 0) -> dict[str, str]:
     """Write train/val (RL) and sft parquet files under `out_dir`; returns their paths. `max_observation_tokens` /
     `truncate_side` must be the preset's ``max_tool_response_length`` / ``tool_response_truncate_side`` (character
-    tokenizer: tokens = characters), `max_turns` its ``max_assistant_turns``, `make_kwargs` its
+    tokenizer: tokens = characters); `max_turns`: the game's guesses, `make_kwargs` the preset's
     ``environment_kwargs.make_kwargs`` (default ``{"max_turns": max_turns - 1}``: textarena's game ends after
-    ``max_turns + 1`` guesses, so the game itself ends at the loop's last turn and pays its own reward)."""
+    ``max_turns + 1`` guesses, so the game itself ends the demonstration and pays its own reward)."""
     make_kwargs = {"max_turns": max_turns - 1} if make_kwargs is None else dict(make_kwargs)
     from hybridflow.engines.tiny import build_char_tokenizer
 
