@@ -1,7 +1,9 @@
 """The ``textarena_guess_number`` agent task: textarena's ``GuessTheNumber-v0-raw`` game (``pip install textarena``),
 played as-is through hybridflow.agents.adapters.textarena_env.TextArenaEnvironment.
 
-* RL rows (data_source ``textarena/GuessTheNumber-v0-raw``, scored by the environment): a user message naming the
+* RL rows (data_source ``hybridflow/textarena_guess_number``: the game's reward plus 1 for a win, rewards.registry
+  .win_bonus_score - the game pays a loss its closeness, ~0.9, and GRPO on that alone raised the closeness, not the
+  wins): a user message naming the
   game (``PROMPT``; the agent loop appends the game's first observation to it) and ``extra_info.seed``, the seed
   textarena's ``reset`` draws the hidden number (1-20) from (``reward_model.ground_truth``: that number, for the
   sample viewer). Held-out rows use seeds the training and SFT games never use.
@@ -32,7 +34,7 @@ from hybridflow.data.tasks.arithmetic import write_rows
 __all__ = ["ENV_ID", "PROMPT", "TEXTARENA_SOURCE", "demonstration", "generate_textarena_guess_number_task", "hidden_number"]
 
 ENV_ID = "GuessTheNumber-v0-raw"
-TEXTARENA_SOURCE = f"textarena/{ENV_ID}"
+TEXTARENA_SOURCE = "hybridflow/textarena_guess_number"  # scored: textarena's reward + 1 for a win (win_bonus_score)
 PROMPT = f"{ENV_ID}\n"  # the row's own text; hybridflow refuses blank prompts
 _VAL_SEED0 = 1_000_000  # held-out seeds start here; training and SFT seeds stay below it
 
