@@ -12,6 +12,9 @@
   within the interval still possible, and one guessing at random in the whole range; each turn of each game is one
   SFT example (the conversation so far -> the next guess).
 
+* ``textarena_guess_number``: textarena's GuessTheNumber-v0-raw played as-is (hybridflow/data/tasks/textarena_tasks.py,
+  imported only when asked for: it needs ``pip install textarena``).
+
 SFT files hold ``messages`` (calculator: whole conversations) or ``prompt`` (chat messages) and ``response`` (the
 next assistant turn; guess_number); RL files hold ``prompt``,
 ``reward_model.ground_truth`` and ``extra_info``. Validation problems never appear in the training files.
