@@ -73,6 +73,13 @@ def environment_score(data_source: str, solution_str: str, ground_truth: Any, ex
     return 0.0
 
 
+def win_bonus_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    """1 when the episode's environment paid its full reward (a won game), else 0; the environment's own reward is
+    added to it (trainer/agent_rewards.py). For games that pay partial rewards for a loss (textarena's
+    GuessTheNumber pays the last guess's closeness, ~0.9 on average), where a loss would otherwise cost RL little."""
+    return 1.0 if float((extra_info or {}).get("env_reward", 0.0)) >= 1.0 else 0.0
+
+
 def code_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> dict[str, float]:
     return code.compute_score(solution_str, ground_truth)
 
@@ -130,6 +137,8 @@ register_scorer(["countdown", "Jiayi-Pan/Countdown-Tasks-3to4"], countdown_score
 register_scorer(["hybridflow/arithmetic"], arithmetic_score)
 register_scorer(["hybridflow/agent_calculator"], arithmetic_score)  # the last "#### N" of the generated turns
 register_scorer(["hybridflow/agent_guess_number"], environment_score)
+register_scorer(["textarena/*"], environment_score)
+register_scorer(["hybridflow/textarena_guess_number"], win_bonus_score)  # textarena games (agents/adapters/textarena_env.py) give the reward
 CODE_DATA_SOURCES = ("code", "codecontests", "apps", "taco")  # scored by running the response against test cases
 register_scorer(list(CODE_DATA_SOURCES), code_score)
 register_scorer(["reasoning_gym/*"], reasoning_gym_score)  # every task, by the task's own score_answer

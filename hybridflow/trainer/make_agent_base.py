@@ -2,6 +2,7 @@
 
     python -m hybridflow.trainer.make_agent_base calculator --data-dir data/agent_calculator --out models/calc_base
     python -m hybridflow.trainer.make_agent_base guess_number --data-dir data/agent_guess --out models/guess_base
+    python -m hybridflow.trainer.make_agent_base textarena_guess_number --data-dir data/ta_guess --out models/ta_base
 
 Writes the task's parquet files (hybridflow/data/tasks/agent_tasks.py) into --data-dir, then runs SFT (the same
 trainer as `hybridflow sft`, one process) on its ``sft.parquet`` from the built-in task's tiny Qwen2 shape
@@ -14,6 +15,7 @@ runs two). The RL presets (hybridflow/config/agent_*.yaml) measure the base with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -31,12 +33,16 @@ _CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 RECIPES = {"calculator": {"steps": 480, "lr": 3e-3, "max_length": 192, "layout": "conversation",
                           "preset": os.path.join(_CONFIG_DIR, "agent_calculator_grpo.yaml")},
            "guess_number": {"steps": 400, "lr": 3e-3, "max_length": 256, "layout": "turns",
-                            "preset": os.path.join(_CONFIG_DIR, "agent_guess_number_grpo.yaml")}}
+                            "preset": os.path.join(_CONFIG_DIR, "agent_guess_number_grpo.yaml")},
+           # textarena's game: ~53 tokens a turn (its observations are kept whole), 6 turns -> 512 positions
+           "textarena_guess_number": {"steps": 400, "lr": 3e-3, "max_length": 400, "layout": "conversation",
+                                      "batch_size": 32, "max_position_embeddings": 512,
+                                      "preset": os.path.join(_CONFIG_DIR, "agent_textarena_guess_number_grpo.yaml")}}
 SIZE_NAMES = ("base", *SIZES)  # base: the built-in task's shape (make_base_model.BASE_SPEC)
 
 
 def make_agent_base(task: str, data_dir: str, out_dir: str, *, steps: int | None = None, seed: int = 0,
-                    batch_size: int = 64, threads: int | None = None, init: str | None = None,
+                    batch_size: int | None = None, threads: int | None = None, init: str | None = None,
                     lr: float | None = None, task_kwargs: dict | None = None, size: str = "base",
                     eval_every: int = 0, evaluate: bool = False) -> dict:
     """`init`: continue from this model instead of a random-init one of `size` (a second SFT stage).
@@ -48,6 +54,7 @@ def make_agent_base(task: str, data_dir: str, out_dir: str, *, steps: int | None
         raise ValueError(f"make_agent_base: unknown size {size!r}; choose one of {list(SIZE_NAMES)}")
     recipe = dict(RECIPES[task])
     steps = steps or recipe["steps"]
+    batch_size = batch_size or recipe.get("batch_size", 64)
     files = TASKS[task](data_dir, seed=seed, **dict(task_kwargs or {}))
     work = tempfile.mkdtemp(prefix=f"hybridflow-{task}-base-")
     start = time.perf_counter()
@@ -67,7 +74,10 @@ def make_agent_base(task: str, data_dir: str, out_dir: str, *, steps: int | None
               if recipe["layout"] == "conversation" else ["data.prompt_key=prompt", "data.response_key=response"])
     try:
         lr = lr or recipe["lr"]
-        init = init or write_tiny_model(os.path.join(work, "init"), BASE_SPEC if size == "base" else size, seed=seed)
+        spec = BASE_SPEC if size == "base" else SIZES[size]
+        if "max_position_embeddings" in recipe:  # RoPE: positions are not learned, the limit is the config's
+            spec = dataclasses.replace(spec, max_position_embeddings=recipe["max_position_embeddings"])
+        init = init or write_tiny_model(os.path.join(work, "init"), spec, seed=seed)
         cfg = load_sft_config([
             f"data.train_files={files['sft']}", *layout,
             f"data.max_length={recipe['max_length']}", f"data.train_batch_size={batch_size}",
@@ -107,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task-kwargs", type=json.loads, default=None,
                    help='options of the data generator as JSON, e.g. \'{"tool_fraction": 0.3}\'')
     p.add_argument("--size", default="base", choices=SIZE_NAMES, help="random-init model shape (default: base)")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=None, help="SFT batch (default: the task's recipe, else 64)")
     p.add_argument("--eval-every", type=int, default=0,
                    help="measure held-out accuracy / tool-call rate every N SFT steps (agent_eval, the preset's sampling)")
     p.add_argument("--evaluate", action="store_true", help="measure the finished base the same way (hybridflow_base.json)")

@@ -218,7 +218,11 @@ def agent_batch_metrics(batch: DataProto, scores: torch.Tensor | None = None) ->
             key = f"agent/tool_calls_by_name/{call.get('name')}"
             out[key] = out.get(key, 0.0) + 1
     if "agent_reward" in nt:
-        out["agent/env_reward/mean"] = float(np.mean([float(r) for r in nt["agent_reward"]]))
+        env_rewards = [float(r) for r in nt["agent_reward"]]
+        out["agent/env_reward/mean"] = float(np.mean(env_rewards))
+        # episodes given the full reward 1: a won game where the environment pays partial rewards for losses
+        # (textarena's GuessTheNumber pays closeness), so "score > 0" (solved_fraction) is not the win rate there
+        out["agent/env_reward_full_fraction"] = float(np.mean([r >= 1.0 for r in env_rewards]))
     if scores is not None and len(per):
         solved = (scores.detach().cpu().float() > 0).tolist()
         out["agent/solved_fraction"] = sum(solved) / n

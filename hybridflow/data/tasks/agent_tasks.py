@@ -12,6 +12,9 @@
   within the interval still possible, and one guessing at random in the whole range; each turn of each game is one
   SFT example (the conversation so far -> the next guess).
 
+* ``textarena_guess_number``: textarena's GuessTheNumber-v0-raw played as-is (hybridflow/data/tasks/textarena_tasks.py,
+  imported only when asked for: it needs ``pip install textarena``).
+
 SFT files hold ``messages`` (calculator: whole conversations) or ``prompt`` (chat messages) and ``response`` (the
 next assistant turn; guess_number); RL files hold ``prompt``,
 ``reward_model.ground_truth`` and ``extra_info``. Validation problems never appear in the training files.
@@ -145,7 +148,14 @@ def generate_guess_number_task(out_dir: str, *, low: int = 1, high: int = 20, nu
             "sft": write_rows(sft, os.path.join(out_dir, "sft.parquet"))}
 
 
-TASKS = {"calculator": generate_calculator_task, "guess_number": generate_guess_number_task}
+def _textarena_guess_number(out_dir: str, **kwargs: Any) -> dict[str, str]:
+    from hybridflow.data.tasks.textarena_tasks import generate_textarena_guess_number_task  # imports textarena
+
+    return generate_textarena_guess_number_task(out_dir, **kwargs)
+
+
+TASKS = {"calculator": generate_calculator_task, "guess_number": generate_guess_number_task,
+         "textarena_guess_number": _textarena_guess_number}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
