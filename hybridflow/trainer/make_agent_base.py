@@ -22,9 +22,19 @@ import shutil
 import tempfile
 import time
 
-from hybridflow.data.tasks.agent_tasks import TASKS
+from hybridflow.data.tasks.agent_tasks import TASKS as DATA_TASKS
 from hybridflow.engines.tiny import SIZES, write_tiny_model
 from hybridflow.trainer.make_base_model import BASE_SPEC
+
+
+def _textarena_guess_number(out_dir: str, **kwargs):
+    from hybridflow.trainer.textarena_task import generate_textarena_guess_number_task  # imports textarena
+
+    return generate_textarena_guess_number_task(out_dir, **kwargs)
+
+
+# the data layer's generated tasks, and the one that plays a real environment library (trainer/textarena_task.py)
+TASKS = {**DATA_TASKS, "textarena_guess_number": _textarena_guess_number}
 
 _CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
 

@@ -8,17 +8,14 @@ import json
 import os
 
 import pyarrow.parquet as pq
-import pytest
 from agent_helpers import ScriptedGenerator
 from e2e_helpers import tiny_run_overrides
 
 from hybridflow.agents import AgentLoop, AgentLoopConfig
 from hybridflow.agents.adapters import TextArenaEnvironment
-from hybridflow.data.tasks.textarena_tasks import ENV_ID, PROMPT, generate_textarena_guess_number_task, hidden_number
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.main import run_training
-
-pytest.importorskip("textarena")
+from hybridflow.trainer.textarena_task import ENV_ID, PROMPT, generate_textarena_guess_number_task, hidden_number
 
 PRESET = os.path.join(os.path.dirname(__file__), "..", "..", "hybridflow", "config",
                       "agent_textarena_guess_number_grpo.yaml")

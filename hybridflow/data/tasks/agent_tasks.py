@@ -12,8 +12,8 @@
   within the interval still possible, and one guessing at random in the whole range; each turn of each game is one
   SFT example (the conversation so far -> the next guess).
 
-* ``textarena_guess_number``: textarena's GuessTheNumber-v0-raw played as-is (hybridflow/data/tasks/textarena_tasks.py,
-  imported only when asked for: it needs ``pip install textarena``).
+(The third task, ``textarena_guess_number``, plays a real environment library's game through hybridflow.agents, so
+it lives a layer up: hybridflow/trainer/textarena_task.py; make_agent_base knows all three.)
 
 SFT files hold ``messages`` (calculator: whole conversations) or ``prompt`` (chat messages) and ``response`` (the
 next assistant turn; guess_number); RL files hold ``prompt``,
@@ -148,14 +148,7 @@ def generate_guess_number_task(out_dir: str, *, low: int = 1, high: int = 20, nu
             "sft": write_rows(sft, os.path.join(out_dir, "sft.parquet"))}
 
 
-def _textarena_guess_number(out_dir: str, **kwargs: Any) -> dict[str, str]:
-    from hybridflow.data.tasks.textarena_tasks import generate_textarena_guess_number_task  # imports textarena
-
-    return generate_textarena_guess_number_task(out_dir, **kwargs)
-
-
-TASKS = {"calculator": generate_calculator_task, "guess_number": generate_guess_number_task,
-         "textarena_guess_number": _textarena_guess_number}
+TASKS = {"calculator": generate_calculator_task, "guess_number": generate_guess_number_task}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
