@@ -10,7 +10,8 @@ mismatch in: train mode, with grad) and, with --fp64, with the HF model in float
     .venv/bin/python benchmarks/logprob_mismatch_sources.py --model DIR --variants default,prepack=false --fp64
 
 A variant is comma-free ``key=value`` pairs joined by ``+``: prepack=true|false, rope=hf|addcmul,
-attention=sdpa_order|softmax_first|sdpa (torch SDPA per row). ``default`` is the engine as shipped.
+attention=sdpa_order|softmax_first|sdpa (torch SDPA per row), batch_invariant=true (rollout and training engine
+both batch-invariant: engines/batch_invariant.py). ``default`` is the engine as shipped.
 """
 
 from __future__ import annotations
@@ -167,9 +168,10 @@ def parse_variant(text: str) -> dict[str, str]:
     if text == "default":
         return {}
     pairs = dict(part.split("=", 1) for part in text.split("+"))
-    unknown = set(pairs) - {"prepack", "rope", "attention"}
+    unknown = set(pairs) - {"prepack", "rope", "attention", "batch_invariant"}
     if unknown:
-        raise SystemExit(f"unknown variant keys {sorted(unknown)} in {text!r}; use prepack, rope, attention")
+        raise SystemExit(f"unknown variant keys {sorted(unknown)} in {text!r}; use prepack, rope, attention, "
+                         "batch_invariant")
     return pairs
 
 
@@ -254,8 +256,9 @@ def main() -> None:
     ap.add_argument("--fp64", action="store_true", help="also score with the HF model in float64")
     args = ap.parse_args()
 
-    actor = FSDPEngine(EngineConfig(model_path=args.model, role="actor", micro_batch_size_per_gpu=4,
-                                    num_threads=args.threads))
+    actors = {flag: FSDPEngine(EngineConfig(model_path=args.model, role="actor", micro_batch_size_per_gpu=4,
+                                            num_threads=args.threads, batch_invariant=flag))
+              for flag in {parse_variant(text).get("batch_invariant") == "true" for text in args.variants.split(",")}}
     reference = None
     if args.fp64:
         from transformers import AutoModelForCausalLM
@@ -265,6 +268,10 @@ def main() -> None:
     for text in args.variants.split(","):
         variant = parse_variant(text)
         kwargs = {} if "prepack" not in variant else {"prepack": variant["prepack"] == "true"}
+        invariant = variant.get("batch_invariant") == "true"
+        actor = actors[invariant]
+        if invariant:
+            kwargs["batch_invariant"] = True
         with patched(variant):
             engine = create_rollout_engine("native", args.model, num_threads=args.threads, max_model_len=512,
                                            **kwargs)
@@ -279,11 +286,14 @@ def main() -> None:
                "scoring_vs_train_eval": []}
         scoring = []
         masks, native = [], []
+        score_seconds = 0.0  # the training engine's compute_log_prob over the samples
         for out in outs:
             mask = out.batch["response_mask"]
             masks.append(mask)
             native.append(out.batch["rollout_log_probs"])
+            start = time.perf_counter()
             per["vs_train_eval"].append(actor.compute_log_prob(out, temperature=args.temperature)["log_probs"])
+            score_seconds += time.perf_counter() - start
             per["vs_train_grad"].append(train_mode_log_probs(actor, out, args.temperature))
             with patched(variant):
                 scoring.append(native_scoring_log_probs(engine.model, out, args.temperature))
@@ -294,6 +304,7 @@ def main() -> None:
                 per["train_eval_vs_fp64"].append(exact)
         mask, native = torch.cat(masks), torch.cat(native)
         row["tokens"] = int(mask.sum())
+        row["train_compute_log_prob_s"] = round(score_seconds, 2)
         for key, parts in per.items():
             if parts:
                 other = {"train_eval_vs_fp64": torch.cat(per["vs_train_eval"]),

@@ -10,15 +10,25 @@ import torch
 
 
 def reduce_metrics(metrics: Iterable[Mapping[str, Any]]) -> dict[str, float]:
-    """Mean of each key over a list of metric dicts (e.g. one per micro-batch or rank); a key counts only where present.
+    """Each key over a list of metric dicts (e.g. one per micro-batch or rank); a key counts only where present.
 
+    A key that names an extreme keeps it: ``..._max`` / ``..._max_abs`` reduce by max, ``..._min`` by min (the
+    step's largest mismatch is the largest of its micro-batches', not their mean); every other key by the mean.
     Keys come out in order of first appearance, so equal inputs give equal (and equally ordered) outputs.
     """
-    sums: dict[str, list[float]] = {}
+    values: dict[str, list[float]] = {}
     for m in metrics:
         for k, v in m.items():
-            sums.setdefault(k, []).append(float(v.item() if hasattr(v, "item") else v))
-    return {k: sum(vs) / len(vs) for k, vs in sums.items()}
+            values.setdefault(k, []).append(float(v.item() if hasattr(v, "item") else v))
+    return {k: _reduce(k, vs) for k, vs in values.items()}
+
+
+def _reduce(key: str, values: list[float]) -> float:
+    if key.endswith(("_max", "_max_abs")):
+        return max(values)
+    if key.endswith("_min"):
+        return min(values)
+    return sum(values) / len(values)
 
 
 def measure_peak_flops(

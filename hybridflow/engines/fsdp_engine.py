@@ -37,8 +37,10 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow import device as hf_device
+from hybridflow.common.metrics import reduce_metrics
 from hybridflow.engines import micro_batch as mb
 from hybridflow.engines import packing
+from hybridflow.engines.batch_invariant import ROW_MULTIPLE, enable_batch_invariant_attention
 from hybridflow.engines.checkpoint_io import load_engine_state, save_engine_state
 from hybridflow.engines.hf_model import HeadOnPositions, hf_name, load_model, load_tokenizer
 from hybridflow.engines.lora import LoraSettings, adapter_disabled, apply_lora, base_name, merged_parameters
@@ -84,6 +86,9 @@ class EngineConfig:
     use_remove_padding: bool = True  # strip rows to real tokens and bucket by length (False: plain padded forward)
     # True: each micro-batch's rows end to end in one [1, T] row, attention per row (packing.py); no padding at all
     use_sequence_packing: bool = False
+    # True: attention and matmul shapes whose fp32 rounding the native rollout reproduces bit for bit
+    # (batch_invariant.py); needs the stripped rows (use_remove_padding) and one tensor-parallel rank
+    batch_invariant: bool = False
     entropy_chunk_size: int = 2048  # tokens whose [chunk, vocab] logits are held at once
     # veRL's entropy_checkpointing: training forwards recompute each chunk's entropy in backward (hf_model.py)
     entropy_checkpointing: bool = False
@@ -132,6 +137,19 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.lora.enabled:
             raise ValueError(f"tensor_model_parallel_size={self.tensor_parallel_size} with LoRA (lora_rank="
                              f"{self.lora.rank}) is not supported: PEFT's layers cannot be split; use one of them")
+        if self.batch_invariant:
+            why = [f"{name}={value}" for name, value, ok in (
+                ("use_remove_padding", self.use_remove_padding, self.use_remove_padding),
+                ("use_sequence_packing", self.use_sequence_packing, not self.use_sequence_packing),
+                ("ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size,
+                 self.ulysses_sequence_parallel_size == 1),
+                ("tensor_model_parallel_size", self.tensor_parallel_size, self.tensor_parallel_size == 1),
+                ("param_dtype", self.param_dtype, self.param_dtype == "fp32"),
+                ("model_dtype", self.model_dtype, self.model_dtype == "fp32")) if not ok]
+            if why:
+                raise ValueError(f"batch_invariant=true needs fp32 rows stripped to their real tokens on one "
+                                 f"tensor/sequence-parallel rank (the layout the rollout reproduces); got "
+                                 f"{', '.join(why)}")
         if self.ulysses_sequence_parallel_size > 1 and not self.use_remove_padding:
             raise ValueError(f"ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size} needs "
                              "use_remove_padding=True (the stripped, causal-only layout)")
@@ -179,8 +197,11 @@ class FSDPEngine:
             hf_model.requires_grad_(False)
         if config.use_sequence_packing:
             packing.enable_packed_attention(hf_model)
+        if config.batch_invariant:
+            enable_batch_invariant_attention(hf_model)
         self.model: nn.Module = self._wrap(hf_model)
         self.model.entropy_checkpointing = config.entropy_checkpointing
+        self.model.row_multiple = ROW_MULTIPLE if config.batch_invariant else 1
         self.sharded = self.distributed and self.world_size > 1
         offload = self.device.type != "cpu"
         # param_offload on one rank: no FSDP offload policy to do it, so the engine moves the model per call
@@ -344,7 +365,8 @@ class FSDPEngine:
             bucket = packing.build_packed(*args, resp_len, pad_token_id=pad)
             attention_kwargs = bucket.attention_kwargs()
         else:
-            bucket = mb.build_bucket(*args, resp_len, remove_padding=self.config.use_remove_padding, pad_token_id=pad)
+            bucket = mb.build_bucket(*args, resp_len, remove_padding=self.config.use_remove_padding, pad_token_id=pad,
+                                     width_multiple=ROW_MULTIPLE if self.config.batch_invariant else 1)
             attention_kwargs = None
         self.router_tap.set_replay(self._replay_routes(batch, bucket) if self.config.router_replay else None)
         with self._autocast(), self.router_tap.capture():
@@ -512,8 +534,7 @@ class FSDPEngine:
         data, _ = self._gather_rows(data)  # after the global counts: those count each row once
 
         self.model.train()
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
+        per_micro: list[dict[str, float]] = []
         local_nonfinite = 0.0
         for group in self._plan(data):
             micro = data[group].to(self.device)  # loss_fn mixes its columns with the outputs: same device
@@ -526,13 +547,10 @@ class FSDPEngine:
                 local_nonfinite = 1.0
             # FSDP averages gradients over ranks; loss_fn already divided by the global count, so undo the average.
             (loss * self._grad_ranks).backward()
-            for key, value in (metrics or {}).items():
-                number = _as_number(value)
-                if number is not None:
-                    sums[key] = sums.get(key, 0.0) + number
-                    counts[key] = counts.get(key, 0) + 1
+            numbers = {key: _as_number(value) for key, value in (metrics or {}).items()}
+            per_micro.append({key: number for key, number in numbers.items() if number is not None})
 
-        return {key: sums[key] / counts[key] for key in sums}, local_nonfinite
+        return reduce_metrics(per_micro), local_nonfinite
 
     def _add_router_terms(self, micro: DataProto, loss: torch.Tensor, metrics: dict[str, Any],
                           global_tokens: float) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -13,6 +13,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from hybridflow.engines.batch_invariant import pad_rows
+
 __all__ = [
     "HF_PREFIX",
     "HeadOnPositions",
@@ -97,7 +99,10 @@ def log_probs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor) -> tup
     Calling `log_probs_from_logits` and `entropy_from_logits` separately runs two vocabulary-wide reductions and
     keeps two ``[N, V]`` fp32 buffers for backward; this shares the one log-softmax.
     """
-    log_p = torch.log_softmax(logits.float(), dim=-1)
+    logits = logits.float()
+    # z - logsumexp(z), log_probs_from_logits' formula: the log-prob has the same bits with entropy on or off (and
+    # as the rollout's sampling.py reports it)
+    log_p = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
     return log_p.gather(-1, target_ids[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(dim=-1)
 
 
@@ -115,6 +120,9 @@ class HeadOnPositions(nn.Module):
     # veRL's actor.entropy_checkpointing: in training, each chunk's entropy is recomputed from its logits in backward
     # (torch.utils.checkpoint) instead of keeping the softmax's [chunk, V] activations; the engine sets it
     entropy_checkpointing: bool = False
+    # batch_invariant.py: the head's matmul gets whole groups of this many rows (zeros appended), so that a token's
+    # logits round as in the native rollout's decode step; the engine sets it
+    row_multiple: int = 1
 
     def __init__(self, hf_model: nn.Module, is_critic: bool) -> None:
         super().__init__()
@@ -171,7 +179,8 @@ class HeadOnPositions(nn.Module):
         cap = getattr(self.hf.config, "final_logit_softcapping", None)
         # Chunks bound the [chunk, V] logits held at once (V is ~150k for real vocabularies).
         for lo in range(0, selected.shape[0], max(1, chunk_size)):
-            logits = head(selected[lo : lo + chunk_size])
+            chunk = selected[lo : lo + chunk_size]
+            logits = head(pad_rows(chunk, self.row_multiple))[: chunk.shape[0]]
             if cap:
                 logits = torch.tanh(logits / cap) * cap
             logits = logits.float() / temperature

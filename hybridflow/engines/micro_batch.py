@@ -199,11 +199,13 @@ def build_bucket(
     response_length: int,
     remove_padding: bool = True,
     pad_token_id: int = 0,
+    width_multiple: int = 1,
 ) -> Bucket:
     """Turn padded rows ``[b, P+R]`` (one micro-batch, rollout layout) into a `Bucket`.
 
     With `remove_padding`, rows are stripped to their real tokens; otherwise they stay padded and the attention mask
-    is kept (the plain HF computation, used as the reference and to measure the waste).
+    is kept (the plain HF computation, used as the reference and to measure the waste). Stripped rows are padded
+    on the right to a multiple of `width_multiple` columns (batch_invariant.py: whole groups of rows per matmul).
     """
     b, seq = input_ids.shape
     prompt_len = seq - response_length
@@ -230,7 +232,7 @@ def build_bucket(
             out_cols=out_cols,
         )
     lens = ends - starts
-    width = int(lens.max())
+    width = -(-int(lens.max()) // width_multiple) * width_multiple
     cols = torch.arange(width, device=input_ids.device)
     src = (starts[:, None] + cols[None, :]).clamp(max=seq - 1)
     real = cols[None, :] < lens[:, None]

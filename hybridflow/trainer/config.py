@@ -103,6 +103,9 @@ class PolicyModelConfig(ModelConfig):
     use_shm: bool = False
     # veRL's key: the dtype actor and reference load their weights in where fsdp_config.model_dtype is unset
     torch_dtype: str | None = None
+    # true: actor, ref and the native rollout round alike, so the rollout's fp32 log-probs are the training
+    # engine's bit for bit (zero train-inference mismatch; engines/batch_invariant.py); costs rollout speed
+    batch_invariant: bool = False
 
 
 @dataclass

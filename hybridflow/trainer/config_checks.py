@@ -188,10 +188,11 @@ def config_errors(cfg: HybridFlowConfig) -> list[str]:
     from hybridflow.trainer.verl_features import feature_errors
 
     errors += feature_errors(cfg)  # veRL's pf_ppo, ref.strategy, rollout knobs, LoRA adapter, use_shm, dumps
-    from hybridflow.trainer.parallel_checks import model_parallel_errors, packing_errors
+    from hybridflow.trainer.parallel_checks import batch_invariant_errors, model_parallel_errors, packing_errors
 
     errors += model_parallel_errors(cfg)
     errors += packing_errors(cfg)
+    errors += batch_invariant_errors(cfg)
     if t.fault_injection:
         from hybridflow.common.faults import parse_fault_spec
 

@@ -148,3 +148,35 @@ def packing_errors(cfg: Any) -> list[str]:
             errors.append(f"{key}.use_sequence_packing=true: the model at {path} uses {reason}, which packed "
                           f"attention does not apply; set {key}.use_sequence_packing=false")
     return errors
+
+
+def batch_invariant_errors(cfg: Any) -> list[str]:
+    """actor_rollout_ref.model.batch_invariant=true: the settings under which the native rollout's fp32 log-probs
+    are the training engine's bit for bit (engines/batch_invariant.py); one line per setting that breaks it."""
+    arr = cfg.actor_rollout_ref
+    if not arr.model.batch_invariant:
+        return []
+    r, m = arr.rollout, arr.model
+    checks = [
+        (r.name == "native", f"rollout.name={r.name} (the native engine's steps are the ones made batch-invariant)"),
+        (m.use_remove_padding, "model.use_remove_padding=false (the rollout reproduces the stripped rows)"),
+        (not m.use_sequence_packing, "model.use_sequence_packing=true (packed rows lay keys out differently)"),
+        (m.lora_rank == 0, f"model.lora_rank={m.lora_rank} (the actor adds the adapters' product apart from the base "
+                           "matmul; the rollout runs merged weights)"),
+        (not r.multi_turn.enable, "rollout.multi_turn.enable=true (sessions keep their own K/V layout)"),
+        (r.enforce_eager is not False, "rollout.enforce_eager=false (fixed-shape steps; batch-invariant ones are "
+                                       "eager)"),
+        (str(r.dtype) in ("fp32", "float32"), f"rollout.dtype={r.dtype} (the guarantee is for fp32)"),
+        (int(r.tensor_model_parallel_size) == 1, f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}"),
+    ]
+    for role, section in (("actor", arr.actor), ("ref", arr.ref)):
+        checks += [
+            (section.fsdp_config.param_dtype in ("fp32", "float32"),
+             f"{role}.fsdp_config.param_dtype={section.fsdp_config.param_dtype} (the guarantee is for fp32)"),
+            (section.fsdp_config.tensor_model_parallel_size == 1,
+             f"{role}.fsdp_config.tensor_model_parallel_size={section.fsdp_config.tensor_model_parallel_size}"),
+            (section.ulysses_sequence_parallel_size == 1,
+             f"{role}.ulysses_sequence_parallel_size={section.ulysses_sequence_parallel_size}"),
+        ]
+    return [f"actor_rollout_ref.model.batch_invariant=true does not combine with actor_rollout_ref.{why}; change "
+            "that setting or turn batch_invariant off" for ok, why in checks if not ok]

@@ -150,6 +150,8 @@ class ActorRolloutRefWorker(Worker):
                 **rollout_engine_kwargs(r),
                 # routing replay: the rollout records each token's experts for the actor's forwards
                 **({"record_routes": True} if arr.actor.router_replay.mode == "R3" else {}),
+                # the training engine's rounding, bit for bit (engines/rollout/exact_decode.py)
+                **({"batch_invariant": True} if arr.model.batch_invariant else {}),
                 # LoRA in the hybrid engine with vLLM: vLLM applies the adapter itself, syncs send only the adapter
                 **({"lora_rank": int(arr.model.lora_rank)} if self._adapter_sync_wanted() else {}),
             )

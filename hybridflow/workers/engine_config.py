@@ -113,6 +113,8 @@ def engine_config(
         kwargs["optim"] = optim
     if hasattr(model, "use_sequence_packing"):  # actor_rollout_ref.model (actor and ref); the critic buckets
         kwargs["use_sequence_packing"] = model.use_sequence_packing
+    if role in ("actor", "ref") and getattr(model, "batch_invariant", False):
+        kwargs["batch_invariant"] = True
     if role == "actor" and hasattr(model, "lora_rank"):
         kwargs["lora"] = lora_settings(model)
     return EngineConfig(**kwargs)

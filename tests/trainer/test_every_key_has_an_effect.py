@@ -128,6 +128,8 @@ RUNS = {
         # a SandboxFusion service for the code data sources (none in this data: the url is never called)
         "reward_model.sandbox_fusion.url=http://127.0.0.1:9/run_code", "reward_model.sandbox_fusion.max_concurrent=4",
         "reward_model.sandbox_fusion.memory_limit_mb=512",
+        # actor, ref and native rollout round alike (engines/batch_invariant.py)
+        "actor_rollout_ref.model.batch_invariant=true",
     ],
     # LoRA: the adapter keys, and the reference as the adapter-disabled actor
     "grpo_lora": [

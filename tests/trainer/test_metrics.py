@@ -122,6 +122,16 @@ def test_reduce_metrics():
     assert list(out) == ["a", "b", "c"]
 
 
+def test_reduce_metrics_keeps_extremes():
+    """The step's largest mismatch is the largest micro-batch's (and rank's), not their mean."""
+    out = reduce_metrics([{"actor/rollout_mismatch_max_abs": 1e-5, "actor/rollout_mismatch_mean_abs": 1e-6,
+                           "actor/is_weight_max": 1.5, "x_min": 2.0},
+                          {"actor/rollout_mismatch_max_abs": 3e-5, "actor/rollout_mismatch_mean_abs": 3e-6,
+                           "actor/is_weight_max": 1.1, "x_min": -1.0}])
+    assert out == {"actor/rollout_mismatch_max_abs": 3e-5, "actor/rollout_mismatch_mean_abs": 2e-6,
+                   "actor/is_weight_max": 1.5, "x_min": -1.0}
+
+
 # ---------------------------------------------------------------------------------------------------- validation
 def _brute_pass_at_k(correct: list[bool], k: int) -> float:
     subsets = list(itertools.combinations(correct, k))

@@ -41,3 +41,23 @@ def test_heads_that_do_not_split_are_a_preflight_error(tiny_model_path, tp, matc
     assert any(__import__("re").search(match, e) for e in errors), errors
     fits = load_config([f"{TP}=2", "trainer.n_gpus_per_node=2", f"actor_rollout_ref.model.path={tiny_model_path}"])
     assert not [e for e in preflight_errors(fits) if "tensor-parallel" in e]
+
+
+BI = "actor_rollout_ref.model.batch_invariant=true"
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["actor_rollout_ref.rollout.name=hf"], r"with actor_rollout_ref.rollout.name=hf"),
+    (["actor_rollout_ref.model.use_remove_padding=false"], r"model.use_remove_padding=false"),
+    (["actor_rollout_ref.rollout.dtype=bf16"], r"rollout.dtype=bf16"),
+    (["actor_rollout_ref.actor.fsdp_config.param_dtype=bf16"], r"actor.fsdp_config.param_dtype=bf16"),
+    (["actor_rollout_ref.rollout.enforce_eager=false"], r"rollout.enforce_eager=false"),
+    (["actor_rollout_ref.model.lora_rank=4"], r"model.lora_rank=4"),
+])
+def test_batch_invariance_names_the_setting_that_breaks_it(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config([BI, *overrides])
+
+
+def test_batch_invariance_is_taken_with_the_defaults():
+    assert load_config([BI]).actor_rollout_ref.model.batch_invariant is True

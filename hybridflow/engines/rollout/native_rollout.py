@@ -32,6 +32,7 @@ from hybridflow import device as hf_device
 from hybridflow.engines.rollout.arch_specs import resolve
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
 from hybridflow.engines.rollout.chunked_prefill import chunked_prefill
+from hybridflow.engines.rollout.exact_decode import BatchInvariantSteps, batch_invariant_refusal
 from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows
 from hybridflow.engines.rollout.layout import (
     assemble_output,
@@ -141,6 +142,7 @@ class NativeRollout(RolloutEngine):
         tensor_parallel_size: int = 1,
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int | None = None,
+        batch_invariant: bool = False,
     ):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -172,6 +174,13 @@ class NativeRollout(RolloutEngine):
         # (onednn_linear.py); False: plain F.linear; None: packed from hidden size 256 up (where it was measured to pay)
         # tensor_parallel_size > 1: this rank holds its TP slice of every weight (tensor_parallel.py)
         self.tensor_parallel = tp_group_of(tensor_parallel_size) if tensor_parallel_size > 1 else None
+        # batch_invariant: the training engine's rounding, bit for bit in fp32 (exact_decode.py): plain F.linear
+        self.batch_invariant = bool(batch_invariant)
+        if self.batch_invariant:
+            if prepack:
+                raise ValueError("native rollout: batch_invariant=true computes with F.linear, as the training engine "
+                                 "does; oneDNN-packed weights (prepack=true) round differently: drop prepack")
+            prepack = False
         if self.tensor_parallel is None:
             self.model = NativeDecoder(
                 self.config, self.dtype, self.device, self.max_model_len, int8=self.int8, prepack=prepack
@@ -206,6 +215,12 @@ class NativeRollout(RolloutEngine):
         if decode == "cuda_graph" and self.device.type != "cuda":
             raise ValueError(f"native rollout: decode='cuda_graph' needs a CUDA device, this worker computes on "
                              f"{self.device.type}; use decode='eager' (or 'static' to test the fixed-shape step)")
+        if self.batch_invariant:
+            why = batch_invariant_refusal(self.model, decode=decode, int8=self.int8,
+                                          tensor_parallel=self.tensor_parallel is not None)
+            if why:
+                raise ValueError(f"native rollout: actor_rollout_ref.model.batch_invariant=true, but {why}")
+            decode = "eager"
         self.decode = decode
         self.free_cache_engine = bool(free_cache_engine)  # fixed-shape decode: drop its buffers after each call
         self._graphs = None if decode == "eager" else GraphDecoder(self.model, capture=decode == "cuda_graph",
@@ -231,6 +246,9 @@ class NativeRollout(RolloutEngine):
         a SessionEngine (sessions.py; kwargs: max_batch_size, max_cached_tokens, stop_token_ids)."""
         from hybridflow.engines.rollout.sessions import SessionEngine
 
+        if self.batch_invariant:
+            raise ValueError("native rollout: multi-turn sessions keep their own K/V layout, which is not the "
+                             "batch-invariant one; set actor_rollout_ref.model.batch_invariant=false for agent runs")
         return SessionEngine(self, **kwargs)
 
     def update_weight_slices(self, named_slices: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -289,7 +307,9 @@ class NativeRollout(RolloutEngine):
         routes = RouteRecorder(self.model, rows, P, max_new, n) if self.record_routes else None
         if routes is not None:
             routes.start()
-        if self._graphs is None or routes is not None:  # recording reads each step's routes: the eager steps
+        if self.batch_invariant:
+            steps = BatchInvariantSteps(self, ids, pos, mask, n, max_new)
+        elif self._graphs is None or routes is not None:  # recording reads each step's routes: the eager steps
             steps = _EagerSteps(self, ids, pos, mask, n, max_new)
         else:
             steps = _StaticSteps(self, ids, pos, mask, n, max_new)
