@@ -51,25 +51,28 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow
     """softmax(q k^T * scale [soft-capped], masked) v, with rounding that depends on each query's keys only.
 
     q [N, H, M, D]; k, v [N, KV, L, D] (H a multiple of KV: grouped-query heads share their KV head); allowed
-    [N, 1 | H, M, L] bool (key j visible to query i). Returns [N, H, M, D] in q's dtype. Query i's output is the
-    same bits for any M, any L past its last visible key and any other rows: the padding below and the fixed key
-    blocks make the matmuls' shapes canonical.
+    [N, 1, M, L] bool (key j visible to query i). Returns [N, H, M, D] in q's dtype. Query i's output is the same
+    bits for any M, any L past its last visible key and any other rows: the padding below and the fixed key blocks
+    make the matmuls' shapes canonical. The G query heads of a KV head are stacked as G * M query rows of that head
+    (heads h = kv * G + g, transformers' repeat_kv order), so K and V are read as they are, never repeated.
     """
-    H, M = q.shape[1], q.shape[2]
-    L = k.shape[2]
-    groups = H // k.shape[1]
-    if groups > 1:  # transformers' repeat_kv: the same values per head, so the same products
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    rows, keys = round_up(M, ROW_MULTIPLE), max(KEY_MULTIPLE, round_up(L, KEY_MULTIPLE))
-    if rows != M:
+    N, H, M, D = q.shape
+    KV, L = k.shape[1], k.shape[2]
+    G = H // KV
+    q = q.reshape(N, KV, G * M, D)
+    allowed = allowed.expand(N, 1, M, L)
+    if G > 1:
+        allowed = allowed.repeat(1, 1, G, 1)
+    rows, keys = round_up(G * M, ROW_MULTIPLE), max(KEY_MULTIPLE, round_up(L, KEY_MULTIPLE))
+    if rows != G * M:
         q = pad_rows(q, ROW_MULTIPLE, dim=2)
         # a padded query sees key 0 only: finite, cut off at the end, and no NaN for backward to spread
-        extra = allowed.new_zeros(*allowed.shape[:2], rows - M, L)
+        extra = allowed.new_zeros(N, 1, rows - G * M, L)
         extra[..., 0] = True
         allowed = torch.cat((allowed, extra), dim=2)
     if keys != L:
         k, v = pad_rows(k, keys, dim=2), pad_rows(v, keys, dim=2)
-        allowed = torch.cat((allowed, allowed.new_zeros(*allowed.shape[:3], keys - L)), dim=3)
+        allowed = torch.cat((allowed, allowed.new_zeros(N, 1, rows, keys - L)), dim=3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -79,7 +82,7 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allow
     for lo in range(0, keys, KEY_BLOCK):
         part = torch.matmul(probs[..., lo : lo + KEY_BLOCK], v[:, :, lo : lo + KEY_BLOCK])
         out = part if out is None else out + part
-    return out[:, :, :M]
+    return out[:, :, : G * M].reshape(N, H, M, D)
 
 
 def causal_allowed(q_len: int, k_len: int, device, window: int | None = None) -> torch.Tensor:

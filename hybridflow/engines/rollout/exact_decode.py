@@ -17,7 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.engines.batch_invariant import ROW_MULTIPLE, causal_allowed, invariant_attention, pad_rows, round_up
+from hybridflow.engines.batch_invariant import (
+    KEY_MULTIPLE,
+    ROW_MULTIPLE,
+    causal_allowed,
+    invariant_attention,
+    pad_rows,
+    round_up,
+)
 from hybridflow.engines.rollout.chunked_prefill import prefill_groups
 
 __all__ = ["BatchInvariantSteps", "batch_invariant_refusal"]
@@ -59,8 +66,10 @@ class BatchInvariantSteps:
         slots = round_up(rows, ROW_MULTIPLE)
 
         def alloc() -> list[torch.Tensor]:
-            return [torch.zeros(slots, s.num_kv_heads, width + max_new, s.head_dim, dtype=model.dtype,
-                                device=ids.device) for _ in range(s.num_layers)]
+            # a whole number of KEY_MULTIPLE columns: each step attends over a canonical length, no padding copy
+            length = round_up(width + max_new, KEY_MULTIPLE)
+            return [torch.zeros(slots, s.num_kv_heads, length, s.head_dim, dtype=model.dtype, device=ids.device)
+                    for _ in range(s.num_layers)]
 
         self.keys, self.values = alloc(), alloc()
         logits = []
@@ -105,7 +114,7 @@ class BatchInvariantSteps:
         r, slots = tokens.shape[0], self.keys[0].shape[0]
         column = pad_rows(self.length, slots)  # dummy rows write and read their column 0
         tokens, positions = pad_rows(tokens, slots), pad_rows(positions, slots)
-        L = int(column.max()) + 1
+        L = round_up(int(column.max()) + 1, KEY_MULTIPLE)
         keys = torch.arange(L, device=tokens.device)[None, :]
         allowed = {}
         for window in s.windows:
@@ -113,11 +122,13 @@ class BatchInvariantSteps:
             if window is not None:
                 visible = visible & (column[:, None] - keys < window)
             allowed[window] = visible[:, None, None, :]  # [slots, 1, 1, L]
-        index = torch.arange(slots, device=tokens.device)
+        # row i's new K/V go to its own column: a scatter along the length axis (advanced-index assignment of the
+        # same write measured 16x slower)
+        where = column.view(slots, 1, 1, 1).expand(slots, s.num_kv_heads, 1, s.head_dim)
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.keys[li][index, :, column] = k
-            self.values[li][index, :, column] = v
+            self.keys[li].scatter_(2, where, k[:, :, None])
+            self.values[li].scatter_(2, where, v[:, :, None])
             out = invariant_attention(q[:, :, None], self.keys[li][:, :, :L], self.values[li][:, :, :L],
                                       allowed[s.layers[li].window], s.attention_scale, s.attn_softcap)
             return out.reshape(slots, model.q_size)
