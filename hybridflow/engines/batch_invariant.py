@@ -5,8 +5,9 @@ function: the training forward sees a whole row ``[T]`` per matmul, the decode s
 BLAS rounds a row's dot products differently with the shape around it. Measured here (MKL, fp32; the checks are in
 tests/engines/test_batch_invariant.py):
 
-- ``F.linear`` gives each row the same bits whatever the number of rows M when M is a multiple of 4 (with two
-  threads M = 5..7 and 9..11 round otherwise, with one thread M < 4 only);
+- a projection gives each row the same bits whatever the number of rows M when M is a multiple of 4: oneDNN's
+  (M = 1 rounds otherwise), and MKL's ``F.linear`` (with two threads M = 5..7 and 9..11 round otherwise too); a
+  packed and a plain oneDNN weight give the same bits, as do a fused [q; k; v] weight and its three parts;
 - ``q @ k^T`` likewise for M >= 4 query rows and L >= 12 keys;
 - ``p @ v`` sums over the keys in blocks whose split points move with L past 128 keys; summed in fixed blocks of
   128 keys it does not depend on L (trailing zero probabilities add exact zeros);
@@ -14,17 +15,22 @@ tests/engines/test_batch_invariant.py):
 
 So both engines, when ``actor_rollout_ref.model.batch_invariant=true``, run attention through
 `invariant_attention` (registered with transformers' ``AttentionInterface`` for the training engine; called by the
-native rollout's batch-invariant steps, rollout/exact_decode.py), feed every matmul a multiple of `ROW_MULTIPLE`
-rows, and lay a row's keys out from column 0 (the training engine's stripped rows). The result is exact, not close:
-the tests compare with ``torch.equal``.
+native rollout's batch-invariant steps, rollout/exact_decode.py), run their projections through the same library
+(`onednn_matmuls`: oneDNN on a CPU that has it, where the rollout keeps its packed weights and the training
+engine's ``nn.Linear`` layers become `InvariantLinear`; ``F.linear`` elsewhere), feed every matmul a multiple of
+`ROW_MULTIPLE` rows, and lay a row's keys out from column 0 (the training engine's stripped rows). The result is
+exact, not close: the tests compare with ``torch.equal``.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-__all__ = ["ATTENTION_NAME", "KEY_BLOCK", "ROW_MULTIPLE", "enable_batch_invariant_attention", "invariant_attention",
-           "pad_rows", "round_up"]
+from hybridflow.engines.rollout.onednn_linear import onednn_available
+
+__all__ = ["ATTENTION_NAME", "KEY_BLOCK", "ROW_MULTIPLE", "InvariantLinear", "enable_batch_invariant_attention",
+           "invariant_attention", "onednn_matmuls", "pad_rows", "round_up", "use_invariant_linears"]
 
 ATTENTION_NAME = "hybridflow_batch_invariant"
 ROW_MULTIPLE = 4  # every matmul sees a multiple of this many rows
@@ -141,3 +147,52 @@ def enable_batch_invariant_attention(hf_model: torch.nn.Module) -> str:
                          "actor_rollout_ref.model.batch_invariant=false for this model")
     return ATTENTION_NAME
 
+
+
+# ------------------------------------------------------------------------------------------------ projections
+def onednn_matmuls(device: torch.device) -> bool:
+    """Whether both engines compute fp32 projections with oneDNN on `device` (a CPU whose torch has it): the
+    rollout's packed weights are ~2.4x faster than MKL's F.linear at 64 rows here (docs/benchmarks.md), and the
+    training engine's forward then runs the same kernels."""
+    return torch.device(device).type == "cpu" and onednn_available(torch.float32)
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """y = x W^T + b by oneDNN (the rollout's kernel); the backward is ordinary matmuls (its rounding matters to
+    no comparison)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_w = flat.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+class InvariantLinear(nn.Linear):
+    """An nn.Linear whose forward is oneDNN's fp32 product, as the native rollout's packed projections compute it
+    (fp32 weights and inputs only; any other dtype takes F.linear)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or self.weight.dtype != torch.float32 or x.device.type != "cpu":
+            return super().forward(x)
+        return _OneDNNLinear.apply(x, self.weight, self.bias)
+
+
+def use_invariant_linears(model: nn.Module) -> int:
+    """Turn every plain nn.Linear of `model` into an InvariantLinear in place (same parameters, same state dict);
+    returns how many. Called before FSDP wraps the model."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = InvariantLinear
+            count += 1
+    return count

@@ -40,7 +40,12 @@ from hybridflow import device as hf_device
 from hybridflow.common.metrics import reduce_metrics
 from hybridflow.engines import micro_batch as mb
 from hybridflow.engines import packing
-from hybridflow.engines.batch_invariant import ROW_MULTIPLE, enable_batch_invariant_attention
+from hybridflow.engines.batch_invariant import (
+    ROW_MULTIPLE,
+    enable_batch_invariant_attention,
+    onednn_matmuls,
+    use_invariant_linears,
+)
 from hybridflow.engines.checkpoint_io import load_engine_state, save_engine_state
 from hybridflow.engines.hf_model import HeadOnPositions, hf_name, load_model, load_tokenizer
 from hybridflow.engines.lora import LoraSettings, adapter_disabled, apply_lora, base_name, merged_parameters
@@ -199,6 +204,8 @@ class FSDPEngine:
             packing.enable_packed_attention(hf_model)
         if config.batch_invariant:
             enable_batch_invariant_attention(hf_model)
+            if onednn_matmuls(self.device):  # the rollout's projection kernels (batch_invariant.py)
+                use_invariant_linears(hf_model)
         self.model: nn.Module = self._wrap(hf_model)
         self.model.entropy_checkpointing = config.entropy_checkpointing
         self.model.row_multiple = ROW_MULTIPLE if config.batch_invariant else 1

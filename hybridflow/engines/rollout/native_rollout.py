@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import torch
 
 from hybridflow import device as hf_device
+from hybridflow.engines.batch_invariant import onednn_matmuls
 from hybridflow.engines.rollout.arch_specs import resolve
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
 from hybridflow.engines.rollout.chunked_prefill import chunked_prefill
@@ -176,11 +177,12 @@ class NativeRollout(RolloutEngine):
         self.tensor_parallel = tp_group_of(tensor_parallel_size) if tensor_parallel_size > 1 else None
         # batch_invariant: the training engine's rounding, bit for bit in fp32 (exact_decode.py): plain F.linear
         self.batch_invariant = bool(batch_invariant)
-        if self.batch_invariant:
-            if prepack:
-                raise ValueError("native rollout: batch_invariant=true computes with F.linear, as the training engine "
-                                 "does; oneDNN-packed weights (prepack=true) round differently: drop prepack")
-            prepack = False
+        if self.batch_invariant:  # the training engine's projection kernels (batch_invariant.onednn_matmuls)
+            same = onednn_matmuls(self.device)
+            if prepack is not None and bool(prepack) != same:
+                raise ValueError(f"native rollout: batch_invariant=true computes its projections as the training engine "
+                                 f"does here ({'oneDNN, packed' if same else 'F.linear'}); drop prepack={prepack}")
+            prepack = same
         if self.tensor_parallel is None:
             self.model = NativeDecoder(
                 self.config, self.dtype, self.device, self.max_model_len, int8=self.int8, prepack=prepack
