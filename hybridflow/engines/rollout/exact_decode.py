@@ -9,6 +9,9 @@ Three things differ from them, each for the reason given in engines/batch_invari
 * every matmul sees a multiple of ROW_MULTIPLE rows: the prefill's columns are padded to one, and the decode
   batch carries up to ROW_MULTIPLE - 1 dummy rows (they attend to their own key 0 and are never read).
 
+The projections are the decoder's own (native_model.py): the engine builds it with the training engine's
+library (batch_invariant.onednn_matmuls: oneDNN-packed weights on a CPU that has oneDNN, F.linear elsewhere).
+
 The prompt K/V are copied to each of a prompt's n samples (no shared-prompt segment: a row's keys are one run of
 columns, as in the training forward); this costs the cache memory n-fold, which is what fidelity costs here.
 """
