@@ -61,9 +61,11 @@ def test_packed_prefill_equals_the_padded_one(tmp_path, arch, prepack, window):
     assert fed == [torch.Size([int(mask.sum())])]  # the layers ran on the real tokens only
     assert torch.equal(got, want)
     real = mask.bool()[:, None, :, None]
-    for store in ("keys", "values"):
-        for a, b in zip(getattr(padded, store), getattr(packed, store)):
-            assert torch.equal(torch.where(real, a[:, :, :P], 0), torch.where(real, b[:, :, :P], 0))
+    for a, b in zip(padded.keys, packed.keys):  # keys stored transposed: [B, kv, D, P + max_new] (kv_cache.py)
+        a, b = a[..., :P].transpose(-1, -2), b[..., :P].transpose(-1, -2)
+        assert torch.equal(torch.where(real, a, 0), torch.where(real, b, 0))
+    for a, b in zip(padded.values, packed.values):
+        assert torch.equal(torch.where(real, a[:, :, :P], 0), torch.where(real, b[:, :, :P], 0))
 
 
 @torch.inference_mode()
