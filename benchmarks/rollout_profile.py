@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/rollout_profile.py                      # int8 and fp32, 64 prompts x 1 sample
     .venv/bin/python benchmarks/rollout_profile.py --dtypes fp32 --batch 16
+    .venv/bin/python benchmarks/rollout_profile.py --dtypes fp32,bf16 --arch llama --threads 1
 
 For each dtype, on the mid model with the prompts of rollout_throughput.py:
   * new tokens/s of hf (fp32) and native, best of --repeats generate calls;
@@ -10,7 +11,9 @@ For each dtype, on the mid model with the prompts of rollout_throughput.py:
   * seconds per decode step spent inside the layer matmuls (timed around NativeDecoder._linear), next to the same
     matmuls run alone (rollout_throughput.py's matmul floor);
   * a diagnostic: native tokens/s with the decode attention matmuls replaced by zeros of the right shape (wrong
-    outputs, same shapes), i.e. the throughput if attention were free. It bounds what a faster attention could give.
+    outputs, same shapes), i.e. the throughput if attention were free. It bounds what a faster attention could give;
+  * wall seconds of one generate call by stage: the prefill (chunked_prefill), the decode attention
+    (kv_cache.decode_attention) and the rest of the decode loop (layer matmuls, norms, sampling, bookkeeping).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.rollout_throughput import git_commit, make_prompts, matmul_floor
 from hybridflow import device
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
-from hybridflow.engines.tiny import write_tiny_model
+from hybridflow.engines.tiny import TINY_ARCHITECTURES, write_tiny_model
 
 GROUPS = {
     # the oneDNN-packed fp32/bf16 matmuls (onednn_linear.py) are mkldnn::_linear_pointwise
@@ -80,6 +83,42 @@ def matmul_seconds_per_step(engine, prompts, params) -> float:
     return round(spent[0] / params.max_new_tokens, 4)
 
 
+def stage_seconds(engine, prompts, params) -> dict:
+    """Wall seconds of one generate call in the prefill, in decode attention, and in the rest."""
+    from hybridflow.engines.rollout import native_model, native_rollout
+
+    spent = defaultdict(float)
+
+    def timed(module, name):
+        original = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+
+        return original, wrapper
+
+    patches = [(native_rollout, "chunked_prefill"), (native_model, "decode_attention")]
+    originals = []
+    for module, name in patches:
+        original, wrapper = timed(module, name)
+        originals.append(original)
+        setattr(module, name, wrapper)
+    try:
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        whole = time.perf_counter() - start
+    finally:
+        for (module, name), original in zip(patches, originals):
+            setattr(module, name, original)
+    prefill, attention = spent["chunked_prefill"], spent["decode_attention"]
+    return {"generate": round(whole, 4), "prefill": round(prefill, 4), "decode_attention": round(attention, 4),
+            "rest": round(whole - prefill - attention, 4)}
+
+
 def without_attention(engine, prompts, params, repeats: int) -> float:
     real_bmm, real_baddbmm = torch.bmm, torch.baddbmm
     torch.bmm = lambda a, b: a.new_zeros(a.shape[0], a.shape[1], b.shape[2])
@@ -94,6 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="int8,fp32")
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--arch", default="qwen2", choices=TINY_ARCHITECTURES, help="architecture of the mid model")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
@@ -102,7 +142,7 @@ def main() -> None:
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_tiny_model(os.path.join(tmp, "mid"), "mid", seed=0)
+        path = write_tiny_model(os.path.join(tmp, "mid"), "mid", seed=0, arch=args.arch)
         hf = create_rollout_engine("hf", path, dtype="fp32", num_threads=args.threads)
         prompts = make_prompts(hf.tokenizer, args.batch, 16, 32, seed=args.batch)
         results["hf_fp32_tokens_per_s"] = tokens_per_s(hf, prompts, params, args.repeats)
@@ -112,6 +152,7 @@ def main() -> None:
             row = {"tokens_per_s": tokens_per_s(engine, prompts, params, args.repeats)}
             row["profile_self_cpu_share"] = profile_shares(engine, prompts, params)
             row["layer_matmul_seconds_per_step"] = matmul_seconds_per_step(engine, prompts, params)
+            row["stage_seconds"] = stage_seconds(engine, prompts, params)
             # the same matmuls (plus the output head) alone, on their own: rollout_throughput.py's floor
             row["matmul_floor_seconds_per_step"] = round(args.batch / matmul_floor("mid", dtype, args.batch), 4)
             row["tokens_per_s_if_attention_were_free"] = without_attention(engine, prompts, params, args.repeats)
@@ -120,7 +161,7 @@ def main() -> None:
     doc = {
         "benchmark": "rollout_profile",
         "git_commit": git_commit(),
-        "config": {"size": "mid", "batch": args.batch, "new_tokens": args.new_tokens, "threads": args.threads,
+        "config": {"size": "mid", "arch": args.arch, "batch": args.batch, "new_tokens": args.new_tokens, "threads": args.threads,
                    "prompt_len": [16, 32], "samples_per_prompt": 1},
         "load_average": os.getloadavg(),
         "results": results,

@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_rollout_engines import make_prompts, write_model
 
+import hybridflow.engines.rollout.chunked_prefill as chunked_prefill_module
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.engines.rollout.chunked_prefill import prefill_groups
 from hybridflow.trainer.config import ConfigError, load_config
@@ -26,7 +27,7 @@ def test_groups_cover_the_rows_within_the_budget():
 
 
 @pytest.mark.parametrize("decode", ["eager", "static"])
-def test_budgeted_prefill_gives_the_same_generation(qwen_path, decode):
+def test_budgeted_prefill_gives_the_same_generation(qwen_path, decode, monkeypatch):
     whole = create_rollout_engine("native", qwen_path, num_threads=1, decode=decode)
     budget = create_rollout_engine("native", qwen_path, num_threads=1, decode=decode, max_num_batched_tokens=20)
     prompts = make_prompts(whole.tokenizer)
@@ -34,13 +35,14 @@ def test_budgeted_prefill_gives_the_same_generation(qwen_path, decode):
     assert B * P > 20  # the budget really splits this batch
 
     calls = []
-    original = budget.model.prefill
+    original = chunked_prefill_module.packed_prefill  # each group's prefill (without its padding: packed_prefill.py)
 
-    def spy(ids, *args):
-        calls.append(tuple(ids.shape))
-        return original(ids, *args)
+    def spy(model, ids, *args):
+        if model is budget.model:
+            calls.append(tuple(ids.shape))
+        return original(model, ids, *args)
 
-    budget.model.prefill = spy
+    monkeypatch.setattr(chunked_prefill_module, "packed_prefill", spy)
     for params in (SamplingParams(greedy=True, max_new_tokens=12),
                    SamplingParams(temperature=1.0, n=3, max_new_tokens=10, seed=5)):
         calls.clear()

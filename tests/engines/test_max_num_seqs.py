@@ -7,6 +7,7 @@ import pytest
 import torch
 from test_rollout_engines import make_prompts, write_model
 
+import hybridflow.engines.rollout.chunked_prefill as chunked_prefill_module
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.config import ConfigError, load_config
@@ -18,19 +19,20 @@ def qwen_path(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("decode", ["eager", "static"])
-def test_capped_decode_batches_give_the_same_samples(qwen_path, decode):
+def test_capped_decode_batches_give_the_same_samples(qwen_path, decode, monkeypatch):
     whole = create_rollout_engine("native", qwen_path, num_threads=1, decode=decode)
     capped = create_rollout_engine("native", qwen_path, num_threads=1, decode=decode, max_num_seqs=4)
     prompts = make_prompts(whole.tokenizer)
     B = len(prompts)
     widths = []
-    original = capped.model.prefill
+    original = chunked_prefill_module.packed_prefill  # each decode batch's prefill (packed_prefill.py)
 
-    def spy(ids, *args):
-        widths.append(ids.shape[0])
-        return original(ids, *args)
+    def spy(model, ids, *args):
+        if model is capped.model:
+            widths.append(ids.shape[0])
+        return original(model, ids, *args)
 
-    capped.model.prefill = spy
+    monkeypatch.setattr(chunked_prefill_module, "packed_prefill", spy)
     for params in (SamplingParams(greedy=True, max_new_tokens=12),
                    SamplingParams(temperature=1.0, n=3, max_new_tokens=10, seed=5)):
         widths.clear()

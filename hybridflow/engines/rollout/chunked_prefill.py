@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridflow.engines.rollout.packed_prefill import packed_prefill
+
 __all__ = ["chunked_prefill", "prefill_groups"]
 
 
@@ -39,17 +41,17 @@ class _GroupWriter:
 
 def chunked_prefill(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                     cache, max_tokens: int | None) -> torch.Tensor:
-    """``model.prefill`` (native_model.NativeDecoder) over `prefill_groups`; returns the last-position logits
+    """``model.prefill`` (native_model.NativeDecoder; without the padding: packed_prefill.py) over `prefill_groups`; returns the last-position logits
     ``[B, V]`` and writes all B prompts' K/V ``[B, kv_heads, P, head_dim]`` per layer through ``cache.write_prompts``
     (a KVCache or the fixed-shape prompt writer), in row order."""
     B, P = input_ids.shape
     groups = prefill_groups(B, P, max_tokens)
     if len(groups) == 1:
-        return model.prefill(input_ids, position_ids, attention_mask, cache)
+        return packed_prefill(model, input_ids, position_ids, attention_mask, cache)
     logits, writers = [], []
     for lo, hi in groups:
         writer = _GroupWriter()
-        logits.append(model.prefill(input_ids[lo:hi], position_ids[lo:hi], attention_mask[lo:hi], writer))
+        logits.append(packed_prefill(model, input_ids[lo:hi], position_ids[lo:hi], attention_mask[lo:hi], writer))
         writers.append(writer)
     for layer in sorted(writers[0].keys):
         keys = torch.cat([w.keys.pop(layer) for w in writers])

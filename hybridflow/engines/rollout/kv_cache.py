@@ -5,6 +5,9 @@ Layout, per layer, allocated once per ``generate`` call and written in place:
     prompt, and a generated part ``[rows, kv_heads, max_new, head_dim]``, one slot per running sample;
   * n == 1: one part ``[rows, kv_heads, P + max_new, head_dim]``: there is nothing to share, and one segment costs two
     fewer matmuls per layer.
+Keys are stored transposed, ``[..., head_dim, length]`` (values as above): the score matmul ``q @ K^T`` then reads
+each head's keys as a plain row-major ``[head_dim, length]`` operand, which the batched small matmuls of a decode step
+ran ~20% faster on than on a transposed view (attention time in one 64-row generate call, mid model, CPU, 1 thread).
 Rows are compacted (moved to the front) as samples finish.
 
 Decode attention (``decode_attention``) scores a row's query against its prompt's keys and its own generated keys and
@@ -29,39 +32,45 @@ class KVCache:
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, *, prompts: int, prompt_len: int, n: int,
                  max_new: int, dtype: torch.dtype, device: torch.device):
-        def alloc(batch: int, length: int) -> list[torch.Tensor]:
-            return [torch.empty(batch, kv_heads, length, head_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        def alloc(*shape: int) -> list[torch.Tensor]:
+            return [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
         self.shared = n > 1
         self.prompt_len = prompt_len
         self.kv_heads = kv_heads
+        # keys: [batch, kv_heads, head_dim, length] (transposed, see the module docstring); values: [.., length, head_dim]
         if self.shared:
-            self.prompt_keys, self.prompt_values = alloc(prompts, prompt_len), alloc(prompts, prompt_len)
-            self.keys, self.values = alloc(prompts * n, max_new), alloc(prompts * n, max_new)
+            self.prompt_keys = alloc(prompts, kv_heads, head_dim, prompt_len)
+            self.prompt_values = alloc(prompts, kv_heads, prompt_len, head_dim)
+            self.keys = alloc(prompts * n, kv_heads, head_dim, max_new)
+            self.values = alloc(prompts * n, kv_heads, max_new, head_dim)
         else:
-            self.keys, self.values = alloc(prompts, prompt_len + max_new), alloc(prompts, prompt_len + max_new)
+            length = prompt_len + max_new
+            self.keys, self.values = alloc(prompts, kv_heads, head_dim, length), alloc(prompts, kv_heads, length, head_dim)
         # where generated token t of a row is stored along the length axis of self.keys / self.values
         self.offset = 0 if self.shared else prompt_len
 
     def write_prompts(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The prefill's K/V [prompts, kv_heads, P, head_dim] of one layer."""
         if self.shared:
-            self.prompt_keys[layer][: keys.shape[0]] = keys
+            self.prompt_keys[layer][: keys.shape[0]] = keys.transpose(-1, -2)
             self.prompt_values[layer][: keys.shape[0]] = values
         else:
-            self.keys[layer][: keys.shape[0], :, : self.prompt_len] = keys
+            self.keys[layer][: keys.shape[0], :, :, : self.prompt_len] = keys.transpose(-1, -2)
             self.values[layer][: keys.shape[0], :, : self.prompt_len] = values
 
     def write_token(self, layer: int, column: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """K/V [rows, kv_heads, head_dim] of generated token `column` of the running rows."""
         rows = keys.shape[0]
-        self.keys[layer][:rows, :, self.offset + column] = keys
+        self.keys[layer][:rows, :, :, self.offset + column] = keys
         self.values[layer][:rows, :, self.offset + column] = values
 
     def compact(self, keep: torch.Tensor, generated: int) -> None:
         """Move rows `keep` [m] to the front (their prompt, if not shared, and first `generated` tokens)."""
         m, length = keep.numel(), self.offset + generated
-        for cache in (*self.keys, *self.values):
+        for cache in self.keys:
+            cache[:m, :, :, :length] = cache[keep, :, :, :length]
+        for cache in self.values:
             cache[:m, :, :length] = cache[keep, :, :length]
 
 
@@ -114,7 +123,7 @@ def decode_attention(q: torch.Tensor, cache: KVCache, layer: int, rows: RunningR
     r, kv, G, D = q.shape
     if not cache.shared:
         end = cache.offset + length
-        keys = cache.keys[layer][:r, :, :end].reshape(r * kv, end, D).transpose(1, 2)  # a view, no copy
+        keys = cache.keys[layer][:r, :, :, :end].reshape(r * kv, D, end)  # a view, no copy
         if softcap is None:
             scores = torch.baddbmm(bias, q.reshape(r * kv, G, D), keys, alpha=scale)
         else:
@@ -127,9 +136,9 @@ def decode_attention(q: torch.Tensor, cache: KVCache, layer: int, rows: RunningR
     prompt_keys = cache.prompt_keys[layer][:prompts]
     prompt_values = cache.prompt_values[layer][:prompts]
     q = q * scale
-    prompt_scores = _by_row(torch.matmul(_by_prompt(q, rows, prompts), prompt_keys.transpose(-1, -2)), rows, G)
+    prompt_scores = _by_row(torch.matmul(_by_prompt(q, rows, prompts), prompt_keys), rows, G)
     prompt_scores = softcap_scores(prompt_scores, softcap)
-    own_scores = torch.matmul(q, cache.keys[layer][:r, :, :length].transpose(-1, -2))  # every generated key is real
+    own_scores = torch.matmul(q, cache.keys[layer][:r, :, :, :length])  # every generated key is real
     own_scores = softcap_scores(own_scores, softcap)
     if own_bias is not None:  # a sliding window that has moved past some generated keys
         own_scores = own_scores + own_bias
