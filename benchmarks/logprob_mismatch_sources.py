@@ -9,9 +9,10 @@ mismatch in: train mode, with grad) and, with --fp64, with the HF model in float
     .venv/bin/python benchmarks/logprob_mismatch_sources.py --model DIR --prompts 2 --n 2 --max-new 16   # the CI run
     .venv/bin/python benchmarks/logprob_mismatch_sources.py --model DIR --variants default,prepack=false --fp64
 
-A variant is comma-free ``key=value`` pairs joined by ``+``: prepack=true|false, rope=hf|addcmul,
-attention=sdpa_order|softmax_first|sdpa (torch SDPA per row), batch_invariant=true (rollout and training engine
-both batch-invariant: engines/batch_invariant.py). ``default`` is the engine as shipped.
+A variant is comma-free ``key=value`` pairs joined by ``+``: prepack=true|false, rope=hf|addcmul, batch_invariant=true
+(rollout and training engine both batch-invariant: engines/batch_invariant.py). ``default`` is the engine as shipped.
+The decode-attention variants measured at commit da202ce (docs/benchmarks.md, SmolLM2) read the KV cache's old
+key layout and were dropped when keys came to be stored transposed; batch_invariant=true supersedes them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._common import git_commit, machine_info
 from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine
 from hybridflow.engines.mismatch import logprob_mismatch
-from hybridflow.engines.rollout import SamplingParams, create_rollout_engine, kv_cache, native_model
+from hybridflow.engines.rollout import SamplingParams, create_rollout_engine, native_model
 from hybridflow.protocol import DataProto
 
 QUESTIONS = ["What is {a} plus {b}?", "What is {a} minus {b}?", "What is {a} times {b}?", "Is {a} bigger than {b}?"]
@@ -61,34 +62,6 @@ def _rotate_addcmul(x, cos, signed_sin):
     return torch.cat((torch.addcmul(rot * cos, torch.roll(rot, dim // 2, dims=-1), signed_sin), x[..., dim:]), -1)
 
 
-def _decode_softmax_first(q, cache, layer, rows, bias, length, scale, softcap=None):
-    """Decode attention as it was before the SDPA order: q pre-scaled (shared layout), softmax, then probs @ V."""
-    r, kv, G, D = q.shape
-    if not cache.shared:
-        end = cache.offset + length
-        keys = cache.keys[layer][:r, :, :end].reshape(r * kv, end, D).transpose(1, 2)
-        scores = kv_cache.softcap_scores(torch.bmm(q.reshape(r * kv, G, D), keys) * scale, softcap) + bias \
-            if softcap is not None else torch.baddbmm(bias, q.reshape(r * kv, G, D), keys, alpha=scale)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.bmm(probs, cache.values[layer][:r, :, :end].reshape(r * kv, end, D)).view(r, kv, G, D)
-    P = cache.prompt_len
-    bias, own_bias = bias
-    prompts = r // rows.n if rows.grouped else cache.prompt_keys[layer].shape[0]
-    q = q * scale
-    prompt_scores = kv_cache._by_row(torch.matmul(kv_cache._by_prompt(q, rows, prompts),
-                                                  cache.prompt_keys[layer][:prompts].transpose(-1, -2)), rows, G)
-    own_scores = torch.matmul(q, cache.keys[layer][:r, :, :length].transpose(-1, -2))
-    prompt_scores, own_scores = kv_cache.softcap_scores(prompt_scores, softcap), kv_cache.softcap_scores(own_scores,
-                                                                                                          softcap)
-    if own_bias is not None:
-        own_scores = own_scores + own_bias
-    probs = torch.softmax(torch.cat((prompt_scores + bias, own_scores), dim=-1), dim=-1, dtype=torch.float32)
-    prompt_probs, own_probs = probs.to(q.dtype).split((P, length), dim=-1)
-    out = torch.matmul(own_probs, cache.values[layer][:r, :, :length])
-    return out + kv_cache._by_row(torch.matmul(kv_cache._by_prompt(prompt_probs, rows, prompts),
-                                               cache.prompt_values[layer][:prompts]), rows, G)
-
-
 def _rotate_hf(x, cos, signed_sin):
     """HF's order: x*cos + rotate_half(x)*sin, two roundings (addcmul may fuse them into one)."""
     dim = cos.shape[-1]
@@ -98,69 +71,10 @@ def _rotate_hf(x, cos, signed_sin):
     return torch.cat((rot * cos + torch.roll(rot, dim // 2, dims=-1) * signed_sin, x[..., dim:]), -1)
 
 
-def _normalise_last(scores, values_fn):
-    m = scores.amax(-1, keepdim=True)
-    p = torch.exp(scores - m)
-    return values_fn(p) / p.sum(-1, keepdim=True)
-
-
-def _decode_sdpa_order(q, cache, layer, rows, bias, length, scale, softcap=None):
-    """SDPA's CPU order: (q @ k) * scale + mask, exp(s - max), (p @ V) / sum(p)."""
-    r, kv, G, D = q.shape
-    if not cache.shared:
-        end = cache.offset + length
-        keys = cache.keys[layer][:r, :, :end].reshape(r * kv, end, D).transpose(1, 2)
-        scores = kv_cache.softcap_scores(torch.bmm(q.reshape(r * kv, G, D), keys) * scale, softcap) + bias
-        values = cache.values[layer][:r, :, :end].reshape(r * kv, end, D)
-        return _normalise_last(scores, lambda p: torch.bmm(p, values)).view(r, kv, G, D)
-    P = cache.prompt_len
-    bias, own_bias = bias
-    prompts = r // rows.n if rows.grouped else cache.prompt_keys[layer].shape[0]
-    prompt_scores = kv_cache._by_row(torch.matmul(kv_cache._by_prompt(q, rows, prompts),
-                                                  cache.prompt_keys[layer][:prompts].transpose(-1, -2)), rows, G)
-    own_scores = torch.matmul(q, cache.keys[layer][:r, :, :length].transpose(-1, -2))
-    prompt_scores = kv_cache.softcap_scores(prompt_scores * scale, softcap)
-    own_scores = kv_cache.softcap_scores(own_scores * scale, softcap)
-    if own_bias is not None:
-        own_scores = own_scores + own_bias
-    scores = torch.cat((prompt_scores + bias, own_scores), dim=-1)
-
-    def weighted(p):
-        prompt_p, own_p = p.split((P, length), dim=-1)
-        out = torch.matmul(own_p, cache.values[layer][:r, :, :length])
-        return out + kv_cache._by_row(torch.matmul(kv_cache._by_prompt(prompt_p, rows, prompts),
-                                                   cache.prompt_values[layer][:prompts]), rows, G)
-
-    return _normalise_last(scores, weighted)
-
-
-def _decode_sdpa(q, cache, layer, rows, bias, length, scale, softcap=None):
-    """torch's SDPA itself on each row's keys (its prompt's, gathered, then its own): the training engine's kernel."""
-    r, kv, G, D = q.shape
-    if softcap is not None:
-        raise SystemExit("attention=sdpa: no soft-capping")
-    if not cache.shared:
-        end = cache.offset + length
-        keys, values = cache.keys[layer][:r, :, :end], cache.values[layer][:r, :, :end]
-        mask = bias.view(r, kv, 1, end)[:, :1]
-    else:
-        prompt_bias, own_bias = bias
-        index = rows.prompt_index[:r]
-        keys = torch.cat((cache.prompt_keys[layer][index], cache.keys[layer][:r, :, :length]), dim=2)
-        values = torch.cat((cache.prompt_values[layer][index], cache.values[layer][:r, :, :length]), dim=2)
-        own = torch.zeros(1, 1, 1, length, dtype=q.dtype) if own_bias is None else own_bias
-        mask = torch.cat((prompt_bias, own.expand(r, 1, 1, length)), dim=-1)
-    out = torch.nn.functional.scaled_dot_product_attention(q.reshape(r, kv * G, 1, D), keys, values, attn_mask=mask,
-                                                           scale=scale, enable_gqa=True)
-    return out.reshape(r, kv, G, D)
-
-
 PATCHES = {
-    ("attention", "sdpa"): (native_model, "decode_attention", _decode_sdpa),
     ("rope", "hf"): (native_model, "_rotate", _rotate_hf),
-    ("attention", "sdpa_order"): (native_model, "decode_attention", _decode_sdpa_order),  # (variant key, value) -> (module, attribute, replacement); absent: the shipped code
+    # (variant key, value) -> (module, attribute, replacement); absent: the shipped code
     ("rope", "addcmul"): (native_model, "_rotate", _rotate_addcmul),
-    ("attention", "softmax_first"): (native_model, "decode_attention", _decode_softmax_first),
 }
 
 
@@ -168,10 +82,9 @@ def parse_variant(text: str) -> dict[str, str]:
     if text == "default":
         return {}
     pairs = dict(part.split("=", 1) for part in text.split("+"))
-    unknown = set(pairs) - {"prepack", "rope", "attention", "batch_invariant"}
+    unknown = set(pairs) - {"prepack", "rope", "batch_invariant"}
     if unknown:
-        raise SystemExit(f"unknown variant keys {sorted(unknown)} in {text!r}; use prepack, rope, attention, "
-                         "batch_invariant")
+        raise SystemExit(f"unknown variant keys {sorted(unknown)} in {text!r}; use prepack, rope, batch_invariant")
     return pairs
 
 
@@ -246,7 +159,7 @@ def stats(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict[str, flo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="an HF folder (e.g. `hybridflow import-gguf --smollm2 DIR`)")
-    ap.add_argument("--variants", default="default,prepack=false,rope=addcmul,attention=softmax_first")
+    ap.add_argument("--variants", default="default,prepack=false,rope=addcmul,batch_invariant=true")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=2)
     ap.add_argument("--max-new", type=int, default=16)
