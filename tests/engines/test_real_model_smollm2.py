@@ -73,18 +73,24 @@ def test_greedy_native_equals_hf_on_real_prompts(smollm2):
                                atol=1e-4, rtol=1e-4)
 
 
-def test_one_grpo_step_with_the_real_model(smollm2, arithmetic_files, tmp_path):
+def grpo_run(smollm2, arithmetic_files, run_dir: str, *extra: str):
+    """GRPO through the trainer on the real model: 2 prompts x 2 samples x 16 tokens a step; the run's result."""
     from hybridflow.trainer.config import load_config
     from hybridflow.trainer.main import run_training
 
-    run_dir = str(tmp_path / "run")
     cfg = load_config(tiny_run_overrides(
         arithmetic_files, smollm2, run_dir, "trainer.backend=local", "data.train_batch_size=2",
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "data.max_response_length=16",
         "data.max_prompt_length=128", "trainer.total_training_steps=1", "actor_rollout_ref.actor.optim.lr=1e-6",
+        *extra,
     ))
-    result = run_training(cfg, progress=False)
+    return run_training(cfg, progress=False)
+
+
+def test_one_grpo_step_with_the_real_model(smollm2, arithmetic_files, tmp_path):
+    run_dir = str(tmp_path / "run")
+    result = grpo_run(smollm2, arithmetic_files, run_dir)
     assert result.global_step == 1
     row = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))][-1]
     print("rollout/mismatch_max_abs", row["rollout/mismatch_max_abs"], "mean", row["rollout/mismatch_mean_abs"])
@@ -100,18 +106,10 @@ def test_batch_invariant_grpo_step_has_zero_mismatch(smollm2, arithmetic_files, 
     """actor_rollout_ref.model.batch_invariant=true: the rollout's log-probs are the actor's, bit for bit, in the
     update's own forward (engines/batch_invariant.py), where the default engines differ by up to ~2e-5; step 2
     samples from the weights step 1 synced into the rollout."""
-    from hybridflow.trainer.config import load_config
-    from hybridflow.trainer.main import run_training
-
     run_dir = str(tmp_path / "run")
-    cfg = load_config(tiny_run_overrides(
-        arithmetic_files, smollm2, run_dir, "trainer.backend=local", "data.train_batch_size=2",
-        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "data.max_response_length=16",
-        "data.max_prompt_length=128", "trainer.total_training_steps=2", "actor_rollout_ref.actor.optim.lr=1e-5",
-        "actor_rollout_ref.model.batch_invariant=true",
-    ))
-    assert run_training(cfg, progress=False).global_step == 2
+    result = grpo_run(smollm2, arithmetic_files, run_dir, "trainer.total_training_steps=2",
+                      "actor_rollout_ref.actor.optim.lr=1e-5", "actor_rollout_ref.model.batch_invariant=true")
+    assert result.global_step == 2
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     rows = [row for row in rows if "rollout/mismatch_max_abs" in row]
     assert len(rows) == 2, rows
