@@ -2,24 +2,20 @@
 
 A token's log-prob differs between the native rollout and the training engine although both compute the same
 function: the training forward sees a whole row ``[T]`` per matmul, the decode step one token per row, and a CPU
-BLAS rounds a row's dot products differently with the shape around it. Measured here (MKL, fp32; the checks are in
-tests/engines/test_batch_invariant.py):
+BLAS rounds a row's dot products differently with the shapes around it (which shapes do and do not change a row's
+bits was measured first: docs/benchmarks.md, "A real model"). So both engines, when
+``actor_rollout_ref.model.batch_invariant=true``:
 
-- a projection gives each row the same bits whatever the number of rows M when M is a multiple of 4: oneDNN's
-  (M = 1 rounds otherwise), and MKL's ``F.linear`` (with two threads M = 5..7 and 9..11 round otherwise too); a
-  packed and a plain oneDNN weight give the same bits, as do a fused [q; k; v] weight and its three parts;
-- ``q @ k^T`` likewise for M >= 4 query rows and L >= 12 keys;
-- ``p @ v`` sums over the keys in blocks whose split points move with L past 128 keys; summed in fixed blocks of
-  128 keys it does not depend on L (trailing zero probabilities add exact zeros);
-- a row's softmax does not depend on how many masked keys follow it.
+- run attention through `invariant_attention` (registered with transformers' ``AttentionInterface`` for the
+  training engine; called by the native rollout's batch-invariant steps, rollout/exact_decode.py), whose matmuls
+  get canonical shapes and whose ``p @ v`` sums over fixed blocks of KEY_BLOCK keys;
+- run their projections through the same library (`onednn_matmuls`: oneDNN on a CPU that has it, where the rollout
+  keeps its packed weights and the training engine's ``nn.Linear`` layers become `InvariantLinear`; ``F.linear``
+  elsewhere);
+- feed every matmul a multiple of `ROW_MULTIPLE` rows;
+- lay a row's keys out from column 0 (the training engine's stripped rows).
 
-So both engines, when ``actor_rollout_ref.model.batch_invariant=true``, run attention through
-`invariant_attention` (registered with transformers' ``AttentionInterface`` for the training engine; called by the
-native rollout's batch-invariant steps, rollout/exact_decode.py), run their projections through the same library
-(`onednn_matmuls`: oneDNN on a CPU that has it, where the rollout keeps its packed weights and the training
-engine's ``nn.Linear`` layers become `InvariantLinear`; ``F.linear`` elsewhere), feed every matmul a multiple of
-`ROW_MULTIPLE` rows, and lay a row's keys out from column 0 (the training engine's stripped rows). The result is
-exact, not close: the tests compare with ``torch.equal``.
+The result is exact, not close: tests/engines/test_batch_invariant.py compares with ``torch.equal``.
 """
 
 from __future__ import annotations
