@@ -158,25 +158,31 @@ def batch_invariant_errors(cfg: Any) -> list[str]:
         return []
     r, m = arr.rollout, arr.model
     checks = [
-        (r.name == "native", f"rollout.name={r.name} (the native engine's steps are the ones made batch-invariant)"),
-        (m.use_remove_padding, "model.use_remove_padding=false (the rollout reproduces the stripped rows)"),
-        (not m.use_sequence_packing, "model.use_sequence_packing=true (packed rows lay keys out differently)"),
-        (m.lora_rank == 0, f"model.lora_rank={m.lora_rank} (the actor adds the adapters' product apart from the base "
-                           "matmul; the rollout runs merged weights)"),
-        (not r.multi_turn.enable, "rollout.multi_turn.enable=true (sessions keep their own K/V layout)"),
-        (r.enforce_eager is not False, "rollout.enforce_eager=false (fixed-shape steps; batch-invariant ones are "
-                                       "eager)"),
-        (str(r.dtype) in ("fp32", "float32"), f"rollout.dtype={r.dtype} (the guarantee is for fp32)"),
-        (int(r.tensor_model_parallel_size) == 1, f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}"),
+        (r.name == "native", f"actor_rollout_ref.rollout.name={r.name} (the native engine's steps are the ones made "
+                             "batch-invariant)"),
+        (m.use_remove_padding, "actor_rollout_ref.model.use_remove_padding=false (the rollout reproduces the stripped "
+                               "rows)"),
+        (not m.use_sequence_packing, "actor_rollout_ref.model.use_sequence_packing=true (packed rows lay keys out "
+                                     "differently)"),
+        (m.lora_rank == 0, f"actor_rollout_ref.model.lora_rank={m.lora_rank} (the actor adds the adapters' product "
+                           "apart from the base matmul; the rollout runs merged weights)"),
+        (not r.multi_turn.enable, "actor_rollout_ref.rollout.multi_turn.enable=true (sessions keep their own K/V "
+                                  "layout)"),
+        (r.enforce_eager is not False, "actor_rollout_ref.rollout.enforce_eager=false (fixed-shape steps; "
+                                       "batch-invariant ones are eager)"),
+        (str(r.dtype) in ("fp32", "float32"), f"actor_rollout_ref.rollout.dtype={r.dtype} (the guarantee is for fp32)"),
+        (int(r.tensor_model_parallel_size) == 1,
+         f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}"),
     ]
     for role, section in (("actor", arr.actor), ("ref", arr.ref)):
+        key = f"actor_rollout_ref.{role}"
         checks += [
             (section.fsdp_config.param_dtype in ("fp32", "float32"),
-             f"{role}.fsdp_config.param_dtype={section.fsdp_config.param_dtype} (the guarantee is for fp32)"),
+             f"{key}.fsdp_config.param_dtype={section.fsdp_config.param_dtype} (the guarantee is for fp32)"),
             (section.fsdp_config.tensor_model_parallel_size == 1,
-             f"{role}.fsdp_config.tensor_model_parallel_size={section.fsdp_config.tensor_model_parallel_size}"),
+             f"{key}.fsdp_config.tensor_model_parallel_size={section.fsdp_config.tensor_model_parallel_size}"),
             (section.ulysses_sequence_parallel_size == 1,
-             f"{role}.ulysses_sequence_parallel_size={section.ulysses_sequence_parallel_size}"),
+             f"{key}.ulysses_sequence_parallel_size={section.ulysses_sequence_parallel_size}"),
         ]
-    return [f"actor_rollout_ref.model.batch_invariant=true does not combine with actor_rollout_ref.{why}; change "
-            "that setting or turn batch_invariant off" for ok, why in checks if not ok]
+    return [f"actor_rollout_ref.model.batch_invariant=true does not combine with {why}; change that setting or turn "
+            "batch_invariant off" for ok, why in checks if not ok]

@@ -37,7 +37,8 @@ def batch_invariant_refusal(model, *, decode: str, int8: bool, tensor_parallel: 
     """None, or why the native decoder cannot run batch-invariant steps with these settings."""
     if model.shape.moe:
         return ("routed experts see per-expert token counts that differ between the rollout and the training "
-                "forward, so their matmuls round differently; use routing replay (router_replay.mode=R3) for MoE")
+                "forward, so their matmuls round differently; use routing replay for MoE "
+                "(actor_rollout_ref.actor.router_replay.mode=R3)")
     if int8:
         return "int8 weights are not the training engine's fp32 weights; use dtype=fp32"
     if tensor_parallel:
