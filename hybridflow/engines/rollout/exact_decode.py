@@ -116,8 +116,8 @@ class BatchInvariantSteps:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, step: int) -> torch.Tensor:
         model, s = self.model, self.model.shape
         r, slots = tokens.shape[0], self.keys[0].shape[0]
-        column = pad_rows(self.length, slots)  # dummy rows write and read their column 0
-        tokens, positions = pad_rows(tokens, slots), pad_rows(positions, slots)
+        # the dummy rows (slots - r of them) feed token 0 at position 0 and write and read their column 0
+        column, tokens, positions = (torch.cat((x, x.new_zeros(slots - r))) for x in (self.length, tokens, positions))
         L = round_up(int(column.max()) + 1, KEY_MULTIPLE)
         keys = torch.arange(L, device=tokens.device)[None, :]
         allowed = {}

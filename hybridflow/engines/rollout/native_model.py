@@ -79,6 +79,24 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return torch.cat((rot * cos + torch.roll(rot, dim // 2, dims=-1) * signed_sin, x[..., dim:]), -1)
 
 
+def prefill_masks(shape: DecoderShape, attention_mask: torch.Tensor) -> dict:
+    """Boolean attention masks ``[B, 1, P, P]`` (True: may attend) per sliding window size of ``shape.windows``
+    (None: full causal) from the prompts' ``attention_mask [B, P]``: sliding layers see keys less than `window`
+    columns back, as transformers' mask does."""
+    P = attention_mask.shape[1]
+    device = attention_mask.device
+    key_valid = attention_mask.bool()
+    index = torch.arange(P, device=device)
+    distance = index[:, None] - index[None, :]  # query column - key column
+    # a padding query attends to itself so that its (unused) output stays finite instead of NaN
+    eye = torch.eye(P, dtype=torch.bool, device=device)
+    masks = {}
+    for window in shape.windows:
+        allowed = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
+        masks[window] = ((allowed[None] & key_valid[:, None, :]) | eye[None])[:, None]
+    return masks
+
+
 class NativeDecoder:
     """Weights of one checkpoint in fused, generation-friendly tensors, plus prefill and decode steps."""
 
@@ -388,32 +406,29 @@ class NativeDecoder:
 
         Returns fp32 logits of the last prompt position [B, V].
         """
-        s = self.shape
         B, P = input_ids.shape
-        G = s.num_heads // s.num_kv_heads
-        key_valid = attention_mask.bool()
-        index = torch.arange(P, device=input_ids.device)
-        distance = index[:, None] - index[None, :]  # query column - key column
-        # A padding query attends to itself so that its (unused) output stays finite instead of NaN.
-        eye = torch.eye(P, dtype=torch.bool, device=input_ids.device)
-        masks = {}
-        for window in s.windows:  # sliding layers see keys less than `window` columns back, as HF's mask does
-            allowed = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
-            masks[window] = ((allowed[None] & key_valid[:, None, :]) | eye[None])[:, None]  # [B, 1, P, P]
+        masks = prefill_masks(self.shape, attention_mask)
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, P, D]
-            cache.write_prompts(li, k, v)
-            k, v, mask = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), masks[s.layers[li].window]
-            if s.attn_softcap is None:
-                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.attention_scale)
-            else:  # SDPA cannot soft-cap: transformers' eager attention, written out
-                scores = softcap_scores(torch.matmul(q, k.transpose(-1, -2)) * s.attention_scale, s.attn_softcap)
-                probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
-                attn = torch.matmul(probs.to(q.dtype), v)
-            return attn.transpose(1, 2).reshape(B, P, self.q_size)
+            return self.prompt_attention(li, q, k, v, masks, cache).transpose(1, 2).reshape(B, P, self.q_size)
 
         return self._logits(self._layers(input_ids, position_ids, attend)[:, -1])
+
+    def prompt_attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: dict,
+                         cache) -> torch.Tensor:
+        """Layer li's prefill attention: writes k, v [B, kv, P, D] through ``cache.write_prompts`` and returns the
+        output [B, heads, P, D] for q [B, heads, P, D] under ``masks[window]`` (prefill_masks)."""
+        s = self.shape
+        G = s.num_heads // s.num_kv_heads
+        cache.write_prompts(li, k, v)
+        k, v, mask = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), masks[s.layers[li].window]
+        if s.attn_softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.attention_scale)
+        # SDPA cannot soft-cap: transformers' eager attention, written out
+        scores = softcap_scores(torch.matmul(q, k.transpose(-1, -2)) * s.attention_scale, s.attn_softcap)
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+        return torch.matmul(probs.to(q.dtype), v)
 
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, rows: RunningRows,

@@ -13,28 +13,10 @@ zeros, which decode_attention's -inf mask never lets through.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from hybridflow.engines.rollout.kv_cache import softcap_scores
+from hybridflow.engines.rollout.native_model import prefill_masks
 
-__all__ = ["packed_prefill", "prefill_masks"]
-
-
-def prefill_masks(shape, attention_mask: torch.Tensor) -> dict:
-    """Boolean attention masks ``[B, 1, P, P]`` (True: may attend) per sliding window size of ``shape.windows``
-    (None: full causal), from the prompts' ``attention_mask [B, P]``; as NativeDecoder.prefill builds them."""
-    P = attention_mask.shape[1]
-    device = attention_mask.device
-    key_valid = attention_mask.bool()
-    index = torch.arange(P, device=device)
-    distance = index[:, None] - index[None, :]  # query column - key column
-    # a padding query attends to itself so that its (unused) output stays finite instead of NaN
-    eye = torch.eye(P, dtype=torch.bool, device=device)
-    masks = {}
-    for window in shape.windows:
-        allowed = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
-        masks[window] = ((allowed[None] & key_valid[:, None, :]) | eye[None])[:, None]
-    return masks
+__all__ = ["packed_prefill"]
 
 
 def packed_prefill(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -52,7 +34,6 @@ def packed_prefill(model, input_ids: torch.Tensor, position_ids: torch.Tensor, a
         return model.prefill(input_ids, position_ids, attention_mask, cache)
     s = model.shape
     real = valid.nonzero().squeeze(-1)  # [T] flat indices of the real tokens in [B * P]
-    G = s.num_heads // s.num_kv_heads
     masks = prefill_masks(s, attention_mask)
 
     def padded(x: torch.Tensor) -> torch.Tensor:
@@ -62,16 +43,8 @@ def packed_prefill(model, input_ids: torch.Tensor, position_ids: torch.Tensor, a
         return out.view(B, P, *x.shape[1:]).transpose(1, 2)
 
     def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q, k, v = padded(q), padded(k), padded(v)  # [B, heads, P, D]
-        cache.write_prompts(li, k, v)
-        k, v, mask = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), masks[s.layers[li].window]
-        if s.attn_softcap is None:
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.attention_scale)
-        else:  # SDPA cannot soft-cap: transformers' eager attention, written out
-            scores = softcap_scores(torch.matmul(q, k.transpose(-1, -2)) * s.attention_scale, s.attn_softcap)
-            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
-            attn = torch.matmul(probs.to(q.dtype), v)
-        return attn.transpose(1, 2).reshape(B * P, model.q_size).index_select(0, real)
+        out = model.prompt_attention(li, padded(q), padded(k), padded(v), masks, cache)  # [B, heads, P, D]
+        return out.transpose(1, 2).reshape(B * P, model.q_size).index_select(0, real)
 
     hidden = model._layers(input_ids.reshape(-1)[real], position_ids.reshape(-1)[real], attend)  # [T, hidden]
     # left padding: every prompt's last column is real, and the last of its row's tokens in the flat order
