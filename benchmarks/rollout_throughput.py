@@ -127,12 +127,15 @@ def matmul_floor(size: str, dtype: str, batch: int, steps: int = 20) -> float:
                 torch.nn.functional.linear(xs[w.shape[1]], w)
 
     step()
-    device.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    device.synchronize()
-    return round(batch * steps / (time.perf_counter() - start), 1)
+    best = float("inf")
+    for _ in range(3):  # the best of three: a busy moment must not lower the floor
+        device.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        device.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return round(batch * steps / best, 1)
 
 
 def main() -> None:
@@ -207,6 +210,14 @@ def main() -> None:
             speedups[f"{row['backend']}/{row['dtype']}/batch{row['batch']}_vs_hf_fp32"] = round(
                 row["new_tokens_per_s"] / ref32["new_tokens_per_s"], 2
             )
+    # The most any engine using these matmul kernels could be over hf: decode steps that are only their weight matmuls
+    # (no attention, prefill, sampling or bookkeeping) against hf's measured rate. A goal above it cannot be met here.
+    for floor in floors:
+        ref = next((r for r in results if r["backend"] == "hf" and r["dtype"] == floor["dtype"]
+                    and r["batch"] == floor["batch"]), None)
+        if ref is not None:
+            speedups[f"matmul_floor/{floor['dtype']}/batch{floor['batch']}_vs_hf"] = round(
+                floor["matmul_floor_new_tokens_per_s"] / ref["new_tokens_per_s"], 2)
     import transformers
 
     doc = {

@@ -1,10 +1,11 @@
 """Training throughput of FSDPEngine (world size 1) on the ~21M-parameter "mid" model, as one JSON document.
 
 Reports training tokens/s (real tokens: prompt + response, no padding), model FLOPs utilisation
-MFU = 6 * params * tokens / time / peak, where the peak is measured here with torch.matmul on large square matrices
-(same dtype, same thread count), and the padding waste of the micro-batches on a batch whose response lengths vary 4x.
+MFU = 6 * params * tokens / time / peak, where the peak is measured here on large square matrices (same dtype, same
+thread count; common/metrics.measure_peak_flops: the better of torch.matmul and, on CPU, oneDNN), and the padding waste of the micro-batches on a batch whose response lengths vary 4x.
 
     .venv/bin/python benchmarks/train_throughput.py [--quick] [--threads N] [--dtypes fp32,bf16]
+    .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --linears onednn,torch   # onednn_train.py A/B
 """
 
 from __future__ import annotations
@@ -21,27 +22,13 @@ import time
 import torch
 
 from hybridflow import device
+from hybridflow.common.metrics import measure_peak_flops
 from hybridflow.engines import micro_batch as mb
 from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.engines.tiny import SIZES, write_tiny_model
 from hybridflow.protocol import DataProto
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def matmul_peak(dtype: torch.dtype, size: int, repeats: int) -> float:
-    """Best observed FLOP/s of a [size, size] @ [size, size] matmul."""
-    a = torch.randn(size, size, device=device.current_device()).to(dtype)
-    b = torch.randn(size, size, device=device.current_device()).to(dtype)
-    torch.matmul(a, b)  # warm-up (thread pool, packing buffers, GPU clocks)
-    best = float("inf")
-    for _ in range(repeats):
-        device.synchronize()
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        device.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size**3 / best
 
 
 def rollout_batch(rows: int, prompt_len: int, response_len: int, seed: int = 0) -> DataProto:
@@ -93,7 +80,7 @@ def _response_ratio(data: DataProto) -> float:
 
 
 def bench_training(path: str, dtype: str, data: DataProto, steps: int, max_tokens: int, checkpointing: bool,
-                   packing: bool = False) -> dict:
+                   packing: bool = False, onednn_linears: bool | None = None) -> dict:
     engine = FSDPEngine(
         EngineConfig(
             model_path=path,
@@ -102,6 +89,7 @@ def bench_training(path: str, dtype: str, data: DataProto, steps: int, max_token
             max_tokens_per_micro_batch=max_tokens,
             gradient_checkpointing=checkpointing,
             use_sequence_packing=packing,
+            onednn_linears=onednn_linears,
             optim=OptimConfig(lr=1e-5),
         )
     )
@@ -142,6 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--packing", action="store_true", help="sequence packing (engines/packing.py), not bucketing")
+    parser.add_argument("--linears", default="auto",
+                        help="comma-separated: auto (the engine's choice), onednn (onednn_train.py), torch (F.linear)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -154,12 +144,15 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict = {"padding": padding_report(data, args.max_tokens, micro_batch_size=4)}
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_model(os.path.join(tmp, "mid"), "mid", seed=0)
+        linears = {"auto": None, "onednn": True, "torch": False}
         for name in args.dtypes.split(","):
-            peak = matmul_peak(DTYPES[name], mm_size, repeats=3 if args.quick else 5)
-            run = bench_training(path, name, data, steps, args.max_tokens, args.gradient_checkpointing, args.packing)
-            run["matmul_peak_flops_per_s"] = peak
-            run["mfu"] = run["model_flops_per_s"] / peak
-            results[name] = run
+            peak = measure_peak_flops(dtype=DTYPES[name], size=mm_size, repeats=3 if args.quick else 5)
+            for choice in args.linears.split(","):
+                run = bench_training(path, name, data, steps, args.max_tokens, args.gradient_checkpointing,
+                                     args.packing, linears[choice])
+                run["matmul_peak_flops_per_s"] = peak
+                run["mfu"] = run["model_flops_per_s"] / peak
+                results[name if choice == "auto" else f"{name}:{choice}"] = run
 
     import transformers
 

@@ -10,8 +10,8 @@ bits was measured first: docs/benchmarks.md, "A real model"). So both engines, w
   training engine; called by the native rollout's batch-invariant steps, rollout/exact_decode.py), whose matmuls
   get canonical shapes and whose ``p @ v`` sums over fixed blocks of KEY_BLOCK keys;
 - run their projections through the same library (`onednn_matmuls`: oneDNN on a CPU that has it, where the rollout
-  keeps its packed weights and the training engine's ``nn.Linear`` layers become `InvariantLinear`; ``F.linear``
-  elsewhere);
+  keeps its packed weights and the training engine's ``nn.Linear`` layers are `OneDNNLinear`, onednn_train.py;
+  ``F.linear`` elsewhere);
 - feed every matmul a multiple of `ROW_MULTIPLE` rows;
 - lay a row's keys out from column 0 (the training engine's stripped rows).
 
@@ -21,12 +21,11 @@ The result is exact, not close: tests/engines/test_batch_invariant.py compares w
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from hybridflow.engines.rollout.onednn_linear import onednn_available
 
-__all__ = ["ATTENTION_NAME", "KEY_BLOCK", "ROW_MULTIPLE", "InvariantLinear", "enable_batch_invariant_attention",
-           "invariant_attention", "onednn_matmuls", "pad_rows", "round_up", "use_invariant_linears"]
+__all__ = ["ATTENTION_NAME", "KEY_BLOCK", "ROW_MULTIPLE", "enable_batch_invariant_attention", "invariant_attention",
+           "onednn_matmuls", "pad_rows", "round_up"]
 
 ATTENTION_NAME = "hybridflow_batch_invariant"
 ROW_MULTIPLE = 4  # every matmul sees a multiple of this many rows
@@ -144,51 +143,9 @@ def enable_batch_invariant_attention(hf_model: torch.nn.Module) -> str:
     return ATTENTION_NAME
 
 
-
 # ------------------------------------------------------------------------------------------------ projections
 def onednn_matmuls(device: torch.device) -> bool:
     """Whether both engines compute fp32 projections with oneDNN on `device` (a CPU whose torch has it): the
     rollout's packed weights are ~2.4x faster than MKL's F.linear at 64 rows here (docs/benchmarks.md), and the
     training engine's forward then runs the same kernels."""
     return torch.device(device).type == "cpu" and onednn_available(torch.float32)
-
-
-class _OneDNNLinear(torch.autograd.Function):
-    """y = x W^T + b by oneDNN (the rollout's kernel); the backward is ordinary matmuls (its rounding matters to
-    no comparison)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        flat = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_w = flat.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
-
-
-class InvariantLinear(nn.Linear):
-    """An nn.Linear whose forward is oneDNN's fp32 product, as the native rollout's packed projections compute it
-    (fp32 weights and inputs only; any other dtype takes F.linear)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or self.weight.dtype != torch.float32 or x.device.type != "cpu":
-            return super().forward(x)
-        return _OneDNNLinear.apply(x, self.weight, self.bias)
-
-
-def use_invariant_linears(model: nn.Module) -> int:
-    """Turn every plain nn.Linear of `model` into an InvariantLinear in place (same parameters, same state dict);
-    returns how many. Called before FSDP wraps the model."""
-    count = 0
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = InvariantLinear
-            count += 1
-    return count

@@ -44,12 +44,12 @@ from hybridflow.engines.batch_invariant import (
     ROW_MULTIPLE,
     enable_batch_invariant_attention,
     onednn_matmuls,
-    use_invariant_linears,
 )
 from hybridflow.engines.checkpoint_io import load_engine_state, save_engine_state
 from hybridflow.engines.hf_model import HeadOnPositions, hf_name, load_model, load_tokenizer
 from hybridflow.engines.lora import LoraSettings, adapter_disabled, apply_lora, base_name, merged_parameters
 from hybridflow.engines.moe_train import RouterTap, aux_loss_coef
+from hybridflow.engines.onednn_train import onednn_training, use_onednn_linears
 from hybridflow.engines.optim import OptimConfig, build_lr_scheduler, build_optimizer
 from hybridflow.protocol import DataProto
 
@@ -94,6 +94,8 @@ class EngineConfig:
     # True: attention and matmul shapes whose fp32 rounding the native rollout reproduces bit for bit
     # (batch_invariant.py); needs the stripped rows (use_remove_padding) and one tensor-parallel rank
     batch_invariant: bool = False
+    # fp32 linears on CPU through oneDNN, forward and backward (onednn_train.py); None: where torch has oneDNN
+    onednn_linears: bool | None = None
     entropy_chunk_size: int = 2048  # tokens whose [chunk, vocab] logits are held at once
     # veRL's entropy_checkpointing: training forwards recompute each chunk's entropy in backward (hf_model.py)
     entropy_checkpointing: bool = False
@@ -204,8 +206,10 @@ class FSDPEngine:
             packing.enable_packed_attention(hf_model)
         if config.batch_invariant:
             enable_batch_invariant_attention(hf_model)
-            if onednn_matmuls(self.device):  # the rollout's projection kernels (batch_invariant.py)
-                use_invariant_linears(hf_model)
+        # fp32 products by oneDNN (onednn_train.py); batch-invariant mode needs the rollout's kernels where it has them
+        linears = onednn_matmuls(self.device) if config.batch_invariant else config.onednn_linears
+        if config.tensor_parallel_size == 1 and onednn_training(self.device, self.compute_dtype, linears):
+            use_onednn_linears(hf_model)
         self.model: nn.Module = self._wrap(hf_model)
         self.model.entropy_checkpointing = config.entropy_checkpointing
         self.model.row_multiple = ROW_MULTIPLE if config.batch_invariant else 1

@@ -15,13 +15,12 @@ from test_rollout_engines import make_prompts
 
 from hybridflow.engines.batch_invariant import (
     KEY_BLOCK,
-    InvariantLinear,
     causal_allowed,
     invariant_attention,
     onednn_matmuls,
-    use_invariant_linears,
 )
 from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine, OptimConfig
+from hybridflow.engines.onednn_train import OneDNNLinear
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 
 DENSE = ["qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text", "phi3"]
@@ -43,23 +42,6 @@ def test_a_query_rounds_the_same_whatever_else_is_computed():
                     one = invariant_attention(q[:, :, t : t + 1].expand(B, H, rows, D), k[:, :, :length],
                                               v[:, :, :length], visible.expand(B, 1, rows, length), 0.25, softcap)
                     assert torch.equal(one[:, :, 0], full[:, :, t]), (window, t, length, rows)
-
-
-def test_invariant_linear_trains_like_nn_linear():
-    torch.manual_seed(0)
-    plain = torch.nn.Linear(24, 40)
-    ours = torch.nn.Sequential(torch.nn.Linear(24, 40))
-    ours[0].load_state_dict(plain.state_dict())
-    assert use_invariant_linears(ours) == 1 and isinstance(ours[0], InvariantLinear)
-    x = torch.randn(3, 7, 24, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_(True)
-    y, y2 = plain(x), ours(x2)
-    torch.testing.assert_close(y2, y, rtol=1e-5, atol=1e-5)
-    g = torch.randn_like(y)
-    y.backward(g)
-    y2.backward(g)
-    for a, b in ((x.grad, x2.grad), (plain.weight.grad, ours[0].weight.grad), (plain.bias.grad, ours[0].bias.grad)):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
 def engine(path: str, **kwargs) -> FSDPEngine:
@@ -92,7 +74,7 @@ def test_rollout_log_probs_equal_the_training_engine_bit_for_bit(arch, tmp_path)
     # the projections both engines run here: oneDNN (packed in the rollout) where this CPU's torch has it
     onednn = onednn_matmuls(torch.device("cpu"))
     assert rollout.model.matmul == ("onednn" if onednn else "dense")
-    assert any(isinstance(m, InvariantLinear) for m in actor.model.modules()) == onednn
+    assert any(isinstance(m, OneDNNLinear) for m in actor.model.modules()) == onednn
     assert_bitwise(before, actor, 0.8)
 
     g = torch.Generator().manual_seed(1)  # a weight update, synced by HF name as the hybrid worker does

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 from hybridflow.cli import main as cli_main
 from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.engines.mismatch import logprob_mismatch
+from hybridflow.engines.onednn_train import OneDNNLinear, use_onednn_linears
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.engines.rollout.arch_specs import resolve, supported_architectures
 from hybridflow.engines.rollout.native_model import NativeDecoder
@@ -226,9 +227,15 @@ def test_exported_model_loads_and_gives_the_same_logits(arch_path, tmp_path):
     with torch.no_grad():
         want = actor.model.hf(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"],
                               position_ids=ids["position_ids"]).logits
+        plain = loaded(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"],
+                       position_ids=ids["position_ids"]).logits
+        # the same weights give the same bits with the engine's projection kernels (onednn_train.py, on CPU)
+        if any(isinstance(m, OneDNNLinear) for m in actor.model.modules()):
+            use_onednn_linears(loaded)
         got = loaded(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"],
                      position_ids=ids["position_ids"]).logits
     assert torch.equal(got, want)
+    torch.testing.assert_close(plain, want, rtol=1e-5, atol=1e-5)  # transformers' own matmuls: rounding only
     # and the native engine reads the export like any checkpoint
     native = create_rollout_engine("native", str(tmp_path / "export"), num_threads=1)
     out = native.generate(make_prompts(native.tokenizer), SamplingParams(greedy=True, max_new_tokens=8))
