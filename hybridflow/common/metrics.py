@@ -47,6 +47,17 @@ def measure_peak_flops(
     torch.matmul's (MKL in torch's x86 wheels) and oneDNN's product on the same matrices: where MKL takes a slow path
     (it reached half of oneDNN's fp32 rate on an AMD EPYC) a torch.matmul peak alone would overstate every MFU.
     """
+    return max(matmul_peaks(device, dtype, size, repeats, num_threads).values())
+
+
+def matmul_peaks(
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    size: int | Sequence[int] = (512, 1024, 2048),
+    repeats: int = 5,
+    num_threads: int | None = None,
+) -> dict[str, float]:
+    """measure_peak_flops per kernel: {"torch.matmul": FLOP/s, "onednn": FLOP/s (CPU, where torch has it)}."""
     from hybridflow import device as hf_device
 
     dev = torch.device(device) if device is not None else hf_device.current_device()
@@ -54,11 +65,11 @@ def measure_peak_flops(
     if num_threads:
         torch.set_num_threads(num_threads)
     try:
-        best_rate = 0.0
+        rates: dict[str, float] = {}
         for n in [size] if isinstance(size, int) else size:
             a = torch.randn(n, n, device=dev, dtype=dtype)
             b = torch.randn(n, n, device=dev, dtype=dtype)
-            for product in _products(dev, a, b):
+            for name, product in _products(dev, a, b).items():
                 product()  # warm-up: kernel selection, allocation
                 for _ in range(repeats):
                     if dev.type == "cuda":
@@ -67,19 +78,20 @@ def measure_peak_flops(
                     product()
                     if dev.type == "cuda":
                         torch.cuda.synchronize(dev)
-                    best_rate = max(best_rate, 2.0 * n**3 / max(time.perf_counter() - start, 1e-9))
-        return best_rate
+                    rate = 2.0 * n**3 / max(time.perf_counter() - start, 1e-9)
+                    rates[name] = max(rates.get(name, 0.0), rate)
+        return rates
     finally:
         torch.set_num_threads(previous)
 
 
-def _products(dev: torch.device, a: torch.Tensor, b: torch.Tensor) -> list:
+def _products(dev: torch.device, a: torch.Tensor, b: torch.Tensor) -> dict:
     """The n x n products the peak is the best of: torch.matmul, and on CPU oneDNN's where this torch has it."""
-    products = [lambda: a @ b]
+    products = {"torch.matmul": lambda: a @ b}
     if dev.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         try:  # a @ b^T: the same FLOPs
             torch.ops.mkldnn._linear_pointwise(a[:4], b, None, "none", [], "")
-            products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
+            products["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
         except (RuntimeError, NotImplementedError):
             pass
     return products

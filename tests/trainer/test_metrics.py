@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridflow.engines.rollout.onednn_linear import onednn_available
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.metrics import (
     Timer,
@@ -114,6 +115,17 @@ def test_timer_timing_and_throughput():
 def test_measure_peak_flops_is_positive_and_plausible():
     peak = measure_peak_flops("cpu", size=128, repeats=2)
     assert 1e6 < peak < 1e15
+
+
+def test_the_cpu_peak_is_the_best_kernel_not_only_torch_matmul():
+    """On CPU the peak is taken over torch.matmul and oneDNN (where this torch has it), so a slow BLAS path cannot
+    inflate the MFU; the per-kernel rates are what measure_peak_flops takes the max of."""
+    from hybridflow.common.metrics import matmul_peaks
+
+    rates = matmul_peaks("cpu", size=(96, 128), repeats=2)
+    assert "torch.matmul" in rates and all(1e6 < r < 1e15 for r in rates.values())
+    if onednn_available(torch.float32):
+        assert "onednn" in rates
 
 
 def test_reduce_metrics():
