@@ -6,6 +6,7 @@ thread count; common/metrics.measure_peak_flops: the better of torch.matmul and,
 
     .venv/bin/python benchmarks/train_throughput.py [--quick] [--threads N] [--dtypes fp32,bf16]
     .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --linears onednn,torch   # onednn_train.py A/B
+    .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --linears onednn,torch --size tiny
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--packing", action="store_true", help="sequence packing (engines/packing.py), not bucketing")
+    parser.add_argument("--size", default="mid", choices=sorted(SIZES), help="model size (engines/tiny.py)")
     parser.add_argument("--linears", default="auto",
                         help="comma-separated: auto (the engine's choice), onednn (onednn_train.py), torch (F.linear)")
     args = parser.parse_args(argv)
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     results: dict = {"padding": padding_report(data, args.max_tokens, micro_batch_size=4)}
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_tiny_model(os.path.join(tmp, "mid"), "mid", seed=0)
+        path = write_tiny_model(os.path.join(tmp, args.size), args.size, seed=0)
         linears = {"auto": None, "onednn": True, "torch": False}
         for name in args.dtypes.split(","):
             kernels = matmul_peaks(dtype=DTYPES[name], size=mm_size, repeats=3 if args.quick else 5)
@@ -174,8 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "git_commit": git_commit(),
         "config": {
-            "model": "mid",
-            "model_spec": vars(SIZES["mid"]),
+            "model": args.size,
+            "model_spec": vars(SIZES[args.size]),
             "rows": rows,
             "prompt_len": prompt_len,
             "response_len": response_len,

@@ -94,7 +94,8 @@ class EngineConfig:
     # True: attention and matmul shapes whose fp32 rounding the native rollout reproduces bit for bit
     # (batch_invariant.py); needs the stripped rows (use_remove_padding) and one tensor-parallel rank
     batch_invariant: bool = False
-    # fp32 linears on CPU through oneDNN, forward and backward (onednn_train.py); None: where torch has oneDNN
+    # fp32 linears on CPU through oneDNN, forward and backward (onednn_train.py); None: where torch has oneDNN and
+    # the model is wide enough to gain (onednn_train.MIN_HIDDEN_SIZE)
     onednn_linears: bool | None = None
     entropy_chunk_size: int = 2048  # tokens whose [chunk, vocab] logits are held at once
     # veRL's entropy_checkpointing: training forwards recompute each chunk's entropy in backward (hf_model.py)
@@ -208,7 +209,8 @@ class FSDPEngine:
             enable_batch_invariant_attention(hf_model)
         # fp32 products by oneDNN (onednn_train.py); batch-invariant mode needs the rollout's kernels where it has them
         linears = onednn_matmuls(self.device) if config.batch_invariant else config.onednn_linears
-        if config.tensor_parallel_size == 1 and onednn_training(self.device, self.compute_dtype, linears):
+        hidden = getattr(hf_model.config.get_text_config(), "hidden_size", None)
+        if config.tensor_parallel_size == 1 and onednn_training(self.device, self.compute_dtype, linears, hidden):
             use_onednn_linears(hf_model)
         self.model: nn.Module = self._wrap(hf_model)
         self.model.entropy_checkpointing = config.entropy_checkpointing

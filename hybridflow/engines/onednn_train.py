@@ -16,7 +16,7 @@ else (bf16 weights or inputs, autocast, a DTensor weight, another device) takes 
 The engine turns its model's ``nn.Linear`` layers into `OneDNNLinear` in place (`use_onednn_linears`; same
 parameters and state dict, so checkpoints, FSDP2 sharding, PEFT adapters and export are unchanged) when
 `onednn_training` says oneDNN runs here: `EngineConfig.onednn_linears` (None: on CPU in fp32 where torch has
-oneDNN). The batch-invariant mode relies on the same forward, which is the native rollout's kernel
+oneDNN, from hidden size MIN_HIDDEN_SIZE up). The batch-invariant mode relies on the same forward, which is the native rollout's kernel
 (batch_invariant.py).
 """
 
@@ -27,7 +27,7 @@ from torch import nn
 
 from hybridflow.engines.rollout.onednn_linear import onednn_available
 
-__all__ = ["OneDNNLinear", "onednn_training", "use_onednn_linears"]
+__all__ = ["MIN_HIDDEN_SIZE", "OneDNNLinear", "onednn_training", "use_onednn_linears"]
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,12 +68,20 @@ class OneDNNLinear(nn.Linear):
         return _OneDNNLinearFn.apply(x, self.weight, self.bias)
 
 
-def onednn_training(device: torch.device, compute_dtype: torch.dtype, setting: bool | None = None) -> bool:
+# Below this hidden size the autograd function's per-call cost outweighs the faster kernel (docs/benchmarks.md,
+# "The matmul peak, and oneDNN in the training engine"); the rollout packs its weights from the same width up.
+MIN_HIDDEN_SIZE = 256
+
+
+def onednn_training(device: torch.device, compute_dtype: torch.dtype, setting: bool | None = None,
+                    hidden_size: int | None = None) -> bool:
     """Whether the training engine's linears run on oneDNN: `setting` when given (True where it cannot run is an
-    error), else on CPU in fp32 where torch's oneDNN passes onednn_available's check."""
+    error), else on CPU in fp32 where torch's oneDNN passes onednn_available's check, for models of hidden size
+    MIN_HIDDEN_SIZE and up (None: any)."""
     possible = torch.device(device).type == "cpu" and onednn_available(torch.float32)
     if setting is None:
-        return possible and compute_dtype == torch.float32
+        wide = hidden_size is None or hidden_size >= MIN_HIDDEN_SIZE
+        return possible and compute_dtype == torch.float32 and wide
     if setting and not possible:
         raise ValueError(f"onednn_linears=True needs a CPU whose torch has oneDNN (device {device}); leave it unset "
                          "(None) to choose by device")

@@ -8,7 +8,7 @@ import torch
 from e2e_helpers import make_batch
 from test_train_engine import engine, max_diff, params, pg_loss
 
-from hybridflow.engines.onednn_train import OneDNNLinear, onednn_training, use_onednn_linears
+from hybridflow.engines.onednn_train import MIN_HIDDEN_SIZE, OneDNNLinear, onednn_training, use_onednn_linears
 from hybridflow.engines.rollout.onednn_linear import onednn_available
 
 pytestmark = pytest.mark.skipif(not onednn_available(torch.float32),
@@ -72,6 +72,8 @@ def test_onednn_training_choice_and_its_error():
     assert onednn_training(cpu, torch.float32) is True
     assert onednn_training(cpu, torch.bfloat16) is False  # bf16 compute already runs on oneDNN inside torch
     assert onednn_training(cpu, torch.float32, False) is False
+    assert onednn_training(cpu, torch.float32, hidden_size=MIN_HIDDEN_SIZE - 1) is False
+    assert onednn_training(cpu, torch.float32, True, hidden_size=8) is True
     with pytest.raises(ValueError, match="onednn_linears=True needs a CPU"):
         onednn_training(torch.device("meta"), torch.float32, True)
 
@@ -80,10 +82,21 @@ def count(eng) -> int:
     return sum(type(m) is OneDNNLinear for m in eng.model.modules())
 
 
-def test_the_engine_takes_it_by_default_in_fp32_only(tiny_model_path):
-    assert count(engine(tiny_model_path)) > 0
-    assert count(engine(tiny_model_path, onednn_linears=False)) == 0
-    assert count(engine(tiny_model_path, param_dtype="bf16")) == 0
+@pytest.fixture(scope="module")
+def wide_model_path(tmp_path_factory) -> str:
+    from hybridflow.engines.tiny import SIZES, write_tiny_model
+
+    assert SIZES["small"].hidden_size >= MIN_HIDDEN_SIZE
+    return write_tiny_model(tmp_path_factory.mktemp("small_qwen2"), spec="small", seed=0)
+
+
+def test_the_engine_takes_it_by_default_in_fp32_for_wide_models(tiny_model_path, wide_model_path):
+    assert count(engine(wide_model_path)) > 0
+    assert count(engine(wide_model_path, onednn_linears=False)) == 0
+    assert count(engine(wide_model_path, param_dtype="bf16")) == 0
+    # a unit model is narrower than MIN_HIDDEN_SIZE: torch's matmul by default, oneDNN when asked
+    assert count(engine(tiny_model_path)) == 0
+    assert count(engine(tiny_model_path, onednn_linears=True)) > 0
 
 
 def test_the_engine_computes_the_same_gradients_and_update(tiny_model_path):
