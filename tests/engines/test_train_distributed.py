@@ -68,6 +68,9 @@ class EngineRank:
     def build(self, model_path: str, **overrides) -> None:
         self.engine = FSDPEngine(EngineConfig(model_path=model_path, optim=OPTIM, **overrides))
 
+    def onednn_linears(self) -> int:
+        return sum(type(m).__name__ == "OneDNNLinear" for m in self.engine.model.modules())
+
     def train(self, shards: list[DataProto]) -> list[dict]:
         out = []
         for shard in shards:
@@ -164,12 +167,17 @@ def test_two_ranks_train_like_one_rank_on_the_same_global_batch(ranks, tiny_mode
     assert all(torch.equal(after[k], resumed[k]) for k in after)
 
 
-def test_two_ranks_train_lora_like_one_rank(ranks, tiny_model_path, tmp_path):
-    """PEFT-wrapped decoder layers shard per layer like plain ones: same updates, merged weights and adapter resume."""
+@pytest.mark.parametrize("onednn_linears", [None, True], ids=["default-linears", "onednn-linears"])
+def test_two_ranks_train_lora_like_one_rank(ranks, tiny_model_path, tmp_path, onednn_linears):
+    """PEFT-wrapped decoder layers shard per layer like plain ones: same updates, merged weights and adapter resume;
+    also with the linears on oneDNN (onednn_train.py: FSDP2 shards, PEFT wraps and resume see no difference)."""
     from hybridflow.engines.lora import LoraSettings
+    from hybridflow.engines.rollout.onednn_linear import onednn_available
 
+    if onednn_linears and not onednn_available(torch.float32):
+        pytest.skip("this torch build has no working oneDNN fp32 linear")
     lora = LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-    overrides = {"micro_batch_size_per_gpu": 2, "lora": lora}
+    overrides = {"micro_batch_size_per_gpu": 2, "lora": lora, "onednn_linears": onednn_linears}
     batches = [make_batch(rows=8, prompt_len=8, response_len=16, seed=40 + i) for i in range(3)]
     single = FSDPEngine(EngineConfig(model_path=tiny_model_path, optim=OPTIM, **overrides))
     single_metrics = []
@@ -177,6 +185,7 @@ def test_two_ranks_train_lora_like_one_rank(ranks, tiny_model_path, tmp_path):
         single_metrics.append(single.train_step(batch, seq_mean_pg_loss))
         single.lr_scheduler_step()
     on_all(ranks, "build", [tiny_model_path] * WORLD, **overrides)
+    assert all((n > 0) == bool(onednn_linears) for n in on_all(ranks, "onednn_linears"))
     metrics = on_all(ranks, "train", [[b[r * 4 : (r + 1) * 4] for b in batches] for r in range(WORLD)])
     for step in range(3):
         assert metrics[0][step]["grad_norm"] == pytest.approx(single_metrics[step]["grad_norm"], rel=1e-5)
