@@ -2,7 +2,8 @@
 
 Reports training tokens/s (real tokens: prompt + response, no padding), model FLOPs utilisation
 MFU = 6 * params * tokens / time / peak, where the peak is measured here on large square matrices (same dtype, same
-thread count; common/metrics.measure_peak_flops: the better of torch.matmul and, on CPU, oneDNN), and the padding waste of the micro-batches on a batch whose response lengths vary 4x.
+thread count; common/metrics.matmul_peaks: the better of torch.matmul and, on CPU, oneDNN), and the padding waste of
+the micro-batches on a batch whose response lengths vary 4x.
 
     .venv/bin/python benchmarks/train_throughput.py [--quick] [--threads N] [--dtypes fp32,bf16]
     .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --linears onednn,torch   # onednn_train.py A/B

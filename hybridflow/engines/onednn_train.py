@@ -6,8 +6,10 @@ docs/benchmarks.md, "The matmul peak"). An `OneDNNLinear` computes the same thre
 oneDNN instead:
 
     forward       y      = x W^T + b      mkldnn::_linear_pointwise(x, W, b)
-    backward      dL/dx  = g W            mkldnn::_linear_pointwise(g, W^T)       (W^T a view, no copy)
+    backward      dL/dx  = g W            mkldnn::_linear_pointwise(g, W^T)       (W^T passed as a view)
                   dL/dW  = g^T x          mkldnn::_linear_pointwise(g^T, x^T)     (views of the flattened rows)
+
+(torch may still copy a transposed view into a contiguous layout inside the op: one copy per linear and backward.)
                   dL/db  = sum of g over rows
 
 It is fp32 arithmetic with fp32 accumulation, as MKL's: results differ from ``F.linear`` by rounding only. Anything
@@ -16,8 +18,8 @@ else (bf16 weights or inputs, autocast, a DTensor weight, another device) takes 
 The engine turns its model's ``nn.Linear`` layers into `OneDNNLinear` in place (`use_onednn_linears`; same
 parameters and state dict, so checkpoints, FSDP2 sharding, PEFT adapters and export are unchanged) when
 `onednn_training` says oneDNN runs here: `EngineConfig.onednn_linears` (None: on CPU in fp32 where torch has
-oneDNN, from hidden size MIN_HIDDEN_SIZE up). The batch-invariant mode relies on the same forward, which is the native rollout's kernel
-(batch_invariant.py).
+oneDNN, from hidden size MIN_HIDDEN_SIZE up). The batch-invariant mode relies on the same forward, which is the
+native rollout's kernel (batch_invariant.py).
 """
 
 from __future__ import annotations
@@ -25,14 +27,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridflow.engines.rollout.onednn_linear import onednn_available
+from hybridflow.engines.rollout.onednn_linear import onednn_available, onednn_linear
 
 __all__ = ["MIN_HIDDEN_SIZE", "OneDNNLinear", "onednn_training", "use_onednn_linears"]
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a [..., k] @ b[n, k]^T (+ bias [n]) -> [..., n] by oneDNN (strided views are read as they are)."""
-    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+    """a [..., k] @ b[n, k]^T (+ bias [n]) -> [..., n] by oneDNN; b may be a plain or strided tensor."""
+    return onednn_linear(a, b, bias)
 
 
 class _OneDNNLinearFn(torch.autograd.Function):
