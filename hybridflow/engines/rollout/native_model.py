@@ -121,6 +121,9 @@ class NativeDecoder:
         self.offset_norm = self.spec.norm_offset != 0.0
         # routing replay (moe.py): while a list, every MoE layer of a forward appends its chosen experts [T, k]
         self.route_log: list[torch.Tensor] | None = None
+        # the eager decode's attention kernel (cpu_attention.DecodeAttentionKernel), set by the rollout engine; None:
+        # kv_cache.decode_attention (torch matmuls)
+        self.attention_kernel = None
 
         def empty(*size: int) -> torch.Tensor:
             return torch.zeros(size, dtype=dtype, device=device)
@@ -438,14 +441,22 @@ class NativeDecoder:
         left padding). Writes the K/V of generated token `column` and returns fp32 logits [rows, V].
         """
         s = self.shape
-        biases = {w: attention_bias(cache, prompt_bias, column + 1, window=w) for w in s.windows}
+        kernel, starts = self.attention_kernel, None
+        if kernel is not None and kernel.supports(cache):  # cpu_attention.py: first attended column per row
+            starts = kernel.starts(prompt_bias, cache.prompt_len, column + 1, s.windows)
+        if starts is None:
+            biases = {w: attention_bias(cache, prompt_bias, column + 1, window=w) for w in s.windows}
         r, G = tokens.shape[0], s.num_heads // s.num_kv_heads
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write_token(li, column, k, v)
             q = q.reshape(r, s.num_kv_heads, G, s.head_dim)
-            out = decode_attention(q, cache, li, rows, biases[s.layers[li].window], column + 1, s.attention_scale,
-                                   s.attn_softcap)
+            window = s.layers[li].window
+            if starts is not None:
+                out = kernel(q, cache, li, rows, starts[window], column + 1, s.attention_scale, s.attn_softcap)
+            else:
+                out = decode_attention(q, cache, li, rows, biases[window], column + 1, s.attention_scale,
+                                       s.attn_softcap)
             return out.reshape(r, self.q_size)
 
         return self._logits(self._layers(tokens, positions, attend))

@@ -16,6 +16,9 @@ one uncapped call's; the groups' responses are padded to one width and joined in
 (fixed-shape steps replayed as CUDA graphs, the default on GPUs: static_decode.py); ``static`` runs the fixed-shape
 step without graphs (for testing that path on CPU); ``compiled`` runs it compiled by torch.compile (compiled_step.py;
 chosen on CPU by ``graph``, which is veRL's ``enforce_eager=false``).
+
+``attention_kernel``: on CPU the eager steps' decode attention runs as one C kernel (cpu_attention.py) instead of
+torch matmuls; None (default) uses it on CPU in fp32/bf16 where it builds, False never, True requires it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 
 from hybridflow import device as hf_device
 from hybridflow.engines.batch_invariant import onednn_matmuls
+from hybridflow.engines.rollout import cpu_attention
 from hybridflow.engines.rollout.arch_specs import resolve
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
 from hybridflow.engines.rollout.chunked_prefill import chunked_prefill
@@ -144,6 +148,7 @@ class NativeRollout(RolloutEngine):
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int | None = None,
         batch_invariant: bool = False,
+        attention_kernel: bool | None = None,
     ):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -190,6 +195,7 @@ class NativeRollout(RolloutEngine):
         else:
             self.model = TensorParallelDecoder(self.config, self.dtype, self.device, self.max_model_len,
                                                tp=self.tensor_parallel, int8=self.int8, prepack=prepack)
+        self.model.attention_kernel = self._attention_kernel(attention_kernel)
         if self.model.max_positions < self.max_model_len:  # longrope: its short factors only (rope.py)
             logger.warning("native rollout: %s's rope switches factors past %d positions; generating within "
                            "max_model_len=%d instead of %d", self.config.model_type, self.model.max_positions,
@@ -237,6 +243,22 @@ class NativeRollout(RolloutEngine):
             raise ValueError(f"checkpoint {model_path} lacks {len(missing)} tensors the decoder needs: {missing[:6]}")
 
     # ------------------------------------------------------------------ weights
+    def _attention_kernel(self, setting: bool | None):
+        """cpu_attention's kernel for the eager decode steps, or None (torch matmuls); see the module docstring."""
+        possible = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+        if setting is None:
+            return cpu_attention.load() if possible else None
+        if not setting:
+            return None
+        if not possible:
+            raise ValueError(f"native rollout: attention_kernel=True is the CPU kernel for fp32/bf16 caches; this "
+                             f"engine computes on {self.device.type} in {self.dtype}. Leave it unset to choose by device")
+        kernel = cpu_attention.load()
+        if kernel is None:
+            raise ValueError("native rollout: attention_kernel=True, but the CPU decode-attention kernel could not be "
+                             "built (the warning above says why); leave it unset to fall back to torch matmuls")
+        return kernel
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named full tensors (any device/dtype) into the fused weights, one at a time."""
         for name, tensor in named_tensors:

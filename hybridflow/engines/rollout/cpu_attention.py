@@ -1,0 +1,168 @@
+"""The native rollout's decode attention on CPU as one C kernel (cpu_decode_attention.c), built on first use.
+
+Why: torch's decode attention (kv_cache.decode_attention) is two batched matmuls over strided slices of the cache
+plus a softmax; in bf16 oneDNN copies each strided slice before multiplying, and either way the rows' keys and
+values make several passes through memory. The kernel reads each (row, KV head)'s keys and values once, straight
+from the cache, and does scores, softmax and the weighted sum in fp32 (docs/benchmarks.md, "A decode-attention
+kernel"). The arithmetic is the same up to fp32 rounding; bf16 keeps the softmax weights in fp32 where torch's path
+rounds them to bf16.
+
+Build: the C file is compiled once per machine with the system C compiler (``$CC``, else gcc or cc) for this CPU
+(-march=native) with OpenMP, into ``$HYBRIDFLOW_KERNEL_CACHE`` (default ~/.cache/hybridflow/kernels), under a name
+that hashes the source, the flags, the compiler and the CPU flags; later processes load the cached library. Without
+a compiler, or when the build fails, `load` logs why once and returns None: the rollout then uses torch's path.
+The library is loaded after torch, so its OpenMP calls run on torch's OpenMP runtime and thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["DecodeAttentionKernel", "load"]
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+# -ffast-math for the vectorised expf/tanhf; it is not passed when linking, so the library does not switch the
+# process to flush-to-zero (which linking crtfastmath would)
+_COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+_LINK = ["-shared", "-fopenmp"]
+_LIBS = ["-lm"]
+_DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    path = Path(os.environ.get("HYBRIDFLOW_KERNEL_CACHE") or Path.home() / ".cache" / "hybridflow" / "kernels")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    except OSError:
+        fallback = Path(tempfile.gettempdir()) / "hybridflow-kernels"
+        fallback.mkdir(parents=True, exist_ok=True)
+        return fallback
+
+
+def _build(compiler: str) -> Path:
+    """Compile the kernel (or find it built); returns the shared library's path. Raises RuntimeError with the
+    compiler's output when the build fails."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(_COMPILE + _LINK).encode(), version.encode(),
+                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
+    target = _cache_dir() / f"decode_attention-{key}.so"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        obj, lib = Path(work) / "kernel.o", Path(work) / "kernel.so"
+        for command in ([compiler, *_COMPILE, str(_SOURCE), "-o", str(obj)],
+                        [compiler, *_LINK, str(obj), "-o", str(lib), *_LIBS]):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"`{' '.join(command)}` failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(lib, target)  # atomic: a process building at the same time ends with the same file
+    return target
+
+
+@functools.cache
+def load() -> DecodeAttentionKernel | None:
+    """The kernel, built on first use (see the module docstring); None where it cannot be built here."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not compiler:
+        logger.warning("native rollout: no C compiler (gcc or cc) on PATH, so the CPU decode-attention kernel is not "
+                       "built and decode attention runs as torch matmuls; install one (Debian: apt-get install gcc) "
+                       "or set CC")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        logger.warning("native rollout: building the CPU decode-attention kernel with %s failed, so decode attention "
+                       "runs as torch matmuls: %s", compiler, err)
+        return None
+    return DecodeAttentionKernel(lib)
+
+
+class DecodeAttentionKernel:
+    """kv_cache.decode_attention's computation as one call of the C kernel (same arguments, plus the rows'
+    first attended column instead of the additive mask)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        i, f, ptr, long = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_long
+        self._functions = {}
+        for dtype, name in _DTYPES.items():
+            function = getattr(lib, name)
+            function.argtypes = [i, i, i, i, ptr, ptr, f, f,  # R, KV, G, D, q, out, scale, softcap
+                                 ptr, long, long, long, ptr, long, long, i, ptr,  # segment A, its prompt index
+                                 ptr, long, long, long, ptr, long, long, i,  # segment B
+                                 ptr, ptr, i]  # start, scratch, threads
+            function.restype = None
+            self._functions[dtype] = function
+
+    @staticmethod
+    def supports(cache) -> bool:
+        """Whether `cache` (kv_cache.KVCache) is in a dtype, device and layout the kernel reads."""
+        keys, values = cache.keys[0], cache.values[0]
+        parts = [keys, values] + ([cache.prompt_keys[0], cache.prompt_values[0]] if cache.shared else [])
+        return (keys.dtype in _DTYPES and all(t.device.type == "cpu" and t.dtype == keys.dtype for t in parts)
+                and all(t.stride(-1) == 1 for t in parts)
+                and all(v.stride(-2) == v.shape[-1] for v in parts[1::2]))  # values: rows of head_dim
+
+    @staticmethod
+    def starts(prompt_bias: torch.Tensor, prompt_len: int, length: int, windows) -> dict | None:
+        """Per sliding-window size of `windows` (None: full attention), the first attended column [rows] (int32) of
+        the rows' prompt + `length` generated keys, from their prompt masks [rows, P] (0, or -inf at left padding).
+        None when a mask is not left padding (then the additive-mask path is needed)."""
+        masked = torch.isinf(prompt_bias)
+        pads = masked.sum(-1)
+        if not torch.equal(masked, torch.arange(prompt_len, device=pads.device)[None] < pads[:, None]):
+            return None
+        out = {}
+        for window in windows:
+            first = pads if window is None else pads.clamp(min=prompt_len + length - window)
+            out[window] = first.to(torch.int32)
+        return out
+
+    def __call__(self, q: torch.Tensor, cache, layer: int, rows, start: torch.Tensor, length: int, scale: float,
+                 softcap: float | None = None) -> torch.Tensor:
+        """q [rows, kv, G, D] against the rows' prompt keys and first `length` generated keys -> [rows, kv, G, D].
+        start [rows] int32: the first attended column (``starts``); rows: kv_cache.RunningRows."""
+        r, kv, G, D = q.shape
+        q, start = q.contiguous(), start.to(torch.int32).contiguous()
+        out = torch.empty_like(q)
+        threads = torch.get_num_threads()
+        if cache.shared:
+            a_keys, a_values, lenA = cache.prompt_keys[layer], cache.prompt_values[layer], cache.prompt_len
+            prompt_index = rows.prompt_index.to(torch.int64).contiguous()
+            b_keys, b_values, lenB = cache.keys[layer], cache.values[layer], length
+        else:
+            a_keys, a_values, lenA, prompt_index = cache.keys[layer], cache.values[layer], cache.offset + length, None
+            b_keys, b_values, lenB = a_keys, a_values, 0
+        scratch = torch.empty(threads * (2 * G * D + G * ((lenA + lenB + 15) // 16 * 16)), dtype=torch.float32)
+        self._functions[q.dtype](
+            r, kv, G, D, q.data_ptr(), out.data_ptr(), scale, softcap or 0.0,
+            a_keys.data_ptr(), a_keys.stride(0), a_keys.stride(1), a_keys.stride(2),
+            a_values.data_ptr(), a_values.stride(0), a_values.stride(1), lenA,
+            None if prompt_index is None else prompt_index.data_ptr(),
+            b_keys.data_ptr(), b_keys.stride(0), b_keys.stride(1), b_keys.stride(2),
+            b_values.data_ptr(), b_values.stride(0), b_values.stride(1), lenB,
+            start.data_ptr(), scratch.data_ptr(), threads,
+        )
+        return out
