@@ -7,13 +7,16 @@
 For each dtype, on the mid model with the prompts of rollout_throughput.py:
   * new tokens/s of hf (fp32) and native, best of --repeats generate calls;
   * the share of torch.profiler self-CPU time per group of ops in one generate call: layer matmuls, decode attention
-    matmuls, everything else;
+    (torch's matmuls, or the CPU kernel of cpu_attention.py where the engine uses it), everything else;
   * seconds per decode step spent inside the layer matmuls (timed around NativeDecoder._linear), next to the same
     matmuls run alone (rollout_throughput.py's matmul floor);
-  * a diagnostic: native tokens/s with the decode attention matmuls replaced by zeros of the right shape (wrong
-    outputs, same shapes), i.e. the throughput if attention were free. It bounds what a faster attention could give;
+  * a diagnostic: native tokens/s with the decode attention (matmuls or kernel) replaced by zeros of the right shape
+    (wrong outputs, same shapes), i.e. the throughput if attention were free. It bounds what a faster attention could give;
+  * the same kind of bound for the small ops: native tokens/s with every RMSNorm and the MLP activation replaced by
+    the identity (wrong outputs, same shapes and matmuls). The profiler's self-CPU share of these ops overstates
+    them (its per-op cost is larger than theirs); this measures what fusing them could give;
   * wall seconds of one generate call by stage: the prefill (chunked_prefill), the decode attention
-    (kv_cache.decode_attention) and the rest of the decode loop (layer matmuls, norms, sampling, bookkeeping).
+    (kv_cache.decode_attention or the kernel) and the rest of the decode loop (layer matmuls, norms, sampling, bookkeeping).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from hybridflow.engines.tiny import TINY_ARCHITECTURES, write_tiny_model
 GROUPS = {
     # the oneDNN-packed fp32/bf16 matmuls (onednn_linear.py) are mkldnn::_linear_pointwise
     "layer_matmuls": ("aten::mm", "aten::addmm", "quantized::linear_dynamic", "mkldnn::_linear_pointwise"),
-    "attention_matmuls": ("aten::bmm", "aten::baddbmm"),
+    "attention_matmuls": ("aten::bmm", "aten::baddbmm", "hybridflow::cpu_decode_attention"),
 }
 
 
@@ -102,6 +105,10 @@ def stage_seconds(engine, prompts, params) -> dict:
         return original, wrapper
 
     patches = [(native_rollout, "chunked_prefill"), (native_model, "decode_attention")]
+    kernel = engine.model.attention_kernel
+    if kernel is not None:  # the CPU kernel (cpu_attention.py): timed under the same name
+        patches.append((_Wrapped(kernel), "decode_attention"))
+        engine.model.attention_kernel = patches[-1][0]
     originals = []
     for module, name in patches:
         original, wrapper = timed(module, name)
@@ -114,19 +121,49 @@ def stage_seconds(engine, prompts, params) -> dict:
     finally:
         for (module, name), original in zip(patches, originals):
             setattr(module, name, original)
+        engine.model.attention_kernel = kernel
     prefill, attention = spent["chunked_prefill"], spent["decode_attention"]
     return {"generate": round(whole, 4), "prefill": round(prefill, 4), "decode_attention": round(attention, 4),
             "rest": round(whole - prefill - attention, 4)}
+
+
+class _Wrapped:
+    """An attention kernel whose call can be replaced (timed, or zeroed) while supports/starts stay the kernel's."""
+
+    def __init__(self, kernel, call=None):
+        self.kernel = kernel
+        self.decode_attention = call or kernel.__call__
+        self.supports, self.starts = kernel.supports, kernel.starts
+
+    def __call__(self, *args, **kwargs):
+        return self.decode_attention(*args, **kwargs)
 
 
 def without_attention(engine, prompts, params, repeats: int) -> float:
     real_bmm, real_baddbmm = torch.bmm, torch.baddbmm
     torch.bmm = lambda a, b: a.new_zeros(a.shape[0], a.shape[1], b.shape[2])
     torch.baddbmm = lambda bias, a, b, alpha=1.0: a.new_zeros(a.shape[0], a.shape[1], b.shape[2])
+    kernel = engine.model.attention_kernel
+    if kernel is not None:
+        engine.model.attention_kernel = _Wrapped(kernel, lambda q, *args, **kwargs: torch.zeros_like(q))
     try:
         return tokens_per_s(engine, prompts, params, repeats)
     finally:
         torch.bmm, torch.baddbmm = real_bmm, real_baddbmm
+        engine.model.attention_kernel = kernel
+
+
+def without_norms_and_activation(engine, prompts, params, repeats: int) -> float:
+    from hybridflow.engines.rollout import native_model
+
+    decoder = engine.model
+    real_norm, real_act = native_model._rms_norm, decoder.act
+    native_model._rms_norm = lambda x, weight, eps, offset: x
+    decoder.act = lambda x: x
+    try:
+        return tokens_per_s(engine, prompts, params, repeats)
+    finally:
+        native_model._rms_norm, decoder.act = real_norm, real_act
 
 
 def main() -> None:
@@ -156,6 +193,9 @@ def main() -> None:
             # the same matmuls (plus the output head) alone, on their own: rollout_throughput.py's floor
             row["matmul_floor_seconds_per_step"] = round(args.batch / matmul_floor("mid", dtype, args.batch), 4)
             row["tokens_per_s_if_attention_were_free"] = without_attention(engine, prompts, params, args.repeats)
+            row["tokens_per_s_if_norms_and_activation_were_free"] = without_norms_and_activation(
+                engine, prompts, params, args.repeats)
+            row["tokens_per_s_again"] = tokens_per_s(engine, prompts, params, args.repeats)  # drift over the run
             results[f"native_{dtype}"] = row
             print(json.dumps({dtype: row}), file=sys.stderr)
     doc = {

@@ -11,9 +11,11 @@ prints one JSON document.
     .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,native:prepack=false   # CPU: oneDNN packing
     .venv/bin/python benchmarks/rollout_throughput.py --arch gemma3_text --dtypes fp32 --batch-sizes 64   # one arch
     .venv/bin/python benchmarks/rollout_throughput.py --model DIR --dtypes fp32 --batch-sizes 32,64    # a real model
+    .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,native:attention_kernel=false --interleave
 
 Sampling at temperature 1 with the model's eos active: tokens/s counts the tokens actually generated (response_mask),
-and each configuration reports the best of --repeats runs after one warm-up call.
+and each configuration reports the best of --repeats runs after one warm-up call. --interleave times the backends'
+calls in turns (their best and every call's rate are reported), instead of one backend's repeats after another's.
 """
 
 from __future__ import annotations
@@ -60,11 +62,11 @@ def make_prompts(tokenizer, batch: int, min_len: int, max_len: int, seed: int) -
     return DataProto.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
 
 
-def measure(engine, prompts: DataProto, params: SamplingParams, repeats: int) -> dict:
-    """The best of `repeats` calls; ``first_call_seconds`` is the first one's wall time (with a compiled decode step
-    it includes compiling this batch's shape)."""
+def measure(engine, prompts: DataProto, params: SamplingParams, repeats: int, seed: int = 0) -> dict:
+    """The best of `repeats` calls (sampling seeds seed, seed + 1, ...); ``first_call_seconds`` is the first one's wall
+    time (with a compiled decode step it includes compiling this batch's shape)."""
     best, first = None, None
-    for r in range(repeats):
+    for r in range(seed, seed + repeats):
         device.synchronize()
         start = time.perf_counter()
         out = engine.generate(prompts, SamplingParams(**{**params.__dict__, "seed": r}))
@@ -75,6 +77,44 @@ def measure(engine, prompts: DataProto, params: SamplingParams, repeats: int) ->
         if best is None or tokens / seconds > best["new_tokens_per_s"]:
             best = {"seconds": round(seconds, 4), "new_tokens": tokens, "new_tokens_per_s": round(tokens / seconds, 1)}
     return {**best, "first_call_seconds": round(first, 4)}
+
+
+def run_interleaved(path: str, backends: list[str], dtypes: list[str], batch_sizes: list[int], prompt_len, args,
+                    errors: dict) -> list[dict]:
+    """--interleave: per dtype, every backend's engine built and warmed up, then per batch size `repeats` rounds in
+    which each backend makes one call in turn; each backend's row is its best call (and its first one)."""
+    results = []
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.n)
+    for dtype in dtypes:
+        engines, warmups = {}, {}
+        for backend in backends:
+            name, *options = backend.split(":")
+            try:
+                engine = create_rollout_engine(name, path, dtype=dtype, num_threads=args.threads,
+                                               **engine_options(options))
+            except (ImportError, ValueError) as err:
+                errors[f"{backend}/{dtype}"] = str(err)
+                continue
+            start = time.perf_counter()
+            engine.generate(make_prompts(engine.tokenizer, 4, *prompt_len, seed=99), params)
+            engines[backend], warmups[backend] = engine, round(time.perf_counter() - start, 3)
+        for batch in batch_sizes:
+            if batch % args.n:
+                raise SystemExit(f"--batch-sizes: {batch} rows is not a multiple of --n {args.n}")
+            calls: dict[str, list[dict]] = {backend: [] for backend in engines}
+            for r in range(args.repeats):
+                for backend, engine in engines.items():
+                    prompts = make_prompts(engine.tokenizer, batch // args.n, *prompt_len, seed=batch)
+                    calls[backend].append(measure(engine, prompts, params, 1, seed=r))
+            for backend, rows in calls.items():
+                best = max(rows, key=lambda row: row["new_tokens_per_s"])
+                row = {"backend": backend, "dtype": dtype, "batch": batch, "warmup_seconds": warmups[backend],
+                       **best, "first_call_seconds": rows[0]["first_call_seconds"],
+                       "all_new_tokens_per_s": [x["new_tokens_per_s"] for x in rows]}
+                results.append(row)
+                print(json.dumps(row), file=sys.stderr)
+        engines.clear()
+    return results
 
 
 def engine_options(options: list[str]) -> dict:
@@ -155,6 +195,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="batch 16 and 64, one repeat")
+    parser.add_argument("--interleave", action="store_true",
+                        help="build every backend first, then time their calls in turns (A B A B ...), so that a "
+                             "machine whose speed drifts during the run biases no backend (not with vllm backends: "
+                             "vLLM's CPU thread binding would also bind the other engines of the process)")
     args = parser.parse_args()
     if args.quick:
         args.batch_sizes, args.repeats = "16,64", 1
@@ -167,6 +211,9 @@ def main() -> None:
     results, errors = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or write_tiny_model(os.path.join(tmp, args.size), args.size, seed=0, arch=args.arch)
+        if args.interleave:
+            results = run_interleaved(path, backends, dtypes, batch_sizes, (min_len, max_len), args, errors)
+            backends = []  # measured above
         for backend in backends:
             for dtype in dtypes:
                 name, *options = backend.split(":")
@@ -244,6 +291,7 @@ def main() -> None:
             "samples_per_prompt": args.n,
             "repeats": args.repeats,
             "quick": args.quick,
+            "interleave": args.interleave,
             "sampling": "temperature 1.0, eos active; new tokens counted from response_mask",
         },
         "results": results,

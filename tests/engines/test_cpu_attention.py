@@ -1,7 +1,8 @@
 """The CPU decode-attention kernel (engines/rollout/cpu_attention.py, cpu_decode_attention.c): it builds here, it
 computes what kv_cache.decode_attention computes (both cache layouts, compaction, left padding, sliding windows,
 soft-capping, GQA group sizes, head sizes not a multiple of its blocks, fp32 and bf16), a native engine gives the
-same tokens with and without it, and without a compiler the engine falls back to torch's path and says why."""
+same tokens with and without it, bf16 engines use it by default, and without a compiler the engine falls back to
+torch's path and says why."""
 
 from __future__ import annotations
 
@@ -100,8 +101,8 @@ def test_a_mask_that_is_not_left_padding_takes_torchs_path(kernel):
     assert starts[None].tolist() == [0, 2] and starts[3].tolist() == [6, 6]  # 5 + 4 - 3
 
 
-def _engine_outputs(path, **kwargs):
-    engine = create_rollout_engine("native", path, dtype="fp32", seed=3, **kwargs)
+def _engine_outputs(path, dtype="fp32", **kwargs):
+    engine = create_rollout_engine("native", path, dtype=dtype, seed=3, **kwargs)
     prompts = engine.tokenizer(["a b c", "d", "e f g h i j"], return_tensors="pt", padding=True, padding_side="left")
     from hybridflow.protocol import DataProto
 
@@ -117,13 +118,20 @@ def _engine_outputs(path, **kwargs):
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
 def test_the_engine_gives_the_same_tokens_with_and_without_the_kernel(kernel, tmp_path, arch):
     path = write_tiny_model(str(tmp_path / arch), "tiny", seed=0, arch=arch)
-    with_kernel, greedy_k, sampled_k = _engine_outputs(path)
-    assert with_kernel.model.attention_kernel is not None  # the default on CPU
-    without, greedy_t, sampled_t = _engine_outputs(path, attention_kernel=False)
-    assert without.model.attention_kernel is None
+    with_kernel, greedy_k, sampled_k = _engine_outputs(path, attention_kernel=True)
+    assert with_kernel.model.attention_kernel is not None
+    without, greedy_t, sampled_t = _engine_outputs(path)
+    assert without.model.attention_kernel is None  # fp32's default: torch matmuls
     for a, b in ((greedy_k, greedy_t), (sampled_k, sampled_t)):
         assert torch.equal(a.batch["responses"], b.batch["responses"])
         torch.testing.assert_close(a.batch["rollout_log_probs"], b.batch["rollout_log_probs"], rtol=0, atol=1e-5)
+
+
+def test_bf16_engines_use_the_kernel_by_default(kernel, tmp_path):
+    path = write_tiny_model(str(tmp_path / "m"), "tiny", seed=0, arch="llama")
+    engine, greedy, sampled = _engine_outputs(path, dtype="bf16")
+    assert engine.model.attention_kernel is kernel
+    assert greedy.batch["response_mask"].sum() > 0 and torch.isfinite(sampled.batch["rollout_log_probs"]).all()
 
 
 def test_without_a_compiler_the_engine_says_so_and_uses_torch(monkeypatch, tmp_path, caplog):
@@ -133,11 +141,12 @@ def test_without_a_compiler_the_engine_says_so_and_uses_torch(monkeypatch, tmp_p
     monkeypatch.setenv("HYBRIDFLOW_KERNEL_CACHE", str(tmp_path / "kernels"))
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
-            engine, greedy, _ = _engine_outputs(path)
+            engine, greedy, _ = _engine_outputs(path, dtype="bf16")
         assert engine.model.attention_kernel is None
         assert "decode attention runs as torch matmuls" in caplog.text
         assert greedy.batch["response_mask"].sum() > 0
         with pytest.raises(ValueError, match="could not be built"):
             create_rollout_engine("native", path, dtype="fp32", attention_kernel=True)
+        assert create_rollout_engine("native", path, dtype="fp32").model.attention_kernel is None
     finally:
         cpu_attention.load.cache_clear()  # later tests build (or find) the real kernel again

@@ -17,8 +17,9 @@ one uncapped call's; the groups' responses are padded to one width and joined in
 step without graphs (for testing that path on CPU); ``compiled`` runs it compiled by torch.compile (compiled_step.py;
 chosen on CPU by ``graph``, which is veRL's ``enforce_eager=false``).
 
-``attention_kernel``: on CPU the eager steps' decode attention runs as one C kernel (cpu_attention.py) instead of
-torch matmuls; None (default) uses it on CPU in fp32/bf16 where it builds, False never, True requires it.
+``attention_kernel``: on CPU the eager steps' decode attention can run as one C kernel (cpu_attention.py) instead
+of torch matmuls. None (default): on CPU in bf16, where it builds (in fp32 it measured level with the matmuls,
+docs/benchmarks.md); True: also in fp32, and an error where it cannot run; False: never.
 """
 
 from __future__ import annotations
@@ -247,7 +248,7 @@ class NativeRollout(RolloutEngine):
         """cpu_attention's kernel for the eager decode steps, or None (torch matmuls); see the module docstring."""
         possible = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
         if setting is None:
-            return cpu_attention.load() if possible else None
+            return cpu_attention.load() if possible and self.dtype == torch.bfloat16 else None
         if not setting:
             return None
         if not possible:
