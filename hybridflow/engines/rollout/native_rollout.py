@@ -243,7 +243,6 @@ class NativeRollout(RolloutEngine):
         if missing:
             raise ValueError(f"checkpoint {model_path} lacks {len(missing)} tensors the decoder needs: {missing[:6]}")
 
-    # ------------------------------------------------------------------ weights
     def _attention_kernel(self, setting: bool | None):
         """cpu_attention's kernel for the eager decode steps, or None (torch matmuls); see the module docstring."""
         possible = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
@@ -260,6 +259,7 @@ class NativeRollout(RolloutEngine):
                              "built (the warning above says why); leave it unset to fall back to torch matmuls")
         return kernel
 
+    # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named full tensors (any device/dtype) into the fused weights, one at a time."""
         for name, tensor in named_tensors:
