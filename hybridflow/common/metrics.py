@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def reduce_metrics(metrics: Iterable[Mapping[str, Any]]) -> dict[str, float]:
@@ -83,6 +92,72 @@ def matmul_peaks(
         return rates
     finally:
         torch.set_num_threads(previous)
+
+
+def peak_flops_cache_path() -> Path | None:
+    """Where machine_peak_flops keeps its measurements: ``$HYBRIDFLOW_PEAK_FLOPS_CACHE`` (a file; ``off`` keeps
+    none), else ~/.cache/hybridflow/peak_flops.json."""
+    setting = os.environ.get("HYBRIDFLOW_PEAK_FLOPS_CACHE")
+    if setting is not None and setting.strip().lower() in ("", "0", "off", "none", "false"):
+        return None
+    return Path(setting) if setting else Path.home() / ".cache" / "hybridflow" / "peak_flops.json"
+
+
+def machine_peak_flops(device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
+                       num_threads: int | None = None) -> float:
+    """measure_peak_flops, measured once per machine: the value is kept in a small JSON file (peak_flops_cache_path)
+    under a key naming the processor (model, flags) or GPU, torch's version, the dtype and the thread count, and
+    later calls with the same key read it.
+
+    Why: a run's MFU needs a peak, and measuring one (the driver and every training rank) cost ~2.7 s each at one
+    thread on a 2-core CPU, about as long as a short run's training. The kept value is the best measured so far,
+    so a busy moment during one measurement does not stay: delete the file (or set the variable to ``off``) to
+    measure again.
+    """
+    from hybridflow import device as hf_device
+
+    dev = torch.device(device) if device is not None else hf_device.current_device()
+    path = peak_flops_cache_path()
+    if path is None:
+        return measure_peak_flops(dev, dtype, num_threads=num_threads)
+    threads = num_threads or torch.get_num_threads()
+    key = f"{_device_key(dev)}|torch {torch.__version__}|{dtype}|threads {threads}"
+    kept = _read_peaks(path)
+    if isinstance(kept.get(key), (int, float)) and kept[key] > 0:
+        return float(kept[key])
+    peak = measure_peak_flops(dev, dtype, num_threads=threads)
+    kept = _read_peaks(path)  # another process may have written meanwhile: keep the best of both
+    kept[key] = max(peak, float(kept.get(key) or 0.0))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            json.dump(kept, f, indent=1, sort_keys=True)
+        os.replace(f.name, path)  # atomic: readers see the old file or the new one
+    except OSError as err:
+        logger.warning("could not keep the measured matmul peak in %s (%s); it will be measured again next time; set "
+                       "HYBRIDFLOW_PEAK_FLOPS_CACHE to a writable file, or to off", path, err)
+    return kept[key]
+
+
+def _device_key(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return f"cuda {torch.cuda.get_device_name(dev)}"
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line.strip() for line in f if line.startswith(("model name", "flags"))]
+        described = "\n".join(sorted(set(lines)))
+    except OSError:
+        described = platform.processor()
+    digest = hashlib.sha256(f"{described}|{platform.machine()}|{os.cpu_count()}".encode()).hexdigest()[:16]
+    return f"{dev.type} {platform.machine()} {digest}"
+
+
+def _read_peaks(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: measure (and rewrite it)
 
 
 def _products(dev: torch.device, a: torch.Tensor, b: torch.Tensor) -> dict:

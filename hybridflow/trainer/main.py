@@ -209,7 +209,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     from transformers import AutoTokenizer
 
     from hybridflow.single_controller import WorkerGroupError
-    from hybridflow.trainer.metrics import measure_peak_flops
+    from hybridflow.trainer.metrics import machine_peak_flops
     from hybridflow.trainer.placement import build_worker_groups
     from hybridflow.trainer.preflight import preflight_errors
     from hybridflow.trainer.progress import ProgressBar
@@ -264,7 +264,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     if t.device != "cuda":
         from hybridflow.trainer.placement import threads_per_rank
 
-        peak_flops = measure_peak_flops(
+        peak_flops = machine_peak_flops(
             dtype=_dtype(cfg.actor_rollout_ref.actor.fsdp_config.param_dtype), num_threads=threads_per_rank(cfg)
         )
     try:

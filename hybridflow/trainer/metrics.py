@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridflow.common.metrics import measure_peak_flops, reduce_metrics
+from hybridflow.common.metrics import machine_peak_flops, measure_peak_flops, reduce_metrics
 from hybridflow.protocol import DataProto
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "compute_timing_metrics",
     "compute_validation_metrics",
     "dense_transformer_flops",
+    "machine_peak_flops",
     "majority_vote",
     "measure_peak_flops",
     "pass_at_k",

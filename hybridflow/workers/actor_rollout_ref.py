@@ -28,7 +28,7 @@ import torch
 
 from hybridflow.algorithms.objective import ActorLossConfig, LossContext, build_actor_objective
 from hybridflow.algorithms.off_policy import CorrectionSettings, is_weight_batch_stats
-from hybridflow.common.metrics import measure_peak_flops, reduce_metrics
+from hybridflow.common.metrics import machine_peak_flops, reduce_metrics
 from hybridflow.common.seeds import derive_seed
 from hybridflow.engines.fsdp_engine import FSDPEngine
 from hybridflow.engines.mismatch import logprob_mismatch
@@ -165,9 +165,9 @@ class ActorRolloutRefWorker(Worker):
                 self.agent = AgentRollout.from_config(cfg, self.rollout, path)
         info = {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads()}
         if self.actor is not None and self.actor.device.type == "cpu":
-            # This rank's own matmul peak at its thread count, measured where the training runs (the driver's
-            # measurement alone is taken in another process, and may land on a busy moment); MFU uses the best.
-            info["peak_flops"] = measure_peak_flops(self.actor.device, dtype=self.actor.compute_dtype)
+            # This rank's own matmul peak at its thread count, as measured where the training runs (the driver's
+            # may come from another process at a busy moment); MFU uses the best. Measured once per machine.
+            info["peak_flops"] = machine_peak_flops(self.actor.device, dtype=self.actor.compute_dtype)
         return info
 
     # ------------------------------------------------------------------ rollout

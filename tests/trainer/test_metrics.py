@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 
 import numpy as np
@@ -20,6 +21,7 @@ from hybridflow.trainer.metrics import (
     compute_timing_metrics,
     compute_validation_metrics,
     dense_transformer_flops,
+    machine_peak_flops,
     majority_vote,
     measure_peak_flops,
     pass_at_k,
@@ -219,3 +221,56 @@ def test_validation_errors_say_what_is_wrong():
         compute_validation_metrics(["s"] * 3, [0, 0, 1], [1, 1, 1], n=2)
     with pytest.raises(ValueError, match="one entry per sample"):
         compute_validation_metrics(["s"] * 2, [0], [1, 1], n=2)
+
+
+def test_machine_peak_is_measured_once_and_kept_per_key(tmp_path, monkeypatch):
+    """The driver and every training rank ask for the peak at start-up: measured once per machine, dtype and thread
+    count, then read from the file; a broken file is measured over; 'off' always measures."""
+    from hybridflow.common import metrics as common_metrics
+
+    cache = tmp_path / "sub" / "peak.json"
+    monkeypatch.setenv("HYBRIDFLOW_PEAK_FLOPS_CACHE", str(cache))
+    measured = []
+
+    def fake_measure(device, dtype, num_threads=None):
+        measured.append((dtype, num_threads))
+        return 1e9 * len(measured)
+
+    monkeypatch.setattr(common_metrics, "measure_peak_flops", fake_measure)
+    assert machine_peak_flops("cpu", torch.float32, num_threads=1) == 1e9
+    assert machine_peak_flops("cpu", torch.float32, num_threads=1) == 1e9  # read back, not measured
+    assert machine_peak_flops("cpu", torch.bfloat16, num_threads=1) == 2e9  # another key
+    assert machine_peak_flops("cpu", torch.float32, num_threads=2) == 3e9
+    assert measured == [(torch.float32, 1), (torch.bfloat16, 1), (torch.float32, 2)]
+    kept = json.loads(cache.read_text())
+    assert sorted(kept.values()) == [1e9, 2e9, 3e9]
+    assert all(f"torch {torch.__version__}" in key for key in kept)
+
+    cache.write_text("{not json")
+    assert machine_peak_flops("cpu", torch.float32, num_threads=1) == 4e9
+    assert len(json.loads(cache.read_text())) == 1
+
+    monkeypatch.setenv("HYBRIDFLOW_PEAK_FLOPS_CACHE", "off")
+    assert machine_peak_flops("cpu", torch.float32, num_threads=1) == 5e9
+    assert machine_peak_flops("cpu", torch.float32, num_threads=1) == 6e9
+
+
+def test_machine_peak_keeps_the_better_of_two_concurrent_measurements(tmp_path, monkeypatch):
+    """Two processes that both found no value: the file keeps the larger, so a measurement taken at a busy moment
+    does not lower the kept peak (which would inflate the MFU)."""
+    from hybridflow.common import metrics as common_metrics
+
+    cache = tmp_path / "peak.json"
+    monkeypatch.setenv("HYBRIDFLOW_PEAK_FLOPS_CACHE", str(cache))
+    monkeypatch.setattr(common_metrics, "measure_peak_flops", lambda device, dtype, num_threads=None: 7e9)
+    assert machine_peak_flops("cpu", torch.float32, num_threads=1) == 7e9
+    key = next(iter(json.loads(cache.read_text())))
+    cache.write_text(json.dumps({key: 0}))  # an unusable value is measured again
+
+    def measure_while_another_process_writes(device, dtype, num_threads=None):
+        cache.write_text(json.dumps({key: 9e9}))
+        return 5e9
+
+    monkeypatch.setattr(common_metrics, "measure_peak_flops", measure_while_another_process_writes)
+    assert machine_peak_flops("cpu", torch.float32, num_threads=1) == 9e9
+    assert json.loads(cache.read_text()) == {key: 9e9}
