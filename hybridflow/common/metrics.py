@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from hybridflow.common.machine import cpu_description
+
 logger = logging.getLogger(__name__)
 
 
@@ -130,8 +132,12 @@ def machine_peak_flops(device: torch.device | str | None = None, dtype: torch.dt
     kept[key] = max(peak, float(kept.get(key) or 0.0))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-            json.dump(kept, f, indent=1, sort_keys=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
+            try:
+                json.dump(kept, f, indent=1, sort_keys=True)
+            except OSError:
+                os.unlink(f.name)  # a full disk: leave no half-written temporary file behind
+                raise
         os.replace(f.name, path)  # atomic: readers see the old file or the new one
     except OSError as err:
         logger.warning("could not keep the measured matmul peak in %s (%s); it will be measured again next time; set "
@@ -142,13 +148,7 @@ def machine_peak_flops(device: torch.device | str | None = None, dtype: torch.dt
 def _device_key(dev: torch.device) -> str:
     if dev.type == "cuda":
         return f"cuda {torch.cuda.get_device_name(dev)}"
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line.strip() for line in f if line.startswith(("model name", "flags"))]
-        described = "\n".join(sorted(set(lines)))
-    except OSError:
-        described = platform.processor()
-    digest = hashlib.sha256(f"{described}|{platform.machine()}|{os.cpu_count()}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(f"{cpu_description()}|{os.cpu_count()}".encode()).hexdigest()[:16]
     return f"{dev.type} {platform.machine()} {digest}"
 
 

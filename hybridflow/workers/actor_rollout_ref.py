@@ -165,8 +165,8 @@ class ActorRolloutRefWorker(Worker):
                 self.agent = AgentRollout.from_config(cfg, self.rollout, path)
         info = {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads()}
         if self.actor is not None and self.actor.device.type == "cpu":
-            # This rank's own matmul peak at its thread count, as measured where the training runs (the driver's
-            # may come from another process at a busy moment); MFU uses the best. Measured once per machine.
+            # The matmul peak at this rank's own thread count (the driver asks at the configured one); measured once
+            # per machine and dtype, then read from the machine's file. MFU uses the best of the driver's and ranks'.
             info["peak_flops"] = machine_peak_flops(self.actor.device, dtype=self.actor.compute_dtype)
         return info
 

@@ -274,3 +274,21 @@ def test_machine_peak_keeps_the_better_of_two_concurrent_measurements(tmp_path, 
     monkeypatch.setattr(common_metrics, "measure_peak_flops", measure_while_another_process_writes)
     assert machine_peak_flops("cpu", torch.float32, num_threads=1) == 9e9
     assert json.loads(cache.read_text()) == {key: 9e9}
+
+
+def test_machine_peak_that_cannot_be_kept_is_returned_and_leaves_no_temporary_file(tmp_path, monkeypatch, caplog):
+    """A write that fails half way (a full disk): the run goes on with its measurement, says why it was not kept,
+    and no half-written file is left beside the cache."""
+    from hybridflow.common import metrics as common_metrics
+
+    monkeypatch.setenv("HYBRIDFLOW_PEAK_FLOPS_CACHE", str(tmp_path / "peak.json"))
+    monkeypatch.setattr(common_metrics, "measure_peak_flops", lambda device, dtype, num_threads=None: 3e9)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(common_metrics.json, "dump", disk_full)
+    with caplog.at_level("WARNING"):
+        assert machine_peak_flops("cpu", torch.float32, num_threads=1) == 3e9
+    assert "could not keep the measured matmul peak" in caplog.text
+    assert list(tmp_path.iterdir()) == []

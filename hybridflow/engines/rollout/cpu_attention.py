@@ -22,13 +22,14 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
+
+from hybridflow.common.machine import cpu_description
 
 __all__ = ["DecodeAttentionKernel", "load"]
 
@@ -41,14 +42,6 @@ _COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
 _LINK = ["-shared", "-fopenmp"]
 _LIBS = ["-lm"]
 _DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
 
 
 def _cache_dir() -> Path:
@@ -68,7 +61,7 @@ def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(_COMPILE + _LINK).encode(), version.encode(),
-                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
+                                     cpu_description().encode()])).hexdigest()[:16]
     target = _cache_dir() / f"decode_attention-{key}.so"
     if target.exists():
         return target
