@@ -82,7 +82,7 @@ def _response_ratio(data: DataProto) -> float:
 
 
 def bench_training(path: str, dtype: str, data: DataProto, steps: int, max_tokens: int, checkpointing: bool,
-                   packing: bool = False, onednn_linears: bool | None = None) -> dict:
+                   packing: bool | None = None, onednn_linears: bool | None = None) -> dict:
     engine = FSDPEngine(
         EngineConfig(
             model_path=path,
@@ -106,6 +106,7 @@ def bench_training(path: str, dtype: str, data: DataProto, steps: int, max_token
     best = min(times)
     return {
         "params": params,
+        "packed": engine.packing,
         "tokens_per_step": real_tokens,
         "step_seconds": times,
         "tokens_per_s": real_tokens / best,
@@ -131,7 +132,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--packing", action="store_true", help="sequence packing (engines/packing.py), not bucketing")
+    parser.add_argument("--layout", default="auto", choices=("auto", "packed", "bucketed"),
+                        help="micro-batch layout: auto (the engine's default: packed where it applies), packed "
+                             "(engines/packing.py) or bucketed by length (micro_batch.py)")
     parser.add_argument("--size", default="mid", choices=sorted(SIZES), help="model size (engines/tiny.py)")
     parser.add_argument("--linears", default="auto",
                         help="comma-separated: auto (the engine's choice), onednn (onednn_train.py), torch (F.linear)")
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
             peak = max(kernels.values())
             for choice in args.linears.split(","):
                 run = bench_training(path, name, data, steps, args.max_tokens, args.gradient_checkpointing,
-                                     args.packing, linears[choice])
+                                     {"auto": None, "packed": True, "bucketed": False}[args.layout], linears[choice])
                 run["matmul_peak_flops_per_s"] = peak
                 run["matmul_peak_by_kernel_flops_per_s"] = kernels
                 run["mfu"] = run["model_flops_per_s"] / peak
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
             "timed_steps": steps,
             "max_tokens_per_micro_batch": args.max_tokens,
             "gradient_checkpointing": args.gradient_checkpointing,
-            "sequence_packing": args.packing,
+            "layout": args.layout,
             "matmul_size": mm_size,
             "quick": args.quick,
         },

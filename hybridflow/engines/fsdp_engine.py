@@ -9,8 +9,9 @@ One engine per rank. The driver-side worker hands each rank its shard of a batch
 
 Without torch.distributed (or with one rank) the model is a plain module; with more ranks every decoder layer and then
 the root are ``fully_shard``-ed over a 1-D ``dp`` mesh (or a 2-D ``(replicate, shard)`` mesh when fsdp_size divides
-the world). Padding is never computed: rows are stripped to their real tokens and bucketed by length
-(micro_batch.py). The loss contract: loss_fn returns this micro-batch's share of the mini-batch mean (divide by
+the world). Rows are stripped to their real tokens and packed end to end into one row per micro-batch (packing.py)
+wherever packing applies (``use_sequence_packing`` None, `why_not_packed`), else bucketed by length with the little
+padding a bucket needs (micro_batch.py). The loss contract: loss_fn returns this micro-batch's share of the mini-batch mean (divide by
 ``micro.meta_info["global_num_tokens"]`` or ``["global_num_seqs"]``), so gradients are summed over micro-batches and
 ranks as they are, never averaged again.
 
@@ -89,8 +90,10 @@ class EngineConfig:
     seed: int = 0  # same seed on every rank -> same initial value head
     optim: OptimConfig = field(default_factory=OptimConfig)
     use_remove_padding: bool = True  # strip rows to real tokens and bucket by length (False: plain padded forward)
-    # True: each micro-batch's rows end to end in one [1, T] row, attention per row (packing.py); no padding at all
-    use_sequence_packing: bool = False
+    # True: each micro-batch's rows end to end in one [1, T] row, attention per row (packing.py); no padding at all.
+    # None: packed where it applies (actor and ref on one tensor/sequence-parallel rank, stripped rows, not
+    # batch-invariant, a model whose attention packing runs; `why_not_packed` says why not), else bucketed.
+    use_sequence_packing: bool | None = None
     # True: attention and matmul shapes whose fp32 rounding the native rollout reproduces bit for bit
     # (batch_invariant.py); needs the stripped rows (use_remove_padding) and one tensor-parallel rank
     batch_invariant: bool = False
@@ -163,6 +166,23 @@ class EngineConfig:
                              "use_remove_padding=True (the stripped, causal-only layout)")
 
 
+def why_not_packed(config: EngineConfig, hf_config) -> str | None:
+    """Why use_sequence_packing=None leaves `config`'s engine bucketed (None: it packs). Packing is exact (packed ==
+    bucketed to fp32 rounding, tests/engines/test_packing.py) and computes no padding; left out are the critic, a
+    padded forward (use_remove_padding=False), tensor or sequence parallelism, the batch-invariant mode, and models
+    whose attention it cannot run (sliding windows, soft-capping: packing.packing_refusal)."""
+    if config.role == "critic":
+        return "the critic stays bucketed (packing is not tested with its value model)"
+    if not config.use_remove_padding:
+        return "use_remove_padding=False asks for the plain padded forward"
+    if config.tensor_parallel_size > 1 or config.ulysses_sequence_parallel_size > 1:
+        return (f"tensor_parallel_size={config.tensor_parallel_size}, ulysses_sequence_parallel_size="
+                f"{config.ulysses_sequence_parallel_size} split the bucketed rows")
+    if config.batch_invariant:
+        return "batch_invariant=True reproduces the rollout's stripped rows"
+    return packing.packing_refusal(hf_config)
+
+
 class FSDPEngine:
     """Holds the (sharded) model, optimizer and LR schedule of one rank. See the module docstring."""
 
@@ -203,8 +223,7 @@ class FSDPEngine:
                 hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not self.trainable:
             hf_model.requires_grad_(False)
-        if config.use_sequence_packing:
-            packing.enable_packed_attention(hf_model)
+        self.packing = self._choose_packing(hf_model)
         if config.batch_invariant:
             enable_batch_invariant_attention(hf_model)
         # fp32 products by oneDNN (onednn_train.py); batch-invariant mode needs the rollout's kernels where it has them
@@ -230,6 +249,26 @@ class FSDPEngine:
         self.global_step = 0
 
     # ------------------------------------------------------------------ setup
+    def _choose_packing(self, hf_model: nn.Module) -> bool:
+        """Switch `hf_model` to packed attention when use_sequence_packing is True, or None and packing applies
+        (`why_not_packed` is None); returns whether this engine packs its micro-batches."""
+        c = self.config
+        if c.use_sequence_packing is None:
+            why_not = why_not_packed(c, hf_model.config)
+            if why_not:
+                logger.info("%s engine: micro-batches bucketed by length, not packed: %s", c.role, why_not)
+                return False
+        elif not c.use_sequence_packing:
+            return False
+        try:
+            packing.enable_packed_attention(hf_model)
+        except ValueError as err:
+            if c.use_sequence_packing:
+                raise
+            logger.info("%s engine: micro-batches bucketed by length, not packed: %s", c.role, err)
+            return False
+        return True
+
     def _build_train_mesh(self):
         """The (dp, sp, tp) mesh when tensor or sequence parallelism is on, else None (plain FSDP below)."""
         tp, sp = self.config.tensor_parallel_size, self.config.ulysses_sequence_parallel_size
@@ -349,7 +388,7 @@ class FSDPEngine:
             rows = rows if c.infer_micro_batch_size_per_gpu is None else c.infer_micro_batch_size_per_gpu
         attention_mask = data.batch["attention_mask"]
         starts, ends = mb.real_token_spans(attention_mask)
-        if self.config.use_remove_padding or self.config.use_sequence_packing:
+        if self.config.use_remove_padding or self.packing:
             lengths = (ends - starts).tolist()
         else:
             lengths = [attention_mask.shape[1]] * len(data)
@@ -374,7 +413,7 @@ class FSDPEngine:
             position_ids = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
         args = (batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device), position_ids.to(self.device))
         pad = self.tokenizer.pad_token_id or 0
-        if self.config.use_sequence_packing:
+        if self.packing:
             bucket = packing.build_packed(*args, resp_len, pad_token_id=pad)
             attention_kwargs = bucket.attention_kwargs()
         else:
@@ -398,7 +437,7 @@ class FSDPEngine:
             )
         if self.model.training and len(self.router_tap):
             mask = bucket.attention_mask
-            if self.config.use_sequence_packing:  # one row of real tokens only
+            if self.packing:  # one row of real tokens only
                 mask = None
             elif mask is None:  # rows stripped to their real tokens, then right-padded to the longest: route only those
                 starts, ends = mb.real_token_spans(batch["attention_mask"])
@@ -423,7 +462,7 @@ class FSDPEngine:
                              f"batch is {tuple(batch['attention_mask'].shape)}; the routes must come with their rows")
         if bucket.attention_mask is None:  # rows stripped to their real tokens, right-padded to the longest
             starts, ends = mb.real_token_spans(batch["attention_mask"])
-            packed = self.config.use_sequence_packing  # bucket [1, T]: the rows' real tokens, in row order
+            packed = self.packing  # bucket [1, T]: the rows' real tokens, in row order
             width = int((ends - starts).max()) if packed else bucket.input_ids.shape[1]
             cols = torch.arange(width, device=routes.device)
             src = (starts[:, None] + cols[None, :]).clamp(max=routes.shape[1] - 1)

@@ -8,9 +8,11 @@ Attention runs through ``hybridflow_varlen``, registered with transformers' ``At
 modeling code of any model built on that interface calls it) and given the row boundaries
 ``cu_seq_lens_q/k [b + 1]`` (int32) and ``max_length_q/k`` as forward kwargs, the names transformers' flash-attention
 path reads. On CUDA with ``flash_attn`` installed it calls ``flash_attn_varlen_func``; elsewhere (CPU) it runs
-PyTorch SDPA once per row with ``is_causal=True``, so it never builds or computes a ``[T, T]`` score matrix (an SDPA
-block-diagonal mask over the packed row would cost ``T**2`` instead of ``sum(len**2)``). transformers builds no mask
-for an attention name it has no mask function for, which is what we want here.
+PyTorch SDPA with ``is_causal=True`` once per distinct row length (the rows of one length as one batch), so it never
+builds or computes a ``[T, T]`` score matrix (an SDPA block-diagonal mask over the packed row would cost ``T**2``
+instead of ``sum(len**2)``), and hundreds of short rows do not cost hundreds of calls per layer. Its mask function
+(`_mask_unless_packed`) builds no mask for a packed call and transformers' SDPA mask for any other, so a padded batch
+through the same model is still masked.
 
 Results equal the bucketed computation up to float rounding (tests/engines/test_packing.py checks log-probs and
 gradients to 1e-5 in fp32).
@@ -85,13 +87,15 @@ def packing_refusal(hf_config) -> str | None:
     """Why `varlen_attention` cannot run this model (None if it can): the start-up form of its forward-time check.
 
     transformers passes ``sliding_window`` to the attention of a layer typed ``sliding_attention`` (Qwen2/3,
-    Gemma 2/3), and on every layer of Mistral/Phi-3/Mixtral when the config sets it; Gemma 2 passes ``softcap``.
+    Gemma 2/3), and on every layer of a model without layer types when the config sets it (Mistral, Phi-3, Mixtral,
+    Qwen3-MoE with use_sliding_window); Gemma 2 passes ``softcap``.
     """
     window = getattr(hf_config, "sliding_window", None)
-    sliding = [i for i, kind in enumerate(getattr(hf_config, "layer_types", None) or []) if kind == "sliding_attention"]
+    layer_types = getattr(hf_config, "layer_types", None)
+    sliding = [i for i, kind in enumerate(layer_types or []) if kind == "sliding_attention"]
     if sliding:
         return f"sliding-window attention (sliding_window={window}) on {len(sliding)} of its layers"
-    if getattr(hf_config, "model_type", None) in ("mistral", "mixtral", "phi3") and window:
+    if not layer_types and window:
         return f"sliding-window attention (sliding_window={window})"
     if getattr(hf_config, "attn_logit_softcapping", None) is not None:
         return f"soft-capped attention logits (attn_logit_softcapping={hf_config.attn_logit_softcapping})"
@@ -145,22 +149,62 @@ def varlen_attention(
         cu = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
         out = flash(q, k, v, cu, cu, max_length_q, max_length_q, dropout_p=p, softmax_scale=scaling, causal=True)
         return out[None], None
-    bounds = cu_seq_lens_q.tolist()
-    outs = [
-        F.scaled_dot_product_attention(
-            query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi], dropout_p=p, is_causal=True, scale=scaling,
-            enable_gqa=groups > 1,
-        )
-        for lo, hi in itertools.pairwise(bounds)
-    ]
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+    spans = list(itertools.pairwise(cu_seq_lens_q.tolist()))
+    starts_by_length: dict[int, list[int]] = {}
+    for lo, hi in spans:
+        starts_by_length.setdefault(hi - lo, []).append(lo)
+    if len(starts_by_length) == len(spans):  # every row its own length: one call per row, no copies
+        outs = [_causal(query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi], p, scaling, groups)
+                for lo, hi in spans]
+        return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+    return _causal_by_length(query, key, value, starts_by_length, p, scaling, groups), None
+
+
+def _causal(q, k, v, p: float, scaling: float | None, groups: int) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scaling, enable_gqa=groups > 1)
+
+
+def _causal_by_length(query, key, value, starts_by_length: dict[int, list[int]], p: float, scaling: float | None,
+                      groups: int) -> torch.Tensor:
+    """Packed rows of equal length attended in one batched call per length ([1, H, T, D] -> [1, T, H, D]).
+
+    Many short rows (a small model's GRPO batch: hundreds of rows of a few dozen tokens) would otherwise cost one
+    attention call per row and layer; a batch of rows of one length is the same computation with no padding, so the
+    number of calls drops to the number of distinct lengths. The rows' tokens are gathered per length, attended, and
+    put back in packed order by one index.
+    """
+    pieces, positions = [], []
+    for length, starts in starts_by_length.items():
+        index = (torch.tensor(starts)[:, None] + torch.arange(length)).reshape(-1).to(query.device)
+        q, k, v = (t[0].index_select(1, index).unflatten(1, (len(starts), length)).transpose(0, 1)
+                   for t in (query, key, value))  # [rows, heads, length, D]
+        pieces.append(_causal(q, k, v, p, scaling, groups).transpose(0, 1).flatten(1, 2))  # [heads, rows*length, D]
+        positions.append(index)
+    order = torch.cat(positions)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return torch.cat(pieces, dim=1).index_select(1, inverse).transpose(0, 1)[None].contiguous()
+
+
+def _mask_unless_packed(*, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """transformers mask function for `varlen_attention`: no mask for a packed call (it has no attention_mask; the
+    rows are kept apart by cu_seq_lens, with no ``[T, T]`` mask), the SDPA mask for any other call, so that a padded
+    batch through the same model (an export check, a plain forward) is masked as with transformers' sdpa."""
+    if attention_mask is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(attention_mask=attention_mask, **kwargs)
 
 
 def enable_packed_attention(hf_model: torch.nn.Module) -> str:
-    """Switch a transformers model to `varlen_attention` (registered once); returns the implementation name."""
+    """Switch a transformers model to `varlen_attention` (registered once, with its mask function); returns the
+    implementation name."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+    AttentionMaskInterface.register(VARLEN_ATTENTION, _mask_unless_packed)
     hf_model.set_attn_implementation(VARLEN_ATTENTION)
     if getattr(hf_model.config, "_attn_implementation", None) != VARLEN_ATTENTION:
         raise ValueError(

@@ -76,6 +76,53 @@ def test_varlen_attention_is_block_diagonal_causal():
     assert torch.equal(out2[:, 3:], out[:, 3:]) and not torch.allclose(out2[:, :3], out[:, :3])
 
 
+def test_rows_of_equal_length_are_attended_together_with_the_same_result_and_gradients():
+    """Rows sharing a length go through one batched call per length (GQA: 4 query heads on 2 KV heads); outputs and
+    the gradients of q, k, v equal the dense block-diagonal causal reference, and rows stay apart."""
+    g = torch.Generator().manual_seed(2)
+    lengths = [3, 5, 3, 1, 5, 3, 2]
+    total = sum(lengths)
+    q = torch.randn(1, 4, total, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, total, 8, generator=g, requires_grad=True) for _ in range(2))
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out, _ = packing.varlen_attention(module, q, k, v, None, cu_seq_lens_q=cu, max_length_q=max(lengths))
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    allowed = (seg[:, None] == seg[None, :]) & torch.ones(total, total).tril().bool()
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    assert out.shape == (1, total, 4, 8)
+    assert float((out - dense.transpose(1, 2)).abs().max()) <= 1e-6
+    weights = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    want = torch.autograd.grad((dense.transpose(1, 2) * weights).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        assert float((a - b).abs().max()) <= 1e-5
+    k2 = k.detach().clone()
+    k2[:, :, 3:8] += 5.0  # row 1 (length 5, batched with row 4) changes; every other row's outputs do not
+    out2, _ = packing.varlen_attention(module, q.detach(), k2, v.detach(), None, cu_seq_lens_q=cu, max_length_q=5)
+    assert torch.equal(out2[:, :3], out[:, :3].detach()) and torch.equal(out2[:, 8:], out[:, 8:].detach())
+    assert not torch.allclose(out2[:, 3:8], out[:, 3:8].detach())
+
+
+def test_a_padded_batch_through_a_packed_model_is_still_masked(tiny_model_path):
+    """Not every forward of the engine's model is packed (an export check, a plain call): with left padding the
+    packed-attention model gives transformers' sdpa logits at every real position."""
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation="sdpa")
+    packed = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    assert packing.enable_packed_attention(packed) == packing.VARLEN_ATTENTION
+    mask = rollout_mask([3, 7, 5], [4, 1, 6], 7, 6)
+    ids = torch.randint(4, 250, mask.shape, generator=torch.Generator().manual_seed(0)) * mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = plain(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        got = packed(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    real = mask.bool()
+    assert float((got[real] - want[real]).abs().max()) <= 1e-5
+
+
 def test_fused_log_probs_and_entropy_equal_the_separate_functions():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(7, 50, generator=g) * 3
@@ -150,9 +197,12 @@ def test_packing_a_model_it_cannot_apply_to_is_refused_at_start_up(tmp_path, arc
 
 
 def test_a_mistral_with_a_window_is_not_packed():
-    from transformers import MistralConfig, Qwen2Config
+    from transformers import MistralConfig, Qwen2Config, Qwen3MoeConfig
 
     assert "sliding_window=16" in packing.packing_refusal(MistralConfig(sliding_window=16))
+    # no layer types: the window is passed to every layer's attention
+    assert "sliding_window=16" in packing.packing_refusal(Qwen3MoeConfig(use_sliding_window=True, sliding_window=16))
+    assert packing.packing_refusal(Qwen3MoeConfig(use_sliding_window=False, sliding_window=16)) is None
     assert packing.packing_refusal(Qwen2Config(use_sliding_window=False, sliding_window=16)) is None
     assert "on 2 of its layers" in packing.packing_refusal(
         Qwen2Config(use_sliding_window=True, sliding_window=16, num_hidden_layers=2, max_window_layers=0))

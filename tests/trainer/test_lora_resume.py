@@ -17,9 +17,11 @@ from hybridflow.trainer.main import run_training
 
 SEPARATE = ("trainer.backend=ray", "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.n_gpus_per_node=2",
             "actor_rollout_ref.rollout.update_weights_bucket_megabytes=1")
+# The random model scores 0 on every prompt (no advantage) and starts equal to its reference (no KL gradient): the
+# entropy bonus is what moves the adapter, so that the resumed run has real updates to reproduce.
 LORA = ("trainer.backend=local", "trainer.resume_mode=auto", "actor_rollout_ref.model.lora_rank=4",
         "actor_rollout_ref.model.lora_alpha=8", "actor_rollout_ref.actor.optim.lr=2e-3",
-        "actor_rollout_ref.actor.use_kl_loss=true")
+        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01")
 
 
 def test_lora_run_resumes_bitwise_from_an_adapter_checkpoint(arithmetic_files, tiny_model_path, tmp_path, caplog):
