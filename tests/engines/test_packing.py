@@ -206,3 +206,28 @@ def test_a_mistral_with_a_window_is_not_packed():
     assert packing.packing_refusal(Qwen2Config(use_sliding_window=False, sliding_window=16)) is None
     assert "on 2 of its layers" in packing.packing_refusal(
         Qwen2Config(use_sliding_window=True, sliding_window=16, num_hidden_layers=2, max_window_layers=0))
+
+
+def test_the_default_packs_where_packing_applies_and_says_why_not_elsewhere(tiny_model_path, tmp_path, caplog):
+    """use_sequence_packing=None: the actor and the reference pack; the critic, the padded forward, the batch-invariant
+    mode and a model with a sliding window are bucketed, each with its reason logged; True/False are obeyed."""
+    import logging
+
+    from hybridflow.engines.fsdp_engine import why_not_packed
+
+    assert engine(tiny_model_path).packing and engine(tiny_model_path, role="ref").packing
+    assert not engine(tiny_model_path, use_sequence_packing=False).packing
+    windowed = write_tiny_model(tmp_path / "gemma2", "unit", arch="gemma2", seed=0)
+    with caplog.at_level(logging.INFO, logger="hybridflow.engines.fsdp_engine"):
+        for path, overrides, reason in (
+            (tiny_model_path, {"role": "critic"}, "critic"),
+            (tiny_model_path, {"use_remove_padding": False}, "use_remove_padding=False"),
+            (tiny_model_path, {"batch_invariant": True}, "batch_invariant=True"),
+            (windowed, {}, "sliding-window"),
+        ):
+            eng = engine(path, **overrides)
+            assert not eng.packing and reason in why_not_packed(eng.config, eng.hf_config)
+            assert reason in caplog.text
+    with pytest.raises(ValueError, match="sliding-window"):  # asked for explicitly: refused at the first forward
+        eng = engine(windowed, use_sequence_packing=True)
+        eng.compute_log_prob(varied_batch(), temperature=1.0)
