@@ -91,8 +91,8 @@ class EngineConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     use_remove_padding: bool = True  # strip rows to real tokens and bucket by length (False: plain padded forward)
     # True: each micro-batch's rows end to end in one [1, T] row, attention per row (packing.py); no padding at all.
-    # None: packed where it applies (actor and ref on one tensor/sequence-parallel rank, stripped rows, not
-    # batch-invariant, a model whose attention packing runs; `why_not_packed` says why not), else bucketed.
+    # None: packed where it applies (one tensor/sequence-parallel rank, stripped rows, not batch-invariant, a model
+    # whose attention packing runs; `why_not_packed` says why not), else bucketed.
     use_sequence_packing: bool | None = None
     # True: attention and matmul shapes whose fp32 rounding the native rollout reproduces bit for bit
     # (batch_invariant.py); needs the stripped rows (use_remove_padding) and one tensor-parallel rank
@@ -168,11 +168,10 @@ class EngineConfig:
 
 def why_not_packed(config: EngineConfig, hf_config) -> str | None:
     """Why use_sequence_packing=None leaves `config`'s engine bucketed (None: it packs). Packing is exact (packed ==
-    bucketed to fp32 rounding, tests/engines/test_packing.py) and computes no padding; left out are the critic, a
-    padded forward (use_remove_padding=False), tensor or sequence parallelism, the batch-invariant mode, and models
-    whose attention it cannot run (sliding windows, soft-capping: packing.packing_refusal)."""
-    if config.role == "critic":
-        return "the critic stays bucketed (packing is not tested with its value model)"
+    bucketed to fp32 rounding, tests/engines/test_packing.py: log-probs, entropy, values and gradients) and computes
+    no padding; left out are a padded forward (use_remove_padding=False), tensor or sequence parallelism, the
+    batch-invariant mode, and models whose attention it cannot run (sliding windows, soft-capping:
+    packing.packing_refusal)."""
     if not config.use_remove_padding:
         return "use_remove_padding=False asks for the plain padded forward"
     if config.tensor_parallel_size > 1 or config.ulysses_sequence_parallel_size > 1:

@@ -97,7 +97,7 @@ class PolicyModelConfig(ModelConfig):
     # true: actor and ref pack each micro-batch's rows into one row with per-row attention (engines/packing.py)
     # instead of bucketing them by length; no padding is computed at all. null (default): packed wherever it applies
     # (engines/fsdp_engine.py why_not_packed: not with tensor/sequence parallelism, batch_invariant, a padded forward,
-    # or sliding-window / soft-capped attention); false: always bucketed
+    # or sliding-window / soft-capped attention; the critic follows the same rule); false: always bucketed
     use_sequence_packing: bool | None = None
     # veRL's keys: a saved PEFT adapter folder LoRA starts from (engines/lora_adapter.py; needs lora_rank = its r),
     # and use_shm: the model folder copied to /dev/shm once, loaded from there, removed at exit (trainer/shm_model.py)

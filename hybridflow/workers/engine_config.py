@@ -111,7 +111,7 @@ def engine_config(
     )
     if optim is not None:
         kwargs["optim"] = optim
-    if hasattr(model, "use_sequence_packing"):  # actor_rollout_ref.model (actor and ref); the critic buckets
+    if hasattr(model, "use_sequence_packing"):  # actor_rollout_ref.model (actor and ref); the critic: the default
         kwargs["use_sequence_packing"] = model.use_sequence_packing
     if role in ("actor", "ref") and getattr(model, "batch_invariant", False):
         kwargs["batch_invariant"] = True

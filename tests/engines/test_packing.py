@@ -209,18 +209,17 @@ def test_a_mistral_with_a_window_is_not_packed():
 
 
 def test_the_default_packs_where_packing_applies_and_says_why_not_elsewhere(tiny_model_path, tmp_path, caplog):
-    """use_sequence_packing=None: the actor and the reference pack; the critic, the padded forward, the batch-invariant
-    mode and a model with a sliding window are bucketed, each with its reason logged; True/False are obeyed."""
+    """use_sequence_packing=None: actor, reference and critic pack; the padded forward, the batch-invariant mode and a
+    model with a sliding window are bucketed, each with its reason logged; True/False are obeyed."""
     import logging
 
     from hybridflow.engines.fsdp_engine import why_not_packed
 
-    assert engine(tiny_model_path).packing and engine(tiny_model_path, role="ref").packing
+    assert all(engine(tiny_model_path, role=role).packing for role in ("actor", "ref", "critic"))
     assert not engine(tiny_model_path, use_sequence_packing=False).packing
     windowed = write_tiny_model(tmp_path / "gemma2", "unit", arch="gemma2", seed=0)
     with caplog.at_level(logging.INFO, logger="hybridflow.engines.fsdp_engine"):
         for path, overrides, reason in (
-            (tiny_model_path, {"role": "critic"}, "critic"),
             (tiny_model_path, {"use_remove_padding": False}, "use_remove_padding=False"),
             (tiny_model_path, {"batch_invariant": True}, "batch_invariant=True"),
             (windowed, {}, "sliding-window"),
@@ -231,3 +230,23 @@ def test_the_default_packs_where_packing_applies_and_says_why_not_elsewhere(tiny
     with pytest.raises(ValueError, match="sliding-window"):  # asked for explicitly: refused at the first forward
         eng = engine(windowed, use_sequence_packing=True)
         eng.compute_log_prob(varied_batch(), temperature=1.0)
+
+
+def test_packed_critic_values_and_gradients_equal_the_bucketed_ones(tiny_model_path):
+    data = varied_batch()
+
+    def value_loss(micro: DataProto, outputs: dict[str, torch.Tensor]):
+        mask = micro.batch["response_mask"].float()
+        return ((outputs["values"] - 0.5) ** 2 * mask).sum() / micro.meta_info["global_num_tokens"], {}
+
+    values, grads = {}, {}
+    for packed in (False, True):
+        eng = engine(tiny_model_path, role="critic", micro_batch_size_per_gpu=4, use_sequence_packing=packed)
+        assert eng.packing == packed
+        values[packed] = eng.compute_values(data)
+        eng.forward_backward(data, value_loss)
+        grads[packed] = {n: p.grad.clone() for n, p in eng.model.named_parameters() if p.grad is not None}
+    assert float(values[False].abs().max()) > 0
+    assert float((values[True] - values[False]).abs().max()) <= 1e-5
+    assert grads[True].keys() == grads[False].keys() and grads[False]
+    assert max(float((grads[True][n] - grads[False][n]).abs().max()) for n in grads[False]) <= 1e-5
