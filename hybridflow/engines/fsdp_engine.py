@@ -11,9 +11,9 @@ Without torch.distributed (or with one rank) the model is a plain module; with m
 the root are ``fully_shard``-ed over a 1-D ``dp`` mesh (or a 2-D ``(replicate, shard)`` mesh when fsdp_size divides
 the world). Rows are stripped to their real tokens and packed end to end into one row per micro-batch (packing.py)
 wherever packing applies (``use_sequence_packing`` None, `why_not_packed`), else bucketed by length with the little
-padding a bucket needs (micro_batch.py). The loss contract: loss_fn returns this micro-batch's share of the mini-batch mean (divide by
-``micro.meta_info["global_num_tokens"]`` or ``["global_num_seqs"]``), so gradients are summed over micro-batches and
-ranks as they are, never averaged again.
+padding a bucket needs (micro_batch.py). The loss contract: loss_fn returns this micro-batch's share of the mini-batch
+mean (divide by ``micro.meta_info["global_num_tokens"]`` or ``["global_num_seqs"]``), so gradients are summed over
+micro-batches and ranks as they are, never averaged again.
 
 Offload (accelerators only; on CPU both switches change nothing). ``param_offload``: parameters (and gradients) stay
 in host memory between engine calls. Sharded, that is FSDP2's ``CPUOffloadPolicy`` (shards are copied in per layer,
