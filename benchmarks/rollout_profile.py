@@ -39,8 +39,10 @@ from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.engines.tiny import TINY_ARCHITECTURES, write_tiny_model
 
 GROUPS = {
-    # the oneDNN-packed fp32/bf16 matmuls (onednn_linear.py) are mkldnn::_linear_pointwise
-    "layer_matmuls": ("aten::mm", "aten::addmm", "quantized::linear_dynamic", "mkldnn::_linear_pointwise"),
+    # the oneDNN-packed fp32/bf16 matmuls (onednn_linear.py) are mkldnn::_linear_pointwise, the panel kernel's
+    # (cpu_linear.py) hybridflow::panel_linear
+    "layer_matmuls": ("aten::mm", "aten::addmm", "quantized::linear_dynamic", "mkldnn::_linear_pointwise",
+                      "hybridflow::panel_linear"),
     "attention_matmuls": ("aten::bmm", "aten::baddbmm", "hybridflow::cpu_decode_attention"),
 }
 

@@ -12,6 +12,7 @@ prints one JSON document.
     .venv/bin/python benchmarks/rollout_throughput.py --arch gemma3_text --dtypes fp32 --batch-sizes 64   # one arch
     .venv/bin/python benchmarks/rollout_throughput.py --model DIR --dtypes fp32 --batch-sizes 32,64    # a real model
     .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,native:attention_kernel=false --interleave
+    .venv/bin/python benchmarks/rollout_throughput.py --backends native,native:linear_kernel=false --interleave
 
 Sampling at temperature 1 with the model's eos active: tokens/s counts the tokens actually generated (response_mask),
 and each configuration reports the best of --repeats runs after one warm-up call. --interleave times the backends'
@@ -36,7 +37,7 @@ os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hybridflow import device
-from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
+from hybridflow.engines.rollout import SamplingParams, cpu_linear, create_rollout_engine
 from hybridflow.engines.rollout.onednn_linear import onednn_available, onednn_linear, pack_onednn
 from hybridflow.engines.tiny import SIZES, TINY_ARCHITECTURES, write_tiny_model
 from hybridflow.protocol import DataProto
@@ -134,7 +135,8 @@ def matmul_floor(size: str, dtype: str, batch: int, steps: int = 20) -> float:
 
     No engine can beat this on the same device and dtype; it shows how much of a step is the model itself. The
     kernels are the native engine's: for int8 its packed int8 layer matmuls (the output head stays fp32, as there),
-    for fp32 on CPU (and bf16 on CPUs with bf16 units) its oneDNN-packed weights.
+    for fp32 on CPU its panel kernel (cpu_linear.py; oneDNN where that cannot be built), for bf16 on CPUs with bf16
+    units its oneDNN-packed weights.
     """
     spec = SIZES[size]
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
@@ -152,6 +154,13 @@ def matmul_floor(size: str, dtype: str, batch: int, steps: int = 20) -> float:
             for width, packed in layers:
                 int8_linear(xs[width], packed)
             torch.nn.functional.linear(xs[h], weights[-1])
+    elif dtype == "fp32" and device.device_name() == "cpu" and onednn_available(torch_dtype) and cpu_linear.load():
+        kernel = cpu_linear.load()
+        panels = [(w.shape[1], kernel.pack(w)) for w in weights]
+
+        def step():
+            for width, p in panels:
+                kernel.linear(xs[width], p, None)
     elif dtype != "int8" and device.device_name() == "cpu" and onednn_available(torch_dtype):
         # the native engine's fp32 CPU matmuls (and bf16 on CPUs with bf16 units) use oneDNN-packed weights
         # (onednn_linear.py): its floor is theirs

@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from hybridflow.engines.rollout import SamplingParams, cpu_attention, create_rollout_engine
+from hybridflow.engines.rollout import SamplingParams, c_kernels, cpu_attention, create_rollout_engine
 from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows, attention_bias, decode_attention
 from hybridflow.engines.tiny import write_tiny_model
 
@@ -140,7 +140,7 @@ def test_without_a_compiler_the_engine_says_so_and_uses_torch(monkeypatch, tmp_p
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("HYBRIDFLOW_KERNEL_CACHE", str(tmp_path / "kernels"))
     try:
-        with caplog.at_level(logging.WARNING, logger=cpu_attention.__name__):
+        with caplog.at_level(logging.WARNING, logger=c_kernels.__name__):
             engine, greedy, _ = _engine_outputs(path, dtype="bf16")
         assert engine.model.attention_kernel is None
         assert "decode attention runs as torch matmuls" in caplog.text

@@ -23,7 +23,7 @@ from hybridflow.cli import main as cli_main
 from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.engines.mismatch import logprob_mismatch
 from hybridflow.engines.onednn_train import OneDNNLinear, use_onednn_linears
-from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
+from hybridflow.engines.rollout import SamplingParams, cpu_linear, create_rollout_engine
 from hybridflow.engines.rollout.arch_specs import resolve, supported_architectures
 from hybridflow.engines.rollout.native_model import NativeDecoder
 from hybridflow.engines.tiny import SIZES, TINY_ARCHITECTURES, build_char_tokenizer, make_config
@@ -32,9 +32,13 @@ from hybridflow.trainer.main import run_training
 
 ARCHS = ["qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma2", "gemma3_text", "phi3"]
 WINDOW = 8  # shorter than prompt + response: the sliding layers really drop keys
-# decode mode -> engine kwargs. "onednn": eager steps with the oneDNN-packed matmuls (on by default only from
-# hidden size 256 up; forced here on the unit model)
-DECODES = {"eager": {"decode": "eager"}, "static": {"decode": "static"}, "onednn": {"decode": "eager", "prepack": True}}
+# decode mode -> engine kwargs. "panel" and "onednn": eager steps with packed weights (on by default only from hidden
+# size 256 up; forced here on the unit model), multiplied by the panel kernel (cpu_linear.py; oneDNN where it cannot
+# be built) or by oneDNN
+DECODES = {"eager": {"decode": "eager"}, "static": {"decode": "static"},
+           "panel": {"decode": "eager", "prepack": True},
+           "onednn": {"decode": "eager", "prepack": True, "linear_kernel": False}}
+PACKED = {"panel": "panel" if cpu_linear.load() is not None else "onednn", "onednn": "onednn"}
 
 
 def arch_config(arch: str, init: float = 0.3):
@@ -154,7 +158,7 @@ def test_arch_features_are_really_on():
 def test_greedy_native_equals_hf_generate(arch_path, hf_outputs, decode):
     arch, path = arch_path
     engine = create_rollout_engine("native", path, num_threads=1, **DECODES[decode])
-    assert engine.model.matmul == ("onednn" if decode == "onednn" else "dense")
+    assert engine.model.matmul == PACKED.get(decode, "dense")
     for n, want in hf_outputs.items():
         got = engine.generate(make_prompts(engine.tokenizer), SamplingParams(greedy=True, n=n, max_new_tokens=18))
         assert torch.equal(got.batch["responses"], want.batch["responses"]), (arch, decode, n)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from test_rollout_engines import make_prompts, write_model
 
 from hybridflow import device
-from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
+from hybridflow.engines.rollout import SamplingParams, cpu_linear, create_rollout_engine
 from hybridflow.engines.rollout.native_model import NativeDecoder
 from hybridflow.engines.rollout.onednn_linear import (
     MIN_PACKED_WIDTH,
@@ -48,16 +48,24 @@ def test_cpu_fp32_decoder_packs_from_hidden_size_256_by_default():
     def decoder(size: str, **kwargs) -> NativeDecoder:
         return NativeDecoder(make_config(SIZES[size]), torch.float32, torch.device("cpu"), 64, **kwargs)
 
+    # fp32 packed weights run on the panel kernel (cpu_linear.py) where it builds, else on oneDNN
+    packed = "panel" if cpu_linear.load() is not None else "onednn"
     assert SIZES["mid"].hidden_size >= MIN_PACKED_WIDTH > SIZES["unit"].hidden_size
-    assert decoder("mid").matmul == "onednn" and decoder("unit").matmul == "dense"
-    assert decoder("unit", prepack=True).matmul == "onednn" and decoder("mid", prepack=False).matmul == "dense"
+    assert decoder("mid").matmul == packed and decoder("unit").matmul == "dense"
+    assert decoder("unit", prepack=True).matmul == packed and decoder("mid", prepack=False).matmul == "dense"
+    assert decoder("mid", linear_kernel=False).matmul == "onednn"
+    # the panel kernel pays from hidden size 128 (cpu_linear.MIN_PANEL_WIDTH), oneDNN's packing from 256
+    assert decoder("tiny").matmul == ("panel" if packed == "panel" else "dense")
+    assert decoder("tiny", linear_kernel=False).matmul == "dense"
 
 
-def test_packed_decoder_matches_the_unpacked_one(tmp_path):
+@pytest.mark.parametrize("linear_kernel", [None, False])
+def test_packed_decoder_matches_the_unpacked_one(tmp_path, linear_kernel):
     path = write_model(tmp_path / "llama", "llama", seed=3, tie=False)  # untied head: the packed lm_head is used
-    packed = create_rollout_engine("native", path, num_threads=1, prepack=True)
+    packed = create_rollout_engine("native", path, num_threads=1, prepack=True, linear_kernel=linear_kernel)
     plain = create_rollout_engine("native", path, num_threads=1, prepack=False)
-    assert packed.model.matmul == "onednn" and plain.model.matmul == "dense"
+    kernel = "panel" if linear_kernel is None and cpu_linear.load() is not None else "onednn"
+    assert packed.model.matmul == kernel and plain.model.matmul == "dense"
     prompts = make_prompts(packed.tokenizer)
     for params in (SamplingParams(greedy=True, max_new_tokens=16),
                    SamplingParams(temperature=1.0, n=3, max_new_tokens=16, seed=4)):

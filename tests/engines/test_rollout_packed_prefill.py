@@ -41,7 +41,7 @@ def test_packed_prefill_equals_the_padded_one(tmp_path, arch, prepack, window):
     model = engine.model
     assert window is None or window in model.shape.windows  # the sliding window is shorter than the prompts
     if prepack:
-        assert model.matmul == "onednn" or not torch.backends.mkldnn.is_available()
+        assert model.prepacked or not torch.backends.mkldnn.is_available()
     read = read_prompts(make_prompts(engine.tokenizer, TEXTS))
     ids, mask, pos = read.input_ids, read.attention_mask, read.position_ids
     B, P = ids.shape

@@ -8,90 +8,31 @@ kernel"): in bf16 a 64-row generate call took 0-15% less time with it (shape and
 level with torch's matmuls, so the engine uses it by default in bf16 only (native_rollout.py, ``attention_kernel``). The arithmetic is the same up to fp32 rounding; bf16 keeps the softmax weights in fp32 where
 torch's path rounds them to bf16.
 
-Build: the C file is compiled once per machine with the system C compiler (``$CC``, else gcc or cc) for this CPU
-(-march=native) with OpenMP, into ``$HYBRIDFLOW_KERNEL_CACHE`` (default ~/.cache/hybridflow/kernels), under a name
-that hashes the source, the flags, the compiler and the CPU flags; later processes load the cached library. Without
-a compiler, or when the build fails, `load` logs why once and returns None: the rollout then uses torch's path.
-The library is loaded after torch, so its OpenMP calls run on torch's OpenMP runtime and thread pool.
+Build: on first use, for this CPU, cached per machine (c_kernels.py). Without a compiler, or when the build fails,
+`load` logs why once and returns None: the rollout then uses torch's path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from hybridflow.common.machine import cpu_description
+from hybridflow.engines.rollout.c_kernels import load_library
 
 __all__ = ["DecodeAttentionKernel", "load"]
 
-logger = logging.getLogger(__name__)
-
 _SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
-# -ffast-math for the vectorised expf/tanhf; it is not passed when linking, so the library does not switch the
-# process to flush-to-zero (which linking crtfastmath would)
-_COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
-_LINK = ["-shared", "-fopenmp"]
-_LIBS = ["-lm"]
 _DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
-
-
-def _cache_dir() -> Path:
-    path = Path(os.environ.get("HYBRIDFLOW_KERNEL_CACHE") or Path.home() / ".cache" / "hybridflow" / "kernels")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    except OSError:
-        fallback = Path(tempfile.gettempdir()) / "hybridflow-kernels"
-        fallback.mkdir(parents=True, exist_ok=True)
-        return fallback
-
-
-def _build(compiler: str) -> Path:
-    """Compile the kernel (or find it built); returns the shared library's path. Raises RuntimeError with the
-    compiler's output when the build fails."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_COMPILE + _LINK).encode(), version.encode(),
-                                     cpu_description().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention-{key}.so"
-    if target.exists():
-        return target
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        obj, lib = Path(work) / "kernel.o", Path(work) / "kernel.so"
-        for command in ([compiler, *_COMPILE, str(_SOURCE), "-o", str(obj)],
-                        [compiler, *_LINK, str(obj), "-o", str(lib), *_LIBS]):
-            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise RuntimeError(f"`{' '.join(command)}` failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
-        os.replace(lib, target)  # atomic: a process building at the same time ends with the same file
-    return target
 
 
 @functools.cache
 def load() -> DecodeAttentionKernel | None:
-    """The kernel, built on first use (see the module docstring); None where it cannot be built here."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if not compiler:
-        logger.warning("native rollout: no C compiler (gcc or cc) on PATH, so the CPU decode-attention kernel is not "
-                       "built and decode attention runs as torch matmuls; install one (Debian: apt-get install gcc) "
-                       "or set CC")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        logger.warning("native rollout: building the CPU decode-attention kernel with %s failed, so decode attention "
-                       "runs as torch matmuls: %s", compiler, err)
-        return None
-    return DecodeAttentionKernel(lib)
+    """The kernel, built on first use (c_kernels.py); None where it cannot be built here."""
+    lib = load_library(_SOURCE, "decode_attention", "decode-attention", "decode attention runs as torch matmuls")
+    return None if lib is None else DecodeAttentionKernel(lib)
 
 
 class DecodeAttentionKernel:

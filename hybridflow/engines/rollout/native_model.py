@@ -12,10 +12,12 @@ MLP) so fp32 greedy decoding picks the same tokens. Differences are for speed:
   * a decode step is 2-D ``[rows, hidden]`` end to end;
   * decode attention is batched matmuls and one softmax: for one query per row, torch's CPU flash-attention kernel
     was 2-3x slower than that (measured at 64 rows);
-  * on CPU the matmul weights are packed once into a kernel's own layout and re-packed lazily after a weight update:
-    fp32, and bf16 on CPUs with bf16 units -> oneDNN's blocked layout (onednn_linear.py; same arithmetic, ~1.6x
-    faster layer matmuls at 64 rows of the mid model; by default only from hidden size 256 up, below which it was
-    slower), or,
+  * on CPU the matmul weights are packed once into a kernel's own layout and re-packed lazily after a weight update
+    (by default only from hidden size 128 up for the panel kernel, 256 for oneDNN, below which packing was slower):
+    fp32 -> panels of 16 output columns
+    for the C kernel of cpu_linear.py (``matmul == "panel"``; oneDNN's layout where that kernel cannot be built, or
+    with ``linear_kernel=False``); bf16 on CPUs with bf16 units -> oneDNN's blocked layout (onednn_linear.py; same
+    arithmetic, ~1.6x faster layer matmuls at 64 rows of the mid model than F.linear), or,
     with ``int8=True``, int8 weights for the layer matmuls (int8_linear.py; embeddings, norms, attention, the KV
     cache and the output head stay in ``dtype``). The packed copies cost a second copy of the weights' memory.
 """
@@ -27,6 +29,7 @@ import re
 import torch
 import torch.nn.functional as F
 
+from hybridflow.engines.rollout import cpu_linear
 from hybridflow.engines.rollout.arch_specs import DecoderShape, resolve, supported_architectures
 from hybridflow.engines.rollout.compiled_step import packed_linear as compiled_packed_linear
 from hybridflow.engines.rollout.compiled_step import register_decoder
@@ -101,18 +104,29 @@ class NativeDecoder:
     """Weights of one checkpoint in fused, generation-friendly tensors, plus prefill and decode steps."""
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device, max_positions: int, int8: bool = False,
-                 prepack: bool | None = None):
+                 prepack: bool | None = None, linear_kernel: bool | None = None):
         self.shape = s = self._resolve_shape(config)
         self.spec = s.spec
-        if prepack is None:  # auto: where it was measured to pay (onednn_linear.MIN_PACKED_WIDTH)
-            prepack = s.hidden_size >= MIN_PACKED_WIDTH
+        if prepack is None:  # auto: where it was measured to pay (cpu_linear.MIN_PANEL_WIDTH, onednn MIN_PACKED_WIDTH)
+            panel = (dtype == torch.float32 and device.type == "cpu" and linear_kernel is not False
+                     and cpu_linear.load() is not None)
+            prepack = s.hidden_size >= (cpu_linear.MIN_PANEL_WIDTH if panel else MIN_PACKED_WIDTH)
+        self.panel_kernel = None  # cpu_linear.PanelLinearKernel when matmul == "panel"
         if int8:
             check_int8_supported(device)
             self.matmul = "int8"
         elif prepack and device.type == "cpu" and onednn_available(dtype):  # fp32; bf16 where the CPU has bf16 units
-            self.matmul = "onednn"
+            # fp32: the panel kernel (cpu_linear.py) unless linear_kernel=False or it cannot be built here
+            self.panel_kernel = cpu_linear.load() if dtype == torch.float32 and linear_kernel is not False else None
+            self.matmul = "panel" if self.panel_kernel is not None else "onednn"
         else:
             self.matmul = "dense"  # F.linear on the fused tensors (GPUs, emulated bf16, small models, prepack=False)
+        if linear_kernel and self.matmul != "panel":
+            raise ValueError(f"native rollout: linear_kernel=True is the CPU fp32 projection kernel of packed weights "
+                             f"(cpu_linear.py), but this decoder's projections are {self.matmul!r} (dtype {dtype}, "
+                             f"device {device.type}, prepack={prepack}, kernel built: {cpu_linear.load() is not None}); "
+                             "leave linear_kernel unset to choose by device")
+        self.prepacked = self.matmul in ("panel", "onednn")
         self._packed: dict | None = None  # packed weights; None = (re)build before the next forward
         self.dtype, self.device = dtype, device
         self.q_size = s.num_heads * s.head_dim
@@ -270,12 +284,13 @@ class NativeDecoder:
             layers = [{n: pack_int8(layer[f"w_{n}"], layer[f"b_{n}"]) for n in names if f"w_{n}" in layer}
                       for layer in self.layers]
             return {"layers": layers, "lm_head": None}
-        layers = [{n: pack_onednn(layer[f"w_{n}"]) for n in names if f"w_{n}" in layer} for layer in self.layers]
+        pack = self.panel_kernel.pack if self.matmul == "panel" else pack_onednn
+        layers = [{n: pack(layer[f"w_{n}"]) for n in names if f"w_{n}" in layer} for layer in self.layers]
         for packed, layer in zip(layers, self.layers):
             if "router" in layer:  # each routed expert's pair, packed like a dense MLP
-                packed["experts"] = [(pack_onednn(gate_up), pack_onednn(down))
+                packed["experts"] = [(pack(gate_up), pack(down))
                                      for gate_up, down in zip(layer["experts_gate_up"], layer["experts_down"])]
-        return {"layers": layers, "lm_head": pack_onednn(self.lm_head)}
+        return {"layers": layers, "lm_head": pack(self.lm_head)}
 
     def _packed_weights(self) -> dict:
         if self._packed is None:
@@ -293,15 +308,16 @@ class NativeDecoder:
 
     def packed_linear(self, li: int, name: str, x: torch.Tensor, expert: int = -1) -> torch.Tensor:
         """x [..., in] times a packed weight: layer li's projection `name`; with `expert` >= 0 that routed expert's
-        'gate_up' or 'down'; li = -1: the output head ('lm_head', onednn only). Output in x's dtype."""
+        'gate_up' or 'down'; li = -1: the output head ('lm_head', panel or onednn only). Output in x's dtype."""
+        multiply = self.panel_kernel.linear if self.matmul == "panel" else onednn_linear
         if li < 0:
-            return onednn_linear(x, self._packed_weights()["lm_head"], None)
+            return multiply(x, self._packed_weights()["lm_head"], None)
         packed = self._packed_weights()["layers"][li]
         if expert >= 0:
-            return onednn_linear(x, packed["experts"][expert][name == "down"], None)
+            return multiply(x, packed["experts"][expert][name == "down"], None)
         if self.matmul == "int8":
             return int8_linear(x, packed[name])
-        return onednn_linear(x, packed[name], self.layers[li][f"b_{name}"])
+        return multiply(x, packed[name], self.layers[li][f"b_{name}"])
 
     def packed_out(self, li: int, name: str, expert: int = -1) -> int:
         """The output width of packed_linear(li, name, ., expert)."""
@@ -337,9 +353,9 @@ class NativeDecoder:
         return dispatch(x, weights, experts, self.shape.num_experts, self._expert_mlp(li))
 
     def _expert_mlp(self, li: int):
-        """moe.py's expert_mlp for layer li: its oneDNN-packed (gate_up, down) expert pairs, or F.linear."""
+        """moe.py's expert_mlp for layer li: its packed (gate_up, down) expert pairs, or F.linear."""
         layer = self.layers[li]
-        if self.matmul != "onednn":
+        if not self.prepacked:
             return dense_experts(layer["experts_gate_up"], layer["experts_down"], self.act)
 
         def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
@@ -350,7 +366,7 @@ class NativeDecoder:
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = self._rms(h, self.norm)
-        if self.matmul == "onednn":
+        if self.prepacked:
             if torch.compiler.is_compiling():
                 logits = compiled_packed_linear(h, self.compile_key(), -1, "lm_head", -1).float()
             else:

@@ -20,6 +20,10 @@ chosen on CPU by ``graph``, which is veRL's ``enforce_eager=false``).
 ``attention_kernel``: on CPU the eager steps' decode attention can run as one C kernel (cpu_attention.py) instead
 of torch matmuls. None (default): on CPU in bf16, where it builds (in fp32 it measured level with the matmuls,
 docs/benchmarks.md); True: also in fp32, and an error where it cannot run; False: never.
+
+``linear_kernel``: on CPU in fp32 the projections of packed weights run as one C kernel (cpu_linear.py) instead of
+oneDNN's packed matmul. None (default): where it builds, except with ``batch_invariant`` (which needs the training
+engine's oneDNN products); True: an error where it cannot run; False: oneDNN.
 """
 
 from __future__ import annotations
@@ -150,6 +154,7 @@ class NativeRollout(RolloutEngine):
         max_num_seqs: int | None = None,
         batch_invariant: bool = False,
         attention_kernel: bool | None = None,
+        linear_kernel: bool | None = None,
     ):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -177,8 +182,10 @@ class NativeRollout(RolloutEngine):
             raise ValueError(f"native rollout: max_num_seqs={max_num_seqs}; give a positive row cap or leave it unset")
         self.max_num_seqs = None if max_num_seqs is None else int(max_num_seqs)
         self._seed_source = torch.Generator().manual_seed(int(seed))
-        # prepack: on CPU in fp32 (and bf16 where the CPU has bf16 units), matmul weights in oneDNN's packed layout
-        # (onednn_linear.py); False: plain F.linear; None: packed from hidden size 256 up (where it was measured to pay)
+        # prepack: on CPU, matmul weights packed once for a kernel: fp32 -> cpu_linear.py's panels (oneDNN's layout
+        # with linear_kernel=False or where that kernel cannot be built), bf16 -> oneDNN's layout where the CPU has
+        # bf16 units; False: plain F.linear; None: packed from the hidden size where it was measured to pay (128 for
+        # the panel kernel, 256 for oneDNN)
         # tensor_parallel_size > 1: this rank holds its TP slice of every weight (tensor_parallel.py)
         self.tensor_parallel = tp_group_of(tensor_parallel_size) if tensor_parallel_size > 1 else None
         # batch_invariant: the training engine's rounding, bit for bit in fp32 (exact_decode.py): plain F.linear
@@ -189,13 +196,17 @@ class NativeRollout(RolloutEngine):
                 raise ValueError(f"native rollout: batch_invariant=true computes its projections as the training engine "
                                  f"does here ({'oneDNN, packed' if same else 'F.linear'}); drop prepack={prepack}")
             prepack = same
+            if linear_kernel:
+                raise ValueError("native rollout: batch_invariant=true computes its projections with the training "
+                                 "engine's oneDNN products; drop linear_kernel=True")
+            linear_kernel = False
         if self.tensor_parallel is None:
-            self.model = NativeDecoder(
-                self.config, self.dtype, self.device, self.max_model_len, int8=self.int8, prepack=prepack
-            )
+            self.model = NativeDecoder(self.config, self.dtype, self.device, self.max_model_len, int8=self.int8,
+                                       prepack=prepack, linear_kernel=linear_kernel)
         else:
             self.model = TensorParallelDecoder(self.config, self.dtype, self.device, self.max_model_len,
-                                               tp=self.tensor_parallel, int8=self.int8, prepack=prepack)
+                                               tp=self.tensor_parallel, int8=self.int8, prepack=prepack,
+                                               linear_kernel=linear_kernel)
         self.model.attention_kernel = self._attention_kernel(attention_kernel)
         if self.model.max_positions < self.max_model_len:  # longrope: its short factors only (rope.py)
             logger.warning("native rollout: %s's rope switches factors past %d positions; generating within "

@@ -33,7 +33,6 @@ import torch.nn.functional as F
 
 from hybridflow.engines.rollout.arch_specs import DecoderShape, resolve
 from hybridflow.engines.rollout.native_model import _EXPERT_NAME, _LAYER_NAME, NativeDecoder
-from hybridflow.engines.rollout.onednn_linear import onednn_linear
 
 __all__ = ["TPGroup", "TensorParallelDecoder", "tensor_parallel_errors", "tp_group_of"]
 
@@ -98,13 +97,14 @@ class TensorParallelDecoder(NativeDecoder):
     """NativeDecoder holding TP rank ``tp.rank``'s slice of every weight; ``load`` takes full HF tensors (and slices
     them), ``load_slice`` takes the slice itself (resharded weights, engines/resharding.py)."""
 
-    def __init__(self, config, dtype, device, max_positions, *, tp: TPGroup, int8=False, prepack=None):
+    def __init__(self, config, dtype, device, max_positions, *, tp: TPGroup, int8=False, prepack=None,
+                 linear_kernel=None):
         problems = tensor_parallel_errors(config, tp.size)
         if problems:
             raise ValueError("native rollout: " + "; ".join(problems))
         self.tp = tp
         self.full_shape = resolve(config)
-        super().__init__(config, dtype, device, max_positions, int8=int8, prepack=prepack)
+        super().__init__(config, dtype, device, max_positions, int8=int8, prepack=prepack, linear_kernel=linear_kernel)
         s, t = self.full_shape, tp.size
         self.vocab_rows = math.ceil(s.vocab_size / t)  # rows per rank (the last slice is padded)
         self.vocab_start = tp.rank * self.vocab_rows
@@ -203,8 +203,8 @@ class TensorParallelDecoder(NativeDecoder):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits [..., V]: this rank's vocabulary slice of the output head, all-gathered."""
         h = self._rms(h, self.norm)
-        if self.matmul == "onednn":
-            local = onednn_linear(h, self._packed_weights()["lm_head"], None).float()
+        if self.prepacked:
+            local = self.packed_linear(-1, "lm_head", h).float()
         else:
             local = F.linear(h, self.lm_head).float()
         parts = [torch.empty_like(local) for _ in range(self.tp.size)]

@@ -1,0 +1,101 @@
+"""The native rollout's fp32 projections on CPU as one C kernel (cpu_panel_linear.c), built on first use.
+
+Why: a decode step multiplies a few dozen rows by every weight matrix, so it streams all the weights from memory once
+per step and does little arithmetic per weight; at 16 rows of the ~21M "mid" model the step's weight bytes and its
+FLOPs take about the same time at this machine's bandwidth and matmul peak. oneDNN's packed matmul
+(onednn_linear.py) reached about 70% of what either bound allows there. The kernel packs each weight [N, K] once into
+panels of 16 output columns ([ceil(N / 16), K, 16], zero past N), and per task of 32 columns (16 with AVX2) keeps
+every (row, column) sum of a block of up to 12 rows (6 with AVX2) in registers over the whole K loop: one load of the
+weights per k, one broadcast and one FMA per row. It beat the oneDNN-packed product at every row count from 1 to 64
+on the mid model's shapes, most at few rows (docs/benchmarks.md, "A panel kernel for the decode's projections").
+
+Exactness: fp32 products with fp32 FMA accumulation over k in order, bias added last; results differ from
+``F.linear`` by rounding only, and a row's result never depends on how many rows are in the call. It needs AVX-512F,
+or AVX2 with FMA; on other CPUs, without a compiler, or when the build fails, `load` returns None (logged once) and
+the decoder keeps oneDNN's packed weights. The training engine's forward is oneDNN's, so the batch-invariant mode
+(bitwise equal log-probs) keeps oneDNN in the rollout too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from hybridflow.engines.rollout.c_kernels import load_library
+
+__all__ = ["MIN_PANEL_WIDTH", "PANEL", "PanelLinearKernel", "PanelWeight", "load"]
+
+_SOURCE = Path(__file__).with_name("cpu_panel_linear.c")
+PANEL = 16  # output columns per panel (the C file's PANEL)
+# The decoder packs for this kernel from this hidden size up (prepack=None): at hidden 64 the call's fixed cost
+# (~8 us) made it slower than F.linear, at 128 it was faster at 16-512 rows with 2 threads (docs/benchmarks.md)
+MIN_PANEL_WIDTH = 128
+
+
+@functools.cache
+def load(extra_flags: tuple[str, ...] = ()) -> PanelLinearKernel | None:
+    """The kernel, built on first use (c_kernels.py); None where it cannot run here. `extra_flags`: added compiler
+    flags (``("-mno-avx512f",)`` builds the AVX2 variant)."""
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_avx2_supported()):
+        return None
+    lib = load_library(_SOURCE, "panel_linear", "projection", "the projections run as oneDNN's packed matmuls",
+                       fast_math=False, extra_flags=extra_flags)
+    return None if lib is None else PanelLinearKernel(lib)
+
+
+class PanelWeight:
+    """A weight [N, K] packed into panels: ``panels`` [ceil(N / 16), K, 16] fp32, ``out_features`` = N."""
+
+    __slots__ = ("out_features", "panels")
+
+    def __init__(self, panels: torch.Tensor, out_features: int):
+        self.panels, self.out_features = panels, out_features
+
+
+class PanelLinearKernel:
+    """``pack`` a weight once; ``linear(x, packed, bias)`` = F.linear(x, weight, bias) in fp32 on CPU."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        ptr, long = ctypes.c_void_p, ctypes.c_long
+        self._function = lib.panel_linear_f32
+        self._function.argtypes = [ptr, long, long, ptr, long, ptr, ptr]  # x, M, K, packed, N, bias, y
+        self._function.restype = None
+        self.vector_width = int(lib.panel_linear_vector_width())  # floats per register: 16 (AVX-512) or 8 (AVX2)
+
+    @staticmethod
+    @torch.no_grad()
+    def pack(weight: torch.Tensor) -> PanelWeight:
+        """A CPU weight [N, K] (any float dtype; computed in fp32) -> its panels."""
+        weight = weight.detach().float()
+        n, k = weight.shape
+        padded = -(-n // PANEL) * PANEL
+        if padded != n:
+            weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
+        return PanelWeight(weight.reshape(padded // PANEL, PANEL, k).transpose(1, 2).contiguous(), n)
+
+    def linear(self, x: torch.Tensor, packed: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] fp32 -> [..., N]."""
+        k = x.shape[-1]
+        if x.dtype != torch.float32 or packed.panels.shape[1] != k:
+            raise ValueError(f"panel linear: x {tuple(x.shape)} {x.dtype} against a packed weight of "
+                             f"{packed.out_features} x {packed.panels.shape[1]} fp32")
+        rows = x.reshape(-1, k)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        n = packed.out_features
+        out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            bias = bias.float().contiguous()
+        args = (rows.data_ptr(), rows.shape[0], k, packed.panels.data_ptr(), n,
+                None if bias is None else bias.data_ptr(), out.data_ptr())
+        if not rows.shape[0]:
+            pass
+        elif torch.autograd._profiler_enabled():  # a named range in torch.profiler's tables (no op of its own)
+            with torch.profiler.record_function("hybridflow::panel_linear"):
+                self._function(*args)
+        else:
+            self._function(*args)
+        return out.view(*x.shape[:-1], n)

@@ -1,0 +1,130 @@
+/* y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) in fp32, for the native rollout's projections on CPU (cpu_linear.py).
+
+   W is packed once into panels of 16 output columns: packed[p][k][c] = W[16 p + c, k] (columns past N are zero), so
+   one panel is a contiguous stream of K rows of 16 floats. A task takes one or two panels and all M rows; in blocks
+   of up to MR rows it keeps every (row, column) sum in a register over the whole K loop: per k, one load of each
+   panel's 16 weights, one broadcast per row, one FMA per row and panel. Each weight is read from memory once per
+   call (the second row block of a task reads its panels from cache), which is what a decode step with few rows is
+   bound by.
+
+   Each output is the sum over k = 0..K-1 in that order, FMA by FMA, whatever M is: a row's result does not depend
+   on how many rows are in the call. */
+#include <immintrin.h>
+
+#if defined(__AVX512F__)
+#define VEC 16
+#define LANES_PER_PANEL 1
+#define MR 12
+typedef __m512 vec;
+#define vzero() _mm512_setzero_ps()
+#define vload(p) _mm512_loadu_ps(p)
+#define vbroadcast(p) _mm512_set1_ps(*(p))
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm512_add_ps(a, b)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VEC 8
+#define LANES_PER_PANEL 2
+#define MR 6
+typedef __m256 vec;
+#define vzero() _mm256_setzero_ps()
+#define vload(p) _mm256_loadu_ps(p)
+#define vbroadcast(p) _mm256_broadcast_ss(p)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm256_add_ps(a, b)
+#else
+#error "cpu_panel_linear.c needs AVX-512F, or AVX2 with FMA"
+#endif
+
+#define PANEL 16
+/* two registers a row: with AVX-512 a task is two panels (32 columns), with AVX2 one panel (16 columns) */
+#define REGS 2
+#define TASK_PANELS (LANES_PER_PANEL == 1 ? 2 : 1)
+#define TASK_COLS (REGS * VEC)
+#if VEC == 16
+#define vstore(p, a) _mm512_storeu_ps(p, a)
+#else
+#define vstore(p, a) _mm256_storeu_ps(p, a)
+#endif
+
+/* rows [0, mr) of x (stride ldx) times the task's columns; v[j] is the j-th register of 16/8 columns of the task */
+static inline __attribute__((always_inline)) void
+block(const int mr, const float *x, long ldx, const float *const *lane, long K, float *y, long ldy,
+      const float *bias, int cols) {
+    vec acc[MR][REGS];
+    for (int m = 0; m < mr; m++)
+        for (int j = 0; j < REGS; j++) acc[m][j] = vzero();
+    for (long k = 0; k < K; k++) {
+        vec w[REGS];
+        for (int j = 0; j < REGS; j++) {
+            w[j] = vload(lane[j] + k * PANEL);
+            _mm_prefetch((const char *)(lane[j] + k * PANEL + 256), _MM_HINT_T0);
+        }
+        for (int m = 0; m < mr; m++) {
+            vec xv = vbroadcast(x + m * ldx + k);
+            for (int j = 0; j < REGS; j++) acc[m][j] = vfma(xv, w[j], acc[m][j]);
+        }
+    }
+    vec b[REGS];
+    for (int j = 0; j < REGS; j++) {
+        float part[VEC];
+        for (int c = 0; c < VEC; c++) part[c] = bias && j * VEC + c < cols ? bias[j * VEC + c] : 0.0f;
+        b[j] = vload(part);
+    }
+    for (int m = 0; m < mr; m++) {
+        float *row = y + m * ldy;
+        if (cols == TASK_COLS) {
+            for (int j = 0; j < REGS; j++) vstore(row + j * VEC, vadd(acc[m][j], b[j]));
+        } else {  /* the last task's columns past N are not written */
+            float out[TASK_COLS];
+            for (int j = 0; j < REGS; j++) vstore(out + j * VEC, vadd(acc[m][j], b[j]));
+            for (int c = 0; c < cols; c++) row[c] = out[c];
+        }
+    }
+}
+
+#define BLOCK(R)                                                                                                   \
+    static void block##R(const float *x, long ldx, const float *const *lane, long K, float *y, long ldy,          \
+                         const float *bias, int cols) {                                                           \
+        block(R, x, ldx, lane, K, y, ldy, bias, cols);                                                            \
+    }
+typedef void (*block_fn)(const float *, long, const float *const *, long, float *, long, const float *, int);
+#if MR == 12
+BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8) BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12)
+static const block_fn BLOCKS[MR + 1] = {0, block1, block2, block3, block4, block5, block6,
+                                        block7, block8, block9, block10, block11, block12};
+#else
+BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6)
+static const block_fn BLOCKS[MR + 1] = {0, block1, block2, block3, block4, block5, block6};
+#endif
+
+int panel_linear_vector_width(void) { return VEC; }
+
+/* x [M, K] contiguous, packed [ceil(N / 16)][K][16], bias [N] or NULL, y [M, N] contiguous */
+void panel_linear_f32(const float *x, long M, long K, const float *packed, long N, const float *bias, float *y) {
+    const long panels = (N + PANEL - 1) / PANEL;
+    const long tasks = (panels + TASK_PANELS - 1) / TASK_PANELS;
+#pragma omp parallel for schedule(static)
+    for (long t = 0; t < tasks; t++) {
+        const long col0 = t * TASK_PANELS * PANEL;
+        const long left = N - col0;
+        const int cols = (int)(left < TASK_PANELS * PANEL ? left : TASK_PANELS * PANEL);
+        const float *first = packed + t * TASK_PANELS * K * PANEL;
+        /* the registers' weight streams: with AVX-512 one per panel; with AVX2 the two halves of the panel. A task
+           with one real panel (the last, N <= 16 past it) reads its first panel twice and drops the copy. */
+        const float *lane[REGS];
+#if VEC == 16
+        lane[0] = first;
+        lane[1] = cols > PANEL ? first + K * PANEL : first;
+#else
+        lane[0] = first;
+        lane[1] = first + VEC;
+#endif
+        for (long m0 = 0; m0 < M;) {
+            const long rest = M - m0;
+            /* blocks of MR rows; what is left under 2 MR is split in two near-equal blocks */
+            const int mr = (int)(rest <= MR ? rest : (rest < 2 * MR ? (rest + 1) / 2 : MR));
+            BLOCKS[mr](x + m0 * K, K, lane, K, y + m0 * N + col0, N, bias ? bias + col0 : 0, cols);
+            m0 += mr;
+        }
+    }
+}
