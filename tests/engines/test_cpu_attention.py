@@ -120,14 +120,15 @@ def test_the_engine_gives_the_same_tokens_with_and_without_the_kernel(kernel, tm
     path = write_tiny_model(str(tmp_path / arch), "tiny", seed=0, arch=arch)
     with_kernel, greedy_k, sampled_k = _engine_outputs(path, attention_kernel=True)
     assert with_kernel.model.attention_kernel is not None
-    without, greedy_t, sampled_t = _engine_outputs(path)
-    assert without.model.attention_kernel is None  # fp32's default: torch matmuls
+    without, greedy_t, sampled_t = _engine_outputs(path, attention_kernel=False)
+    assert without.model.attention_kernel is None
+    assert _engine_outputs(path)[0].model.attention_kernel is kernel  # the default in fp32 too
     for a, b in ((greedy_k, greedy_t), (sampled_k, sampled_t)):
         assert torch.equal(a.batch["responses"], b.batch["responses"])
         torch.testing.assert_close(a.batch["rollout_log_probs"], b.batch["rollout_log_probs"], rtol=0, atol=1e-5)
 
 
-def test_bf16_engines_use_the_kernel_by_default(kernel, tmp_path):
+def test_bf16_engines_use_the_kernel_by_default_too(kernel, tmp_path):
     path = write_tiny_model(str(tmp_path / "m"), "tiny", seed=0, arch="llama")
     engine, greedy, sampled = _engine_outputs(path, dtype="bf16")
     assert engine.model.attention_kernel is kernel

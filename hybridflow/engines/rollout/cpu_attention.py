@@ -4,9 +4,10 @@ Why: torch's decode attention (kv_cache.decode_attention) is two batched matmuls
 plus a softmax; in bf16 oneDNN copies each strided slice before multiplying, and either way the rows' keys and
 values make several passes through memory. The kernel reads each (row, KV head)'s keys and values once, straight
 from the cache, and does scores, softmax and the weighted sum in fp32 (docs/benchmarks.md, "A decode-attention
-kernel"): in bf16 a 64-row generate call took 0-15% less time with it (shape and run dependent), in fp32 it measured
-level with torch's matmuls, so the engine uses it by default in bf16 only (native_rollout.py, ``attention_kernel``). The arithmetic is the same up to fp32 rounding; bf16 keeps the softmax weights in fp32 where
-torch's path rounds them to bf16.
+kernel"): in bf16 a 64-row generate call took 0-15% less time with it (shape and run dependent). In fp32 it measured
+level with torch's matmuls at first, and 3-14% faster once the projections ran on cpu_linear.py's kernel, so the
+engine uses it by default in both (native_rollout.py, ``attention_kernel``). The arithmetic is the same up to fp32
+rounding; bf16 keeps the softmax weights in fp32 where torch's path rounds them to bf16.
 
 Build: on first use, for this CPU, cached per machine (c_kernels.py). Without a compiler, or when the build fails,
 `load` logs why once and returns None: the rollout then uses torch's path.

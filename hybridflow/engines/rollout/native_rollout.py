@@ -18,8 +18,9 @@ step without graphs (for testing that path on CPU); ``compiled`` runs it compile
 chosen on CPU by ``graph``, which is veRL's ``enforce_eager=false``).
 
 ``attention_kernel``: on CPU the eager steps' decode attention can run as one C kernel (cpu_attention.py) instead
-of torch matmuls. None (default): on CPU in bf16, where it builds (in fp32 it measured level with the matmuls,
-docs/benchmarks.md); True: also in fp32, and an error where it cannot run; False: never.
+of torch matmuls. None (default): on CPU in fp32 and bf16, where it builds (in fp32 it gained 3-14% a generate call
+once the projections ran on cpu_linear.py's kernel, docs/benchmarks.md); True: the same, and an error where it cannot
+run; False: never.
 
 ``linear_kernel``: on CPU in fp32 the projections of packed weights run as one C kernel (cpu_linear.py) instead of
 oneDNN's packed matmul. None (default): where it builds, except with ``batch_invariant`` (which needs the training
@@ -258,7 +259,7 @@ class NativeRollout(RolloutEngine):
         """cpu_attention's kernel for the eager decode steps, or None (torch matmuls); see the module docstring."""
         possible = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
         if setting is None:
-            return cpu_attention.load() if possible and self.dtype == torch.bfloat16 else None
+            return cpu_attention.load() if possible else None
         if not setting:
             return None
         if not possible:
