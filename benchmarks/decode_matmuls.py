@@ -1,0 +1,90 @@
+"""A decode step's projections alone, by kernel and row count: the native rollout's panel kernel (cpu_linear.py)
+against oneDNN's packed matmul (onednn_linear.py) and F.linear, next to the step's two floors; prints one JSON document.
+
+    .venv/bin/python benchmarks/decode_matmuls.py                          # mid, rows 1-64, 2 threads
+    .venv/bin/python benchmarks/decode_matmuls.py --size tiny --rows 16,64,512 --threads 1
+
+The step is every layer's q/k/v, o, gate/up and down product plus the output head, on their own (the weights of
+all layers in turn, so each is read from memory as in a real step). Kernels alternate (A B C A B C ...), --repeats
+rounds of --steps steps each; reported is each kernel's best round in milliseconds per step. Floors: the step's
+FLOPs over the measured matmul peak (metrics.measure_peak_flops), and its fp32 weight bytes over the measured read
+bandwidth (profile_step.read_bandwidth: a sum over a 256 MB tensor); a decode step cannot take less than the larger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import document, emit, log
+from profile_step import read_bandwidth
+
+from hybridflow.common.metrics import measure_peak_flops
+from hybridflow.engines.rollout import cpu_linear
+from hybridflow.engines.rollout.onednn_linear import onednn_available, onednn_linear, pack_onednn
+from hybridflow.engines.tiny import SIZES
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="mid", choices=sorted(SIZES))
+    parser.add_argument("--rows", default="1,4,8,12,16,24,32,64")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    spec = SIZES[args.size]
+    h, inter = spec.hidden_size, spec.intermediate_size or 4 * spec.hidden_size
+    kv = h // spec.num_heads * spec.num_kv_heads
+    shapes = [(h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter)] * spec.num_layers + [(spec.vocab_size, h)]
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o, i, generator=g) * 0.02 for o, i in shapes]
+    kernel = cpu_linear.load()
+    packed = {
+        "F.linear": (weights, lambda x, w: F.linear(x, w)),
+        **({"onednn": ([pack_onednn(w) for w in weights], lambda x, w: onednn_linear(x, w, None))}
+           if onednn_available() else {}),
+        **({"panel": ([kernel.pack(w) for w in weights], lambda x, w: kernel.linear(x, w, None))}
+           if kernel is not None else {}),
+    }
+    peak = measure_peak_flops(dtype=torch.float32, num_threads=args.threads)
+    bandwidth = read_bandwidth(args.threads)
+    weight_bytes = 4 * sum(o * i for o, i in shapes)
+    results = {}
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = {i: torch.randn(rows, i, generator=g) for _, i in shapes}
+        best = {name: float("inf") for name in packed}
+        for _ in range(args.repeats):
+            for name, (ws, multiply) in packed.items():
+                for w, (_, i) in zip(ws, shapes):  # warm: the call's first-use costs, not the weights' cache state
+                    multiply(xs[i], w)
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    for w, (_, i) in zip(ws, shapes):
+                        multiply(xs[i], w)
+                best[name] = min(best[name], (time.perf_counter() - start) / args.steps)
+        flops = 2 * rows * sum(o * i for o, i in shapes)
+        row = {f"{name}_ms": round(s * 1e3, 3) for name, s in best.items()}
+        row["math_floor_ms"] = round(flops / peak * 1e3, 3)
+        row["weight_read_floor_ms"] = round(weight_bytes / bandwidth * 1e3, 3)
+        if "panel" in best:
+            row.update({f"panel_vs_{name}": round(best["panel"] / best[name], 3) for name in best if name != "panel"})
+            row["panel_over_floor"] = round(best["panel"] * 1e3 / max(row["math_floor_ms"],
+                                                                      row["weight_read_floor_ms"]), 2)
+        results[str(rows)] = row
+        log(f"rows {rows}: {row}")
+    emit(document("decode_matmuls", {"size": args.size, "threads": args.threads, "steps": args.steps,
+                                     "repeats": args.repeats, "vector_width": kernel and kernel.vector_width},
+                  {"peak_flops_per_s": peak, "read_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
+                   "by_rows": results}))
+
+
+if __name__ == "__main__":
+    main()
