@@ -77,7 +77,8 @@ def model_path(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("panel") / "qwen2", "qwen2", seed=5, tie=False)
 
 
-needs_kernel = pytest.mark.skipif(cpu_linear.load() is None, reason="the panel kernel cannot be built here")
+needs_kernel = pytest.mark.skipif(cpu_linear.kernel_for(None) is None,
+                                  reason="the panel kernel is not the default here (no compiler, or no AVX-512)")
 
 
 @needs_kernel
@@ -137,3 +138,10 @@ def test_without_a_compiler_the_decoder_says_so_and_keeps_onednn(model_path, mon
             create_rollout_engine("native", model_path, num_threads=1, prepack=True, linear_kernel=True)
     finally:
         cpu_linear.load.cache_clear()  # later tests build (or find) the real kernel again
+
+
+def test_only_the_avx512_build_is_the_default(kernel, monkeypatch):
+    """kernel_for(None) takes the AVX-512 build only (the AVX2 build lost to oneDNN at 64 rows); True takes any."""
+    monkeypatch.setattr(cpu_linear, "load", lambda: kernel)
+    assert cpu_linear.kernel_for(False) is None and cpu_linear.kernel_for(True) is kernel
+    assert cpu_linear.kernel_for(None) is (kernel if kernel.vector_width == 16 else None)

@@ -38,7 +38,7 @@ WINDOW = 8  # shorter than prompt + response: the sliding layers really drop key
 DECODES = {"eager": {"decode": "eager"}, "static": {"decode": "static"},
            "panel": {"decode": "eager", "prepack": True},
            "onednn": {"decode": "eager", "prepack": True, "linear_kernel": False}}
-PACKED = {"panel": "panel" if cpu_linear.load() is not None else "onednn", "onednn": "onednn"}
+PACKED = {"panel": "panel" if cpu_linear.kernel_for(None) is not None else "onednn", "onednn": "onednn"}
 
 
 def arch_config(arch: str, init: float = 0.3):

@@ -49,7 +49,7 @@ def test_cpu_fp32_decoder_packs_from_hidden_size_256_by_default():
         return NativeDecoder(make_config(SIZES[size]), torch.float32, torch.device("cpu"), 64, **kwargs)
 
     # fp32 packed weights run on the panel kernel (cpu_linear.py) where it builds, else on oneDNN
-    packed = "panel" if cpu_linear.load() is not None else "onednn"
+    packed = "panel" if cpu_linear.kernel_for(None) is not None else "onednn"
     assert SIZES["mid"].hidden_size >= MIN_PACKED_WIDTH > SIZES["unit"].hidden_size
     assert decoder("mid").matmul == packed and decoder("unit").matmul == "dense"
     assert decoder("unit", prepack=True).matmul == packed and decoder("mid", prepack=False).matmul == "dense"
@@ -64,7 +64,7 @@ def test_packed_decoder_matches_the_unpacked_one(tmp_path, linear_kernel):
     path = write_model(tmp_path / "llama", "llama", seed=3, tie=False)  # untied head: the packed lm_head is used
     packed = create_rollout_engine("native", path, num_threads=1, prepack=True, linear_kernel=linear_kernel)
     plain = create_rollout_engine("native", path, num_threads=1, prepack=False)
-    kernel = "panel" if linear_kernel is None and cpu_linear.load() is not None else "onednn"
+    kernel = "panel" if linear_kernel is None and cpu_linear.kernel_for(None) is not None else "onednn"
     assert packed.model.matmul == kernel and plain.model.matmul == "dense"
     prompts = make_prompts(packed.tokenizer)
     for params in (SamplingParams(greedy=True, max_new_tokens=16),

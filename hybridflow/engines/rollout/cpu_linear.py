@@ -6,13 +6,13 @@ FLOPs take about the same time at this machine's bandwidth and matmul peak. oneD
 (onednn_linear.py) reached about 70% of what either bound allows there. The kernel packs each weight [N, K] once into
 panels of 16 output columns ([ceil(N / 16), K, 16], zero past N), and per task of 32 columns (16 with AVX2) keeps
 every (row, column) sum of a block of up to 12 rows (6 with AVX2) in registers over the whole K loop: one load of the
-weights per k, one broadcast and one FMA per row. It beat the oneDNN-packed product at every row count from 1 to 64
+weights per k, one broadcast and one FMA per row. The AVX-512 build beat the oneDNN-packed product at every row count from 1 to 64
 on the mid model's shapes, most at few rows (docs/benchmarks.md, "A panel kernel for the decode's projections").
 
 Exactness: fp32 products with fp32 FMA accumulation over k in order, bias added last; results differ from
 ``F.linear`` by rounding only, and a row's result never depends on how many rows are in the call. It needs AVX-512F,
-or AVX2 with FMA; on other CPUs, without a compiler, or when the build fails, `load` returns None (logged once) and
-the decoder keeps oneDNN's packed weights. The training engine's forward is oneDNN's, so the batch-invariant mode
+or AVX2 with FMA (used by default with AVX-512 only: `kernel_for`); on other CPUs, without a compiler, or when the
+build fails, `load` returns None (logged once) and the decoder keeps oneDNN's packed weights. The training engine's forward is oneDNN's, so the batch-invariant mode
 (bitwise equal log-probs) keeps oneDNN in the rollout too.
 """
 
@@ -26,7 +26,7 @@ import torch
 
 from hybridflow.engines.rollout.c_kernels import load_library
 
-__all__ = ["MIN_PANEL_WIDTH", "PANEL", "PanelLinearKernel", "PanelWeight", "load"]
+__all__ = ["MIN_PANEL_WIDTH", "PANEL", "PanelLinearKernel", "PanelWeight", "kernel_for", "load"]
 
 _SOURCE = Path(__file__).with_name("cpu_panel_linear.c")
 PANEL = 16  # output columns per panel (the C file's PANEL)
@@ -44,6 +44,19 @@ def load(extra_flags: tuple[str, ...] = ()) -> PanelLinearKernel | None:
     lib = load_library(_SOURCE, "panel_linear", "projection", "the projections run as oneDNN's packed matmuls",
                        fast_math=False, extra_flags=extra_flags)
     return None if lib is None else PanelLinearKernel(lib)
+
+
+def kernel_for(setting: bool | None) -> PanelLinearKernel | None:
+    """The kernel a decoder uses for `setting` (its ``linear_kernel``): False -> None; True -> the kernel built here,
+    any build; None (default) -> the AVX-512 build only. The AVX2 build beat oneDNN's AVX2 kernels at 1-16 rows but
+    took 1.45-1.64x their time at 64 (measured with oneDNN limited to AVX2, ``ONEDNN_MAX_CPU_ISA=AVX2``, on an AVX-512
+    CPU; docs/benchmarks.md), so AVX2-only CPUs keep oneDNN unless asked."""
+    if setting is False:
+        return None
+    kernel = load()
+    if setting is None and kernel is not None and kernel.vector_width != 16:
+        return None
+    return kernel
 
 
 class PanelWeight:

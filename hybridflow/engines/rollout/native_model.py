@@ -109,7 +109,7 @@ class NativeDecoder:
         self.spec = s.spec
         if prepack is None:  # auto: where it was measured to pay (cpu_linear.MIN_PANEL_WIDTH, onednn MIN_PACKED_WIDTH)
             panel = (dtype == torch.float32 and device.type == "cpu" and linear_kernel is not False
-                     and cpu_linear.load() is not None)
+                     and cpu_linear.kernel_for(linear_kernel) is not None)
             prepack = s.hidden_size >= (cpu_linear.MIN_PANEL_WIDTH if panel else MIN_PACKED_WIDTH)
         self.panel_kernel = None  # cpu_linear.PanelLinearKernel when matmul == "panel"
         if int8:
@@ -117,7 +117,7 @@ class NativeDecoder:
             self.matmul = "int8"
         elif prepack and device.type == "cpu" and onednn_available(dtype):  # fp32; bf16 where the CPU has bf16 units
             # fp32: the panel kernel (cpu_linear.py) unless linear_kernel=False or it cannot be built here
-            self.panel_kernel = cpu_linear.load() if dtype == torch.float32 and linear_kernel is not False else None
+            self.panel_kernel = cpu_linear.kernel_for(linear_kernel) if dtype == torch.float32 else None
             self.matmul = "panel" if self.panel_kernel is not None else "onednn"
         else:
             self.matmul = "dense"  # F.linear on the fused tensors (GPUs, emulated bf16, small models, prepack=False)
