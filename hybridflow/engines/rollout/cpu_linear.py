@@ -49,7 +49,7 @@ def load(extra_flags: tuple[str, ...] = ()) -> PanelLinearKernel | None:
 def kernel_for(setting: bool | None) -> PanelLinearKernel | None:
     """The kernel a decoder uses for `setting` (its ``linear_kernel``): False -> None; True -> the kernel built here,
     any build; None (default) -> the AVX-512 build only. The AVX2 build beat oneDNN's AVX2 kernels at 1-16 rows but
-    took 1.45-1.64x their time at 64 (measured with oneDNN limited to AVX2, ``ONEDNN_MAX_CPU_ISA=AVX2``, on an AVX-512
+    took 1.45-1.78x their time at 64 (measured with oneDNN limited to AVX2, ``ONEDNN_MAX_CPU_ISA=AVX2``, on an AVX-512
     CPU; docs/benchmarks.md), so AVX2-only CPUs keep oneDNN unless asked."""
     if setting is False:
         return None
