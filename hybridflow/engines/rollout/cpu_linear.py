@@ -39,11 +39,17 @@ MIN_PANEL_WIDTH = 128
 def load(extra_flags: tuple[str, ...] = ()) -> PanelLinearKernel | None:
     """The kernel, built on first use (c_kernels.py); None where it cannot run here. `extra_flags`: added compiler
     flags (``("-mno-avx512f",)`` builds the AVX2 variant)."""
-    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_avx2_supported()):
+    if not (_cpu_has("_is_avx512_supported") or _cpu_has("_is_avx2_supported")):
         return None
     lib = load_library(_SOURCE, "panel_linear", "projection", "the projections run as oneDNN's packed matmuls",
                        fast_math=False, extra_flags=extra_flags)
     return None if lib is None else PanelLinearKernel(lib)
+
+
+def _cpu_has(probe: str) -> bool:
+    """torch.cpu's private ISA probe `probe`; a torch without it says nothing, so the build decides (the C file
+    refuses to compile without AVX2 and FMA, and `load` then returns None)."""
+    return bool(getattr(torch.cpu, probe, lambda: True)())
 
 
 def kernel_for(setting: bool | None) -> PanelLinearKernel | None:
