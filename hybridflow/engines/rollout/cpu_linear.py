@@ -2,18 +2,19 @@
 
 Why: a decode step multiplies a few dozen rows by every weight matrix, so it streams all the weights from memory once
 per step and does little arithmetic per weight; at 16 rows of the ~21M "mid" model the step's weight bytes and its
-FLOPs take about the same time at this machine's bandwidth and matmul peak. oneDNN's packed matmul
-(onednn_linear.py) reached about 70% of what either bound allows there. The kernel packs each weight [N, K] once into
-panels of 16 output columns ([ceil(N / 16), K, 16], zero past N), and per task of 32 columns (16 with AVX2) keeps
-every (row, column) sum of a block of up to 12 rows (6 with AVX2) in registers over the whole K loop: one load of the
-weights per k, one broadcast and one FMA per row. The AVX-512 build beat the oneDNN-packed product at every row count from 1 to 64
-on the mid model's shapes, most at few rows (docs/benchmarks.md, "A panel kernel for the decode's projections").
+FLOPs take about the same time at this machine's bandwidth and matmul peak, and oneDNN's packed matmul
+(onednn_linear.py) took about twice the larger of the two. The kernel packs each weight [N, K] once into panels of 16
+output columns ([ceil(N / 16), K, 16], zero past N), and per task of 32 columns (16 with AVX2) keeps every
+(row, column) sum of a block of up to 12 rows (6 with AVX2) in registers over the whole K loop: one load of the
+weights per k, one broadcast and one FMA per row. The AVX-512 build beat the oneDNN-packed product at every row count
+from 1 to 64 on the mid model's shapes, most at few rows (docs/benchmarks.md, "A panel kernel for the decode's
+projections").
 
 Exactness: fp32 products with fp32 FMA accumulation over k in order, bias added last; results differ from
 ``F.linear`` by rounding only, and a row's result never depends on how many rows are in the call. It needs AVX-512F,
 or AVX2 with FMA (used by default with AVX-512 only: `kernel_for`); on other CPUs, without a compiler, or when the
-build fails, `load` returns None (logged once) and the decoder keeps oneDNN's packed weights. The training engine's forward is oneDNN's, so the batch-invariant mode
-(bitwise equal log-probs) keeps oneDNN in the rollout too.
+build fails, `load` returns None (logged once) and the decoder keeps oneDNN's packed weights. The training engine's
+forward is oneDNN's, so the batch-invariant mode (bitwise equal log-probs) keeps oneDNN in the rollout too.
 """
 
 from __future__ import annotations
@@ -108,13 +109,12 @@ class PanelLinearKernel:
         out = torch.empty(rows.shape[0], n, dtype=torch.float32)
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             bias = bias.float().contiguous()
-        args = (rows.data_ptr(), rows.shape[0], k, packed.panels.data_ptr(), n,
-                None if bias is None else bias.data_ptr(), out.data_ptr())
-        if not rows.shape[0]:
-            pass
-        elif torch.autograd._profiler_enabled():  # a named range in torch.profiler's tables (no op of its own)
-            with torch.profiler.record_function("hybridflow::panel_linear"):
+        if rows.shape[0]:
+            args = (rows.data_ptr(), rows.shape[0], k, packed.panels.data_ptr(), n,
+                    None if bias is None else bias.data_ptr(), out.data_ptr())
+            if torch.autograd._profiler_enabled():  # a named range in torch.profiler's tables (no op of its own)
+                with torch.profiler.record_function("hybridflow::panel_linear"):
+                    self._function(*args)
+            else:
                 self._function(*args)
-        else:
-            self._function(*args)
         return out.view(*x.shape[:-1], n)

@@ -46,7 +46,8 @@ typedef __m256 vec;
 #define vstore(p, a) _mm256_storeu_ps(p, a)
 #endif
 
-/* rows [0, mr) of x (stride ldx) times the task's columns; v[j] is the j-th register of 16/8 columns of the task */
+/* rows [0, mr) of x (stride ldx) times the task's columns; lane[j] is the weight stream of the j-th register of
+   each row (16 columns with AVX-512, 8 with AVX2) */
 static inline __attribute__((always_inline)) void
 block(const int mr, const float *x, long ldx, const float *const *lane, long K, float *y, long ldy,
       const float *bias, int cols) {

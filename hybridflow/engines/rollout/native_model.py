@@ -14,9 +14,8 @@ MLP) so fp32 greedy decoding picks the same tokens. Differences are for speed:
     was 2-3x slower than that (measured at 64 rows);
   * on CPU the matmul weights are packed once into a kernel's own layout and re-packed lazily after a weight update
     (by default only from hidden size 128 up for the panel kernel, 256 for oneDNN, below which packing was slower):
-    fp32 -> panels of 16 output columns
-    for the C kernel of cpu_linear.py (``matmul == "panel"``; oneDNN's layout where that kernel cannot be built, or
-    with ``linear_kernel=False``); bf16 on CPUs with bf16 units -> oneDNN's blocked layout (onednn_linear.py; same
+    fp32 -> panels of 16 output columns for the C kernel of cpu_linear.py (``matmul == "panel"``; oneDNN's layout
+    where that kernel is not the default or cannot be built, or with ``linear_kernel=False``); bf16 on CPUs with bf16 units -> oneDNN's blocked layout (onednn_linear.py; same
     arithmetic, ~1.6x faster layer matmuls at 64 rows of the mid model than F.linear), or,
     with ``int8=True``, int8 weights for the layer matmuls (int8_linear.py; embeddings, norms, attention, the KV
     cache and the output head stay in ``dtype``). The packed copies cost a second copy of the weights' memory.
@@ -108,8 +107,7 @@ class NativeDecoder:
         self.shape = s = self._resolve_shape(config)
         self.spec = s.spec
         if prepack is None:  # auto: where it was measured to pay (cpu_linear.MIN_PANEL_WIDTH, onednn MIN_PACKED_WIDTH)
-            panel = (dtype == torch.float32 and device.type == "cpu" and linear_kernel is not False
-                     and cpu_linear.kernel_for(linear_kernel) is not None)
+            panel = dtype == torch.float32 and device.type == "cpu" and cpu_linear.kernel_for(linear_kernel) is not None
             prepack = s.hidden_size >= (cpu_linear.MIN_PANEL_WIDTH if panel else MIN_PACKED_WIDTH)
         self.panel_kernel = None  # cpu_linear.PanelLinearKernel when matmul == "panel"
         if int8:
@@ -124,7 +122,8 @@ class NativeDecoder:
         if linear_kernel and self.matmul != "panel":
             raise ValueError(f"native rollout: linear_kernel=True is the CPU fp32 projection kernel of packed weights "
                              f"(cpu_linear.py), but this decoder's projections are {self.matmul!r} (dtype {dtype}, "
-                             f"device {device.type}, prepack={prepack}, kernel built: {cpu_linear.load() is not None}); "
+                             f"device {device.type}, prepack={prepack}, kernel built: "
+                             f"{cpu_linear.load() is not None}); "
                              "leave linear_kernel unset to choose by device")
         self.prepacked = self.matmul in ("panel", "onednn")
         self._packed: dict | None = None  # packed weights; None = (re)build before the next forward
