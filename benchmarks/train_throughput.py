@@ -70,7 +70,10 @@ def padding_report(data: DataProto, max_tokens: int, micro_batch_size: int) -> d
     budget = mb.token_budget_micro_batches(lengths, max_tokens)
     return {
         "response_length_ratio": _response_ratio(data),
+        # what a bucketed engine computes under the budget (a packed one computes the real tokens only, in
+        # packed_micro_batches' groups)
         "token_budget": {"micro_batches": len(budget), **mb.padding_stats(lengths, budget)},
+        "packed_micro_batches": len(mb.packed_micro_batches(lengths, max_tokens)),
         "fixed_sorted": mb.padding_stats(lengths, mb.fixed_size_micro_batches(lengths, micro_batch_size, sort=True)),
         "plain_padded": mb.padding_stats(lengths, [list(range(len(lengths)))], pad_to=width),
     }
@@ -107,6 +110,7 @@ def bench_training(path: str, dtype: str, data: DataProto, steps: int, max_token
     return {
         "params": params,
         "packed": engine.packing,
+        "micro_batches": len(engine._plan(data)),
         "tokens_per_step": real_tokens,
         "step_seconds": times,
         "tokens_per_s": real_tokens / best,

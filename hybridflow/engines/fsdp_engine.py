@@ -391,14 +391,19 @@ class FSDPEngine:
             lengths = (ends - starts).tolist()
         else:
             lengths = [attention_mask.shape[1]] * len(data)
-        if dynamic:
+        if dynamic and self.packing:  # a packed micro-batch holds its rows' summed length: no padding to cut
+            groups = mb.packed_micro_batches(lengths, budget)
+        elif dynamic:
             groups = mb.token_budget_micro_batches(lengths, budget)
         else:
             groups = mb.fixed_size_micro_batches(lengths, rows, sort=True)
         # Each micro-batch forward is a collective under FSDP: all ranks must run the same number of them.
         count = int(self._all_reduce(torch.tensor([len(groups)]), dist.ReduceOp.MAX).item())
         if count != len(groups):
-            groups = mb.split_to_count(groups, lengths, count)
+            if dynamic and self.packing:
+                groups = mb.packed_micro_batches(lengths, budget, num_micro_batches=count)
+            else:
+                groups = mb.split_to_count(groups, lengths, count)
         return groups
 
     def _forward(self, rows: DataProto, *, temperature: float, calculate_entropy: bool,

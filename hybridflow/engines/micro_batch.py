@@ -5,7 +5,8 @@ so each row's real tokens (``attention_mask == 1``) are one contiguous span ``[s
 group of rows; it is computed as ``[rows, longest span in the group]`` with the short spans right-padded. Under a
 causal mask right-padding cannot change the real tokens' outputs, so no attention mask is needed and the results
 equal the padded computation. Grouping rows of similar length (sorted order) keeps the padding small;
-`padding_stats` measures it.
+`padding_stats` measures it. A packed engine (packing.py) has no padding to save: `packed_micro_batches` bounds each
+group's summed length instead, in as few groups as fit.
 
 Every rank must run the same number of micro-batches (each forward/backward is a collective under FSDP), so the
 token-budget splitter takes a ``num_micro_batches`` to reach, which the engine all-reduces (max) first.
@@ -13,6 +14,7 @@ token-budget splitter takes a ``num_micro_batches`` to reach, which the engine a
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +24,7 @@ __all__ = [
     "Bucket",
     "build_bucket",
     "fixed_size_micro_batches",
+    "packed_micro_batches",
     "padding_stats",
     "real_token_spans",
     "split_to_count",
@@ -102,6 +105,50 @@ def split_to_count(groups: list[list[int]], lengths: Sequence[int], num_micro_ba
     groups = [list(g) for g in groups]
     while len(groups) < num_micro_batches:
         _cut_best(groups, lengths)
+    return groups
+
+
+def packed_micro_batches(
+    lengths: Sequence[int], max_tokens: int, num_micro_batches: int | None = None
+) -> list[list[int]]:
+    """Groups of row indices for a packed engine (packing.py): each group's summed length stays within `max_tokens`.
+
+    A packed micro-batch has no padding, so the only thing a cut changes is how many (and how small) the
+    micro-batches are: this takes the fewest groups that fit (a row longer than the budget gets a group of its own),
+    or exactly `num_micro_batches` (>= that count, <= the rows), with the tokens spread evenly over them (rows longest
+    first, each to the group holding the fewest tokens so far).
+    """
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens_per_micro_batch must be positive, got {max_tokens}")
+    n = len(lengths)
+    if n == 0:
+        return []
+    order = _longest_first(lengths)
+    count = min(n, max(1, -(-sum(int(length) for length in lengths) // max_tokens)))
+    while True:
+        groups = _spread(order, lengths, count)
+        fits = all(len(g) == 1 or sum(int(lengths[i]) for i in g) <= max_tokens for g in groups)
+        if fits or count == n:
+            break
+        count += 1
+    if num_micro_batches is None or num_micro_batches == count:
+        return groups
+    if not count <= num_micro_batches <= n:
+        raise ValueError(
+            f"cannot split {n} rows into {num_micro_batches} micro-batches (this rank needs {count}); "
+            "every data-parallel rank must hold the same number of rows"
+        )
+    return _spread(order, lengths, num_micro_batches)
+
+
+def _spread(order: list[int], lengths: Sequence[int], count: int) -> list[list[int]]:
+    """Rows (longest first) dealt to `count` groups, each to the one with the fewest tokens (ties: the lower index)."""
+    heap = [(0, k) for k in range(count)]
+    groups: list[list[int]] = [[] for _ in range(count)]
+    for i in order:
+        tokens, k = heapq.heappop(heap)
+        groups[k].append(i)
+        heapq.heappush(heap, (tokens + int(lengths[i]), k))
     return groups
 
 

@@ -170,7 +170,15 @@ def test_packed_equals_bucketed_log_probs_and_gradients(tiny_model_path, micro_b
 def test_packed_train_step_runs_with_a_token_budget(tiny_model_path):
     data = varied_batch()
     eng = engine(tiny_model_path, use_sequence_packing=True, use_dynamic_bsz=True, max_tokens_per_micro_batch=64)
-    assert len(eng._plan(data)) > 1
+    lengths = data.batch["attention_mask"].sum(-1).tolist()
+    plan = eng._plan(data)
+    assert len(plan) > 1
+    # the budget bounds each packed micro-batch's summed length (no padding to count), in as few as fit
+    assert all(sum(lengths[i] for i in g) <= 64 or len(g) == 1 for g in plan)
+    assert plan == mb.packed_micro_batches(lengths, 64)
+    roomy = engine(tiny_model_path, use_sequence_packing=True, use_dynamic_bsz=True,
+                   max_tokens_per_micro_batch=sum(lengths))
+    assert len(roomy._plan(data)) == 1
     before = {n: p.detach().clone() for n, p in eng.model.named_parameters()}
     result = eng.train_step(data, pg_loss)
     assert result["skipped_nonfinite"] == 0.0 and result["grad_norm"] > 0

@@ -1,4 +1,4 @@
-"""Length bucketing and token-budget micro-batching (hybridflow/engines/micro_batch.py)."""
+"""Length bucketing, token-budget and packed micro-batching (hybridflow/engines/micro_batch.py)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,43 @@ def test_token_budget_groups_cover_every_row_once_and_respect_the_budget(lengths
 def test_forced_count_beyond_the_rows_is_an_error():
     with pytest.raises(ValueError, match="same number of rows"):
         mb.token_budget_micro_batches([5, 5], 100, num_micro_batches=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=40),
+    budget=st.integers(16, 1024),
+    extra=st.integers(0, 5),
+)
+def test_packed_groups_bound_the_summed_length_in_as_few_groups_as_fit(lengths, budget, extra):
+    natural = mb.packed_micro_batches(lengths, budget)
+    assert sorted(i for g in natural for i in g) == list(range(len(lengths)))
+    for g in natural:
+        assert sum(lengths[i] for i in g) <= budget or len(g) == 1
+    # no fewer groups could hold the tokens
+    assert len(natural) >= min(-(-sum(lengths) // budget), len(lengths))
+    if max(lengths) < budget:
+        # a row goes to the least-filled group, which holds <= total / groups: so total / (budget - longest) groups fit
+        assert len(natural) <= max(1, -(-sum(lengths) // (budget - max(lengths))))
+    target = min(len(lengths), len(natural) + extra)
+    forced = mb.packed_micro_batches(lengths, budget, num_micro_batches=target)
+    assert len(forced) == target and all(forced)
+    assert sorted(i for g in forced for i in g) == list(range(len(lengths)))
+
+
+def test_packed_groups_are_fewer_than_padding_cut_groups_and_even():
+    """16 GRPO rows of 40-100 tokens under a 4096 budget: one packed micro-batch (the padding-based splitter cuts
+    them by length, though a packed micro-batch has no padding); forced to 4, each holds about a quarter."""
+    lengths = [40 + 4 * i for i in range(16)]
+    assert mb.packed_micro_batches(lengths, 4096) == [sorted(range(16), key=lambda i: -lengths[i])]
+    assert len(mb.token_budget_micro_batches(lengths, 4096)) > 1
+    forced = mb.packed_micro_batches(lengths, 4096, num_micro_batches=4)
+    sums = [sum(lengths[i] for i in g) for g in forced]
+    assert max(sums) - min(sums) <= max(lengths) - min(lengths)
+    with pytest.raises(ValueError, match="same number of rows"):
+        mb.packed_micro_batches([5, 5], 100, num_micro_batches=3)
+    with pytest.raises(ValueError, match="must be positive"):
+        mb.packed_micro_batches([5], 0)
 
 
 def test_padding_waste_is_small_when_responses_vary_4x():
