@@ -1,6 +1,7 @@
 """The CPU decode-attention kernel (engines/rollout/cpu_attention.py, cpu_decode_attention.c): it builds here, it
 computes what kv_cache.decode_attention computes (both cache layouts, compaction, left padding, sliding windows,
-soft-capping, GQA group sizes, head sizes not a multiple of its blocks, fp32 and bf16), a native engine gives the
+soft-capping, GQA group sizes, head sizes not a multiple of its blocks, fp32 and bf16), it writes a step's K/V as
+write_token does, a native engine gives the
 same tokens with and without it, bf16 engines use it by default, and without a compiler the engine falls back to
 torch's path and says why."""
 
@@ -45,6 +46,7 @@ def _filled_cache(n, kv, D, dtype, g):
 def test_the_kernel_matches_torchs_decode_attention(kernel, dtype, n, window, softcap, kv, G, D):
     g = torch.Generator().manual_seed(n * 1000 + G * 10 + D)
     cache, mask = _filled_cache(n, kv, D, dtype, g)
+    twin = _cloned(cache)  # the same cache, with each step's K/V written by the kernel instead of write_token
     rows = mask.shape[0] * n
     prompt_of = torch.arange(rows) // n
     running = RunningRows(prompt_of, torch.arange(rows) % n, n)
@@ -54,12 +56,14 @@ def test_the_kernel_matches_torchs_decode_attention(kernel, dtype, n, window, so
         if step == 4:  # rows 0 and 2 stop: the others move to the front (ungrouped from then on)
             keep = torch.tensor([i for i in range(live.numel()) if i not in (0, 2)])
             cache.compact(keep, step)
+            twin.compact(keep, step)
             live, bias_rows = live[keep], bias_rows[keep]
             running = RunningRows(running.prompt_index[keep], running.sample_index[keep], n, grouped=False)
         r = live.numel()
+        new = [(torch.randn(r, kv, D, generator=g).to(dtype), torch.randn(r, kv, D, generator=g).to(dtype))
+               for _ in range(LAYERS)]
         for li in range(LAYERS):
-            cache.write_token(li, step, torch.randn(r, kv, D, generator=g).to(dtype),
-                              torch.randn(r, kv, D, generator=g).to(dtype))
+            cache.write_token(li, step, *new[li])
         assert kernel.supports(cache)
         starts = kernel.starts(bias_rows, P, step + 1, [window])
         assert starts is not None
@@ -67,6 +71,11 @@ def test_the_kernel_matches_torchs_decode_attention(kernel, dtype, n, window, so
         q = torch.randn(r, kv, G, D, generator=g).to(dtype)
         for li in range(LAYERS):
             got = kernel(q, cache, li, running, starts[window], step + 1, 0.3, softcap)
+            wrote = kernel(q, twin, li, running, starts[window], step + 1, 0.3, softcap, *new[li])
+            assert torch.equal(wrote, got)
+            column = twin.offset + step
+            assert torch.equal(twin.keys[li][:r, :, :, column], cache.keys[li][:r, :, :, column])
+            assert torch.equal(twin.values[li][:r, :, column], cache.values[li][:r, :, column])
             if dtype == torch.float32:
                 want = decode_attention(q, cache, li, running, bias, step + 1, 0.3, softcap)
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -74,6 +83,15 @@ def test_the_kernel_matches_torchs_decode_attention(kernel, dtype, n, window, so
                 want = decode_attention(q.float(), _as_float(cache), li, running, _float_bias(bias), step + 1, 0.3,
                                         softcap)
                 torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def _cloned(cache: KVCache) -> KVCache:
+    copy = object.__new__(KVCache)
+    copy.__dict__ = dict(cache.__dict__)
+    for name in ("keys", "values", "prompt_keys", "prompt_values"):
+        if hasattr(cache, name):
+            setattr(copy, name, [t.clone() for t in getattr(cache, name)])
+    return copy
 
 
 def _as_float(cache: KVCache) -> KVCache:

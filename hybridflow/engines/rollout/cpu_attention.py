@@ -48,7 +48,7 @@ class DecodeAttentionKernel:
             function.argtypes = [i, i, i, i, ptr, ptr, f, f,  # R, KV, G, D, q, out, scale, softcap
                                  ptr, long, long, long, ptr, long, long, i, ptr,  # segment A, its prompt index
                                  ptr, long, long, long, ptr, long, long, i,  # segment B
-                                 ptr, ptr, i]  # start, scratch, threads
+                                 ptr, ptr, ptr, ptr, i]  # start, new key, new value, scratch, threads
             function.restype = None
             self._functions[dtype] = function
 
@@ -77,11 +77,17 @@ class DecodeAttentionKernel:
         return out
 
     def __call__(self, q: torch.Tensor, cache, layer: int, rows, start: torch.Tensor, length: int, scale: float,
-                 softcap: float | None = None) -> torch.Tensor:
+                 softcap: float | None = None, keys: torch.Tensor | None = None,
+                 values: torch.Tensor | None = None) -> torch.Tensor:
         """q [rows, kv, G, D] against the rows' prompt keys and first `length` generated keys -> [rows, kv, G, D].
-        start [rows] int32: the first attended column (``starts``); rows: kv_cache.RunningRows."""
+        start [rows] int32: the first attended column (``starts``); rows: kv_cache.RunningRows. keys, values
+        [rows, kv, D] (optional): generated token ``length - 1``'s, written into the cache first (as
+        ``cache.write_token``) by the kernel itself."""
         G, D = q.shape[2], q.shape[3]
         q, start = q.contiguous(), start.to(torch.int32).contiguous()
+        if keys is not None:
+            dtype = cache.keys[layer].dtype
+            keys, values = keys.to(dtype).contiguous(), values.to(dtype).contiguous()
         out = torch.empty_like(q)
         threads = torch.get_num_threads()
         if cache.shared:
@@ -92,8 +98,8 @@ class DecodeAttentionKernel:
             a_keys, a_values, lenA, prompt_index = cache.keys[layer], cache.values[layer], cache.offset + length, None
             b_keys, b_values, lenB = a_keys, a_values, 0
         scratch = torch.empty(threads * (2 * G * D + G * ((lenA + lenB + 15) // 16 * 16)), dtype=torch.float32)
-        args = (q, out, scale, softcap, a_keys, a_values, lenA, prompt_index, b_keys, b_values, lenB, start, scratch,
-                threads)
+        args = (q, out, scale, softcap, a_keys, a_values, lenA, prompt_index, b_keys, b_values, lenB, start, keys,
+                values, scratch, threads)
         if torch.autograd._profiler_enabled():  # a named range in torch.profiler's tables (no op of its own)
             with torch.profiler.record_function("hybridflow::cpu_decode_attention"):
                 self._call(*args)
@@ -102,7 +108,7 @@ class DecodeAttentionKernel:
         return out
 
     def _call(self, q, out, scale, softcap, a_keys, a_values, lenA, prompt_index, b_keys, b_values, lenB, start,
-              scratch, threads) -> None:
+              keys, values, scratch, threads) -> None:
         r, kv, G, D = q.shape
         self._functions[q.dtype](
             r, kv, G, D, q.data_ptr(), out.data_ptr(), scale, softcap or 0.0,
@@ -111,5 +117,6 @@ class DecodeAttentionKernel:
             None if prompt_index is None else prompt_index.data_ptr(),
             b_keys.data_ptr(), b_keys.stride(0), b_keys.stride(1), b_keys.stride(2),
             b_values.data_ptr(), b_values.stride(0), b_values.stride(1), lenB,
-            start.data_ptr(), scratch.data_ptr(), threads,
+            start.data_ptr(), None if keys is None else keys.data_ptr(), None if values is None else values.data_ptr(),
+            scratch.data_ptr(), threads,
         )

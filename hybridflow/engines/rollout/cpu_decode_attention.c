@@ -12,6 +12,10 @@
  *
  * Layouts and strides are in elements. q and out: [rows, kv, G, D] contiguous. scratch: per thread
  * (2 * G * D + G * ldsc) floats, ldsc = (lenA + lenB) rounded up to 16.
+ *
+ * kN, vN (or NULL): this step's keys and values [rows, kv, D], written into the last column (of B, or of A when
+ * lenB = 0) by the task that reads it next. The key column is strided by the cache length: written alone (torch's
+ * copy, one thread) each element is a cache line fetched for one store; here the task reads that line anyway.
  */
 #include <math.h>
 #include <omp.h>
@@ -98,7 +102,7 @@ static inline void st_bf16(bf16 *p, long i, float v) {  /* round to nearest even
     void NAME(int R, int KV, int G, int D, const T *q, T *out, float scale, float softcap, const T *kA, long kAr,   \
               long kAh, long kAd, const T *vA, long vAr, long vAh, int lenA, const int64_t *pa, const T *kB,       \
               long kBr, long kBh, long kBd, const T *vB, long vBr, long vBh, int lenB, const int32_t *start,       \
-              float *scratch, int nthreads) {                                                                       \
+              const T *kN, const T *vN, float *scratch, int nthreads) {                                             \
         int L = lenA + lenB, ldsc = (L + 15) & ~15;                                                                 \
         long per_thread = 2L * G * D + (long)G * ldsc;                                                              \
         _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                                          \
@@ -113,6 +117,14 @@ static inline void st_bf16(bf16 *p, long i, float v) {  /* round to nearest even
             long ra = pa ? pa[r] : r;                                                                               \
             const T *KA = kA + ra * kAr + h * kAh, *VA = vA + ra * vAr + h * vAh;                                   \
             const T *KB = kB + (long)r * kBr + h * kBh, *VB = vB + (long)r * vBr + h * vBh;                         \
+            if (kN) { /* this step's key and value: the last column of B (or of A when there is no B) */            \
+                T *KW = lenB > 0 ? (T *)KB : (T *)KA, *VW = lenB > 0 ? (T *)VB : (T *)VA;                           \
+                long c = lenB > 0 ? lenB - 1 : lenA - 1, sdw = lenB > 0 ? kBd : kAd;                                \
+                for (int d = 0; d < D; d++) {                                                                       \
+                    KW[d * sdw + c] = kN[task * D + d];                                                             \
+                    VW[c * D + d] = vN[task * D + d];                                                               \
+                }                                                                                                   \
+            }                                                                                                       \
             int a0 = s0 < lenA ? s0 : lenA, b0 = s0 > lenA ? s0 - lenA : 0;                                         \
             int g = 0;                                                                                              \
             for (; g + 4 <= G; g += 4) {                                                                            \

@@ -464,12 +464,13 @@ class NativeDecoder:
         r, G = tokens.shape[0], s.num_heads // s.num_kv_heads
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache.write_token(li, column, k, v)
             q = q.reshape(r, s.num_kv_heads, G, s.head_dim)
             window = s.layers[li].window
-            if starts is not None:
-                out = kernel(q, cache, li, rows, starts[window], column + 1, s.attention_scale, s.attn_softcap)
+            if starts is not None:  # the kernel writes k, v into the cache itself (cpu_attention.py)
+                out = kernel(q, cache, li, rows, starts[window], column + 1, s.attention_scale, s.attn_softcap,
+                             keys=k, values=v)
             else:
+                cache.write_token(li, column, k, v)
                 out = decode_attention(q, cache, li, rows, biases[window], column + 1, s.attention_scale,
                                        s.attn_softcap)
             return out.reshape(r, self.q_size)
