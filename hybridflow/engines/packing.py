@@ -154,8 +154,10 @@ def varlen_attention(
     for lo, hi in spans:
         starts_by_length.setdefault(hi - lo, []).append(lo)
     if len(starts_by_length) == len(spans):  # every row its own length: one call per row, no copies
-        outs = [_causal(query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi], p, scaling, groups)
-                for lo, hi in spans]
+        # split, not slices: a slice's backward fills a zero tensor of the whole packed row, once per row
+        lengths = [hi - lo for lo, hi in spans]
+        outs = [_causal(q, k, v, p, scaling, groups)
+                for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value)))]
         return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
     return _causal_by_length(query, key, value, starts_by_length, p, scaling, groups), None
 
@@ -172,15 +174,19 @@ def _causal_by_length(query, key, value, starts_by_length: dict[int, list[int]],
     attention call per row and layer; a batch of rows of one length is the same computation with no padding, so the
     number of calls drops to the number of distinct lengths. The rows' tokens are gathered per length, attended, and
     put back in packed order by one index.
+
+    One gather for all lengths, then a split: a gather or a slice per length would each cost, in the backward, a
+    zero-filled tensor of the whole packed row.
     """
-    pieces, positions = [], []
-    for length, starts in starts_by_length.items():
-        index = (torch.tensor(starts)[:, None] + torch.arange(length)).reshape(-1).to(query.device)
-        q, k, v = (t[0].index_select(1, index).unflatten(1, (len(starts), length)).transpose(0, 1)
-                   for t in (query, key, value))  # [rows, heads, length, D]
+    positions = [(torch.tensor(starts)[:, None] + torch.arange(length)).reshape(-1)
+                 for length, starts in starts_by_length.items()]
+    order = torch.cat(positions).to(query.device)
+    sizes = [index.numel() for index in positions]
+    gathered = (t.squeeze(0).index_select(1, order).split(sizes, dim=1) for t in (query, key, value))
+    pieces = []
+    for (length, starts), q, k, v in zip(starts_by_length.items(), *gathered):
+        q, k, v = (t.unflatten(1, (len(starts), length)).transpose(0, 1) for t in (q, k, v))  # [rows, heads, len, D]
         pieces.append(_causal(q, k, v, p, scaling, groups).transpose(0, 1).flatten(1, 2))  # [heads, rows*length, D]
-        positions.append(index)
-    order = torch.cat(positions)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return torch.cat(pieces, dim=1).index_select(1, inverse).transpose(0, 1)[None].contiguous()
