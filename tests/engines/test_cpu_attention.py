@@ -85,22 +85,22 @@ def test_the_kernel_matches_torchs_decode_attention(kernel, dtype, n, window, so
                 torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
-def _cloned(cache: KVCache) -> KVCache:
+def _mapped(cache: KVCache, fn) -> KVCache:
+    """A KVCache with fn applied to each of its tensors."""
     copy = object.__new__(KVCache)
     copy.__dict__ = dict(cache.__dict__)
     for name in ("keys", "values", "prompt_keys", "prompt_values"):
         if hasattr(cache, name):
-            setattr(copy, name, [t.clone() for t in getattr(cache, name)])
+            setattr(copy, name, [fn(t) for t in getattr(cache, name)])
     return copy
+
+
+def _cloned(cache: KVCache) -> KVCache:
+    return _mapped(cache, torch.Tensor.clone)
 
 
 def _as_float(cache: KVCache) -> KVCache:
-    copy = object.__new__(KVCache)
-    copy.__dict__ = dict(cache.__dict__)
-    for name in ("keys", "values", "prompt_keys", "prompt_values"):
-        if hasattr(cache, name):
-            setattr(copy, name, [t.float() for t in getattr(cache, name)])
-    return copy
+    return _mapped(cache, torch.Tensor.float)
 
 
 def _float_bias(bias):
