@@ -391,7 +391,8 @@ class FSDPEngine:
             lengths = (ends - starts).tolist()
         else:
             lengths = [attention_mask.shape[1]] * len(data)
-        if dynamic and self.packing:  # a packed micro-batch holds its rows' summed length: no padding to cut
+        packed_budget = dynamic and self.packing  # a packed micro-batch holds its rows' summed length: no padding
+        if packed_budget:
             groups = mb.packed_micro_batches(lengths, budget)
         elif dynamic:
             groups = mb.token_budget_micro_batches(lengths, budget)
@@ -400,7 +401,7 @@ class FSDPEngine:
         # Each micro-batch forward is a collective under FSDP: all ranks must run the same number of them.
         count = int(self._all_reduce(torch.tensor([len(groups)]), dist.ReduceOp.MAX).item())
         if count != len(groups):
-            if dynamic and self.packing:
+            if packed_budget:
                 groups = mb.packed_micro_batches(lengths, budget, num_micro_batches=count)
             else:
                 groups = mb.split_to_count(groups, lengths, count)

@@ -11,7 +11,7 @@ oneDNN instead:
                   dL/db  = sum of g over rows
 
 dL/dW contracts over the rows, so both of its operands are transposed views. oneDNN's inner product copies such a
-view into a contiguous layout first (torch's transpose copy, on one thread: 5-9% of a mid training step); the BLAS
+view into a contiguous layout first (torch's transpose copy, on one thread: about 7% of a mid training step); the BLAS
 ``mm`` reads them in place, and its weight gradient was 3-4% faster per training step (docs/benchmarks.md, ninth
 session).
 

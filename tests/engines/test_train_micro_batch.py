@@ -9,6 +9,13 @@ from hypothesis import strategies as st
 
 from hybridflow.engines import micro_batch as mb
 
+# row lengths, a token budget, and how many micro-batches beyond the natural count to force
+budget_cases = given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=40),
+    budget=st.integers(16, 1024),
+    extra=st.integers(0, 5),
+)
+
 
 def rollout_mask(prompt_lens, resp_lens, prompt_len, response_len) -> torch.Tensor:
     mask = torch.zeros(len(prompt_lens), prompt_len + response_len, dtype=torch.long)
@@ -29,22 +36,28 @@ def test_real_token_spans_and_layout_errors():
         mb.real_token_spans(torch.zeros(1, 4, dtype=torch.long))
 
 
+def assert_partition(groups, rows: int) -> None:
+    """Every row in exactly one group."""
+    assert sorted(i for g in groups for i in g) == list(range(rows))
+
+
+def assert_forced_counts(splitter, lengths, budget, wanted: int) -> None:
+    """`splitter` forced to `wanted` groups (at most one per row) gives that many, none empty, every row once."""
+    target = min(len(lengths), wanted)
+    forced = splitter(lengths, budget, num_micro_batches=target)
+    assert len(forced) == target and all(forced)
+    assert_partition(forced, len(lengths))
+
+
 @settings(max_examples=60, deadline=None)
-@given(
-    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=40),
-    budget=st.integers(16, 1024),
-    extra=st.integers(0, 5),
-)
+@budget_cases
 def test_token_budget_groups_cover_every_row_once_and_respect_the_budget(lengths, budget, extra):
     natural = mb.token_budget_micro_batches(lengths, budget)
-    assert sorted(i for g in natural for i in g) == list(range(len(lengths)))
+    assert_partition(natural, len(lengths))
     for g in natural:
         # Only a row longer than the whole budget may exceed it, and then it is alone.
         assert len(g) * max(lengths[i] for i in g) <= budget or len(g) == 1
-    target = min(len(lengths), len(natural) + extra)
-    forced = mb.token_budget_micro_batches(lengths, budget, num_micro_batches=target)
-    assert len(forced) == target and all(forced)
-    assert sorted(i for g in forced for i in g) == list(range(len(lengths)))
+    assert_forced_counts(mb.token_budget_micro_batches, lengths, budget, len(natural) + extra)
 
 
 def test_forced_count_beyond_the_rows_is_an_error():
@@ -53,14 +66,10 @@ def test_forced_count_beyond_the_rows_is_an_error():
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=40),
-    budget=st.integers(16, 1024),
-    extra=st.integers(0, 5),
-)
+@budget_cases
 def test_packed_groups_bound_the_summed_length_in_as_few_groups_as_fit(lengths, budget, extra):
     natural = mb.packed_micro_batches(lengths, budget)
-    assert sorted(i for g in natural for i in g) == list(range(len(lengths)))
+    assert_partition(natural, len(lengths))
     for g in natural:
         assert sum(lengths[i] for i in g) <= budget or len(g) == 1
     # no fewer groups could hold the tokens
@@ -68,10 +77,7 @@ def test_packed_groups_bound_the_summed_length_in_as_few_groups_as_fit(lengths, 
     if max(lengths) < budget:
         # a row goes to the least-filled group, which holds <= total / groups: so total / (budget - longest) groups fit
         assert len(natural) <= max(1, -(-sum(lengths) // (budget - max(lengths))))
-    target = min(len(lengths), len(natural) + extra)
-    forced = mb.packed_micro_batches(lengths, budget, num_micro_batches=target)
-    assert len(forced) == target and all(forced)
-    assert sorted(i for g in forced for i in g) == list(range(len(lengths)))
+    assert_forced_counts(mb.packed_micro_batches, lengths, budget, len(natural) + extra)
 
 
 def test_packed_groups_are_fewer_than_padding_cut_groups_and_even():
