@@ -16,7 +16,17 @@ from hybridflow.engines.rollout import SamplingParams, c_kernels, cpu_attention,
 from hybridflow.engines.rollout.kv_cache import KVCache, RunningRows, attention_bias, decode_attention
 from hybridflow.engines.tiny import write_tiny_model
 
-LAYERS, P, MAX_NEW = 2, 7, 9
+LAYERS, MAX_NEW = 2, 9
+
+
+def _builds() -> list[tuple[str, ...]]:
+    """The build the engine uses here, and the narrower vector widths of the same source this CPU also runs."""
+    builds = [()]
+    if torch.cpu._is_avx512_supported():
+        builds.append(("-mno-avx512f",))  # 8-wide (AVX2)
+    if torch.cpu._is_avx2_supported():
+        builds.append(("-mno-avx",))  # 4-wide (SSE), the portable vector code and buffered partial loads
+    return builds
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +36,14 @@ def kernel():
     return built
 
 
-def _filled_cache(n, kv, D, dtype, g):
+@pytest.fixture(scope="module", params=_builds(), ids=lambda flags: " ".join(flags) or "native")
+def any_build(request):
+    built = cpu_attention.load(request.param)
+    assert built is not None, f"the decode-attention kernel did not build with {request.param} (see the log warning)"
+    return built
+
+
+def _filled_cache(n, kv, D, dtype, g, P):
     prompts = 3
     cache = KVCache(LAYERS, kv, D, prompts=prompts, prompt_len=P, n=n, max_new=MAX_NEW, dtype=dtype,
                     device=torch.device("cpu"))
@@ -42,10 +59,13 @@ def _filled_cache(n, kv, D, dtype, g):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 4])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 20.0), (5, 20.0)])
-@pytest.mark.parametrize("kv,G,D", [(2, 1, 64), (2, 3, 16), (1, 7, 80), (2, 4, 128)])
-def test_the_kernel_matches_torchs_decode_attention(kernel, dtype, n, window, softcap, kv, G, D):
-    g = torch.Generator().manual_seed(n * 1000 + G * 10 + D)
-    cache, mask = _filled_cache(n, kv, D, dtype, g)
+@pytest.mark.parametrize("kv,G,D", [(2, 1, 64), (2, 3, 16), (1, 7, 80), (2, 4, 128), (1, 2, 72)])
+# prompts of 7 keys: every key block partial; of 37: full blocks of two vectors (32 keys with AVX-512) and a tail
+@pytest.mark.parametrize("P", [7, 37])
+def test_the_kernel_matches_torchs_decode_attention(any_build, dtype, n, window, softcap, kv, G, D, P):
+    kernel = any_build
+    g = torch.Generator().manual_seed(n * 1000 + G * 10 + D + P)
+    cache, mask = _filled_cache(n, kv, D, dtype, g, P)
     twin = _cloned(cache)  # the same cache, with each step's K/V written by the kernel instead of write_token
     rows = mask.shape[0] * n
     prompt_of = torch.arange(rows) // n

@@ -30,9 +30,11 @@ _DTYPES = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attent
 
 
 @functools.cache
-def load() -> DecodeAttentionKernel | None:
-    """The kernel, built on first use (c_kernels.py); None where it cannot be built here."""
-    lib = load_library(_SOURCE, "decode_attention", "decode-attention", "decode attention runs as torch matmuls")
+def load(extra_flags: tuple[str, ...] = ()) -> DecodeAttentionKernel | None:
+    """The kernel, built on first use (c_kernels.py); None where it cannot be built here. `extra_flags`: added
+    compiler flags (``("-mno-avx512f",)`` builds the AVX2 variant, ``("-mno-avx",)`` the 4-wide one)."""
+    lib = load_library(_SOURCE, "decode_attention", "decode-attention", "decode attention runs as torch matmuls",
+                       extra_flags=extra_flags)
     return None if lib is None else DecodeAttentionKernel(lib)
 
 

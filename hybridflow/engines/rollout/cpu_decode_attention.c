@@ -36,67 +36,137 @@ static inline void st_bf16(bf16 *p, long i, float v) {  /* round to nearest even
     p[i] = (bf16)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
 }
 
-#define LB 32 /* key columns per register block of the scores */
-#define DB 32 /* head_dim columns per register block of the output */
+/* Vectors in GCC's portable vector types: 16 floats with AVX-512, 8 with AVX2, 4 otherwise. The register blocks are
+ * vectors held in named registers (an array of floats here was kept on the stack: a load and a store per FMA). */
+#if defined(__AVX512F__)
+#define VBYTES 64
+#elif defined(__AVX__)
+#define VBYTES 32
+#else
+#define VBYTES 16
+#endif
+#define VEC (VBYTES / 4)
+typedef float vf __attribute__((vector_size(VBYTES)));
+typedef uint32_t vu __attribute__((vector_size(VBYTES)));
+typedef uint16_t vh __attribute__((vector_size(VBYTES / 2)));
 
-/* GB (1, 2 or 4) query heads at once, so each key column is loaded once for all of them. */
-#define DEFINE_KERNEL(NAME, T, LD, ST)                                                                               \
+static inline vf vld_f32(const float *p) {
+    vf v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline vf vld_bf16(const bf16 *p) {
+    vh h;
+    __builtin_memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+static inline vf vbroadcast(float x) { return (vf){0} + x; }
+static inline void vstore_part(float *p, vf v, int n) { __builtin_memcpy(p, &v, n * sizeof(float)); }
+
+/* n < VEC elements, zero past them: a masked load where the CPU has one, else through a zeroed buffer */
+#if defined(__AVX512F__) && VBYTES == 64
+#include <immintrin.h>
+static inline vf vld_part_f32(const float *p, int n) {
+    return (vf)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+}
+#elif defined(__AVX2__) && VBYTES == 32
+#include <immintrin.h>
+static inline vf vld_part_f32(const float *p, int n) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return (vf)_mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
+}
+#else
+static inline vf vld_part_f32(const float *p, int n) {
+    float part[VEC] = {0};
+    for (int i = 0; i < n; i++) part[i] = p[i];
+    return vld_f32(part);
+}
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && VBYTES == 64
+static inline vf vld_part_bf16(const bf16 *p, int n) {
+    __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+}
+#else
+static inline vf vld_part_bf16(const bf16 *p, int n) {
+    bf16 part[VEC] = {0};
+    for (int i = 0; i < n; i++) part[i] = p[i];
+    return vld_bf16(part);
+}
+#endif
+
+/* Scores of GB (1, 2 or 4) query heads at once, so each key vector is loaded once for all of them: blocks of two
+ * vectors of key columns, then one vector (the last one partial). Each score is the sum over d in order, FMA by
+ * FMA. */
+#define DEFINE_KERNEL(NAME, T, LD, ST, VLD, VLD_PART)                                                                \
     static inline __attribute__((always_inline)) void NAME##_scores(const int GB, int D, const float *qf, int g0,  \
                                                                    const T *K, long sd, int l0, int l1, float *sc, \
                                                                    int ldsc) {                                     \
-        for (int lb = l0; lb < l1; lb += LB) {                                                                      \
-            int n = l1 - lb < LB ? l1 - lb : LB;                                                                    \
-            float acc[4][LB];                                                                                       \
-            for (int g = 0; g < GB; g++)                                                                            \
-                for (int j = 0; j < LB; j++) acc[g][j] = 0.f;                                                       \
-            if (n == LB) {                                                                                          \
-                for (int d = 0; d < D; d++) {                                                                       \
-                    const T *Kd = K + d * sd + lb;                                                                  \
-                    float kv[LB];                                                                                   \
-                    for (int j = 0; j < LB; j++) kv[j] = LD(Kd, j);                                                 \
-                    for (int g = 0; g < GB; g++) {                                                                  \
-                        float qv = qf[(g0 + g) * D + d];                                                            \
-                        for (int j = 0; j < LB; j++) acc[g][j] += qv * kv[j];                                       \
-                    }                                                                                               \
-                }                                                                                                   \
-            } else {                                                                                                \
-                for (int d = 0; d < D; d++) {                                                                       \
-                    const T *Kd = K + d * sd + lb;                                                                  \
-                    for (int g = 0; g < GB; g++) {                                                                  \
-                        float qv = qf[(g0 + g) * D + d];                                                            \
-                        for (int j = 0; j < n; j++) acc[g][j] += qv * LD(Kd, j);                                    \
-                    }                                                                                               \
+        int lb = l0;                                                                                                \
+        for (; lb + 2 * VEC <= l1; lb += 2 * VEC) {                                                                 \
+            vf acc[4][2];                                                                                           \
+            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g][0] = acc[g][1] = (vf){0};                   \
+            for (int d = 0; d < D; d++) {                                                                           \
+                const T *Kd = K + d * sd + lb;                                                                      \
+                vf k0 = VLD(Kd), k1 = VLD(Kd + VEC);                                                                \
+                _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) {                                              \
+                    vf qv = vbroadcast(qf[(g0 + g) * D + d]);                                                       \
+                    acc[g][0] += qv * k0;                                                                           \
+                    acc[g][1] += qv * k1;                                                                           \
                 }                                                                                                   \
             }                                                                                                       \
-            for (int g = 0; g < GB; g++)                                                                            \
-                for (int j = 0; j < n; j++) sc[(g0 + g) * ldsc + lb + j] = acc[g][j];                               \
+            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) {                                                  \
+                vstore_part(sc + (g0 + g) * ldsc + lb, acc[g][0], VEC);                                             \
+                vstore_part(sc + (g0 + g) * ldsc + lb + VEC, acc[g][1], VEC);                                       \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (; lb < l1; lb += VEC) {                                                                                \
+            int n = l1 - lb < VEC ? l1 - lb : VEC;                                                                  \
+            vf acc[4];                                                                                              \
+            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g] = (vf){0};                                  \
+            for (int d = 0; d < D; d++) {                                                                           \
+                const T *Kd = K + d * sd + lb;                                                                      \
+                vf k = n == VEC ? VLD(Kd) : VLD_PART(Kd, n);                                                        \
+                _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g] += vbroadcast(qf[(g0 + g) * D + d]) * k; \
+            }                                                                                                       \
+            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) vstore_part(sc + (g0 + g) * ldsc + lb, acc[g], n); \
         }                                                                                                           \
     }                                                                                                               \
+    /* o[g] += sum over l of p[g][l] V[l] (in order of l), for output columns in blocks of two vectors, then one */ \
     static inline __attribute__((always_inline)) void NAME##_values(const int GB, int D, const float *p, int g0,   \
                                                                    int ldp, const T *V, int l0, int l1, float *o) { \
-        for (int db = 0; db < D; db += DB) {                                                                        \
-            int w = D - db < DB ? D - db : DB;                                                                      \
-            float acc[4][DB];                                                                                       \
-            for (int g = 0; g < GB; g++)                                                                            \
-                for (int j = 0; j < DB; j++) acc[g][j] = 0.f;                                                       \
+        int db = 0;                                                                                                 \
+        for (; db + 2 * VEC <= D; db += 2 * VEC) {                                                                  \
+            vf acc[4][2];                                                                                           \
+            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g][0] = acc[g][1] = (vf){0};                   \
             for (int l = l0; l < l1; l++) {                                                                         \
                 const T *Vl = V + (long)l * D + db;                                                                 \
-                if (w == DB) {                                                                                      \
-                    float vv[DB];                                                                                   \
-                    for (int j = 0; j < DB; j++) vv[j] = LD(Vl, j);                                                 \
-                    for (int g = 0; g < GB; g++) {                                                                  \
-                        float pv = p[(g0 + g) * ldp + l];                                                           \
-                        for (int j = 0; j < DB; j++) acc[g][j] += pv * vv[j];                                       \
-                    }                                                                                               \
-                } else {                                                                                            \
-                    for (int g = 0; g < GB; g++) {                                                                  \
-                        float pv = p[(g0 + g) * ldp + l];                                                           \
-                        for (int j = 0; j < w; j++) acc[g][j] += pv * LD(Vl, j);                                    \
-                    }                                                                                               \
+                vf v0 = VLD(Vl), v1 = VLD(Vl + VEC);                                                                \
+                _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) {                                              \
+                    vf pv = vbroadcast(p[(g0 + g) * ldp + l]);                                                      \
+                    acc[g][0] += pv * v0;                                                                           \
+                    acc[g][1] += pv * v1;                                                                           \
                 }                                                                                                   \
             }                                                                                                       \
-            for (int g = 0; g < GB; g++)                                                                            \
-                for (int j = 0; j < w; j++) o[(g0 + g) * D + db + j] += acc[g][j];                                  \
+            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) {                                                  \
+                float *og = o + (g0 + g) * D + db;                                                                  \
+                vstore_part(og, vld_f32(og) + acc[g][0], VEC);                                                      \
+                vstore_part(og + VEC, vld_f32(og + VEC) + acc[g][1], VEC);                                          \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (; db < D; db += VEC) {                                                                                 \
+            int w = D - db < VEC ? D - db : VEC;                                                                    \
+            vf acc[4];                                                                                              \
+            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g] = (vf){0};                                  \
+            for (int l = l0; l < l1; l++) {                                                                         \
+                const T *Vl = V + (long)l * D + db;                                                                 \
+                vf v = w == VEC ? VLD(Vl) : VLD_PART(Vl, w);                                                        \
+                _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g] += vbroadcast(p[(g0 + g) * ldp + l]) * v; \
+            }                                                                                                       \
+            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) {                                                  \
+                float *og = o + (g0 + g) * D + db;                                                                  \
+                vstore_part(og, vld_part_f32(og, w) + acc[g], w);                                                   \
+            }                                                                                                       \
         }                                                                                                           \
     }                                                                                                               \
     void NAME(int R, int KV, int G, int D, const T *q, T *out, float scale, float softcap, const T *kA, long kAr,   \
@@ -170,5 +240,5 @@ static inline void st_bf16(bf16 *p, long i, float v) {  /* round to nearest even
         }                                                                                                           \
     }
 
-DEFINE_KERNEL(decode_attention_f32, float, ld_f32, st_f32)
-DEFINE_KERNEL(decode_attention_bf16, bf16, ld_bf16, st_bf16)
+DEFINE_KERNEL(decode_attention_f32, float, ld_f32, st_f32, vld_f32, vld_part_f32)
+DEFINE_KERNEL(decode_attention_bf16, bf16, ld_bf16, st_bf16, vld_bf16, vld_part_bf16)
