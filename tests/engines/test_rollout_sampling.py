@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
-from hybridflow.engines.rollout.sampling import row_keys, sample_tokens, uniform_from_keys
+from hybridflow.engines.rollout.sampling import _inverse_cdf, row_keys, sample_tokens, uniform_from_keys, uniform_table
 from hybridflow.engines.tiny import SIZES, build_char_tokenizer, make_config
 from hybridflow.protocol import DataProto
 
@@ -57,6 +57,26 @@ def test_uniforms_are_uniform_and_keys_distinct():
     ok, stat, crit = chi_square_ok(counts, torch.full((20,), 0.05))
     assert ok, (stat, crit)
     assert not torch.equal(u, uniform_from_keys(keys, step=8))
+
+
+def test_a_table_of_uniforms_is_the_per_step_draws():
+    keys = row_keys(5, torch.arange(6) // 2, torch.arange(6) % 2)
+    table = uniform_table(keys, 5, 7)
+    assert table.shape == (6, 7) and table.dtype == torch.float64
+    for i in range(7):
+        assert torch.equal(table[:, i], uniform_from_keys(keys, 5 + i))
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0))
+    by_keys = sample_tokens(logits, greedy=False, temperature=0.7, top_k=-1, top_p=0.9, keys=keys, step=8)
+    by_table = sample_tokens(logits, greedy=False, temperature=0.7, top_k=-1, top_p=0.9, keys=None, step=8,
+                             uniforms=table[:, 3])
+    assert all(torch.equal(a, b) for a, b in zip(by_keys, by_table))
+
+
+def test_the_inverse_cdf_never_picks_a_zero_probability_token():
+    probs = torch.tensor([[0.25, 0.5, 0.0, 0.0], [0.0, 0.5, 0.0, 0.5]], dtype=torch.float64)
+    cases = {0.0: [0, 1], 0.3: [0, 1], 0.5: [1, 3], 1 - 2**-53: [1, 3], 1.0: [1, 3]}  # 1.0: outside [0, 1)
+    for u, want in cases.items():
+        assert _inverse_cdf(probs, torch.full((2,), u, dtype=torch.float64)).tolist() == want, u
 
 
 @pytest.mark.parametrize("top_k,top_p", [(-1, 1.0), (3, 1.0), (-1, 0.75), (-1, 0.85), (3, 0.6)])

@@ -56,7 +56,7 @@ from hybridflow.engines.rollout.layout import (
 )
 from hybridflow.engines.rollout.moe import RouteRecorder
 from hybridflow.engines.rollout.native_model import NativeDecoder
-from hybridflow.engines.rollout.sampling import row_keys, sample_tokens
+from hybridflow.engines.rollout.sampling import StepUniforms, row_keys, sample_tokens
 from hybridflow.engines.rollout.static_decode import DECODE_MODES, GraphDecoder
 from hybridflow.engines.rollout.tensor_parallel import TensorParallelDecoder, same_tokens, tp_group_of
 from hybridflow.protocol import DataProto
@@ -338,9 +338,9 @@ class NativeRollout(RolloutEngine):
         rows = B * n
         stop_ids = torch.tensor(sorted({*self.eos_token_ids, *params.stop_token_ids}), device=self.device)
         row_index = torch.arange(rows, device=self.device)  # original output row of each running slot
-        keys = None
+        draws = None
         if seed is not None:
-            keys = row_keys(seed, first_prompt + row_index // n, row_index % n)
+            draws = StepUniforms(row_keys(seed, first_prompt + row_index // n, row_index % n), max_new)
 
         routes = RouteRecorder(self.model, rows, P, max_new, n) if self.record_routes else None
         if routes is not None:
@@ -357,13 +357,14 @@ class NativeRollout(RolloutEngine):
         positions = pos[:, -1].repeat_interleave(n) + 1
         out = _Responses(rows, max_new, self.pad_token_id, stop_ids)
         for step in range(max_new):
-            tokens = out.record(step, *self._sample(logits, params, keys, step))
+            tokens = out.record(step, *self._sample(logits, params, draws, step))
             if out.finished(step):
                 break
             keep = steps.maybe_drop_stopped(out, step)
             if keep is not None:
                 positions, tokens = positions[keep], tokens[keep]
-                keys = keys[keep] if keys is not None else None
+                if draws is not None:
+                    draws.keep(keep)
             if routes is not None:
                 routes.start()
             logits = steps.decode(tokens, positions, step)
@@ -378,9 +379,10 @@ class NativeRollout(RolloutEngine):
             result.batch["routed_experts"] = recorded.masked_fill(~mask.bool()[:, :, None, None], -1)
         return result
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor | None, step: int):
+    def _sample(self, logits: torch.Tensor, params: SamplingParams, draws: StepUniforms | None, step: int):
         tokens, log_probs = sample_tokens(logits, greedy=params.greedy, temperature=params.temperature,
-                                          top_k=params.top_k, top_p=params.top_p, keys=keys, step=step)
+                                          top_k=params.top_k, top_p=params.top_p, keys=None, step=step,
+                                          uniforms=None if draws is None else draws.at(step))
         return same_tokens(tokens, self.tensor_parallel), log_probs
 
 
