@@ -137,6 +137,10 @@ class NativeDecoder:
         # the eager decode's attention kernel (cpu_attention.DecodeAttentionKernel), set by the rollout engine; None:
         # kv_cache.decode_attention (torch matmuls)
         self.attention_kernel = None
+        # the eager decode's fp32 rotary embedding as one call (cpu_rotary.RotaryKernel), set by the rollout engine;
+        # active (_step_rotary) only inside decode()
+        self.rotary_kernel = None
+        self._step_rotary = None
 
         def empty(*size: int) -> torch.Tensor:
             return torch.zeros(size, dtype=dtype, device=device)
@@ -392,19 +396,18 @@ class NativeDecoder:
         x = self._embed(tokens)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        tables = {key: (cos[positions].unsqueeze(-2), self.rope.sin[key][positions].unsqueeze(-2))
-                  for key, cos in self.rope.cos.items()}  # [..., 1, rotary_dim]
+        rotate = self._rotation(positions)
         H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
         for li, layer in enumerate(self.layers):
-            cos, sin = tables[s.layers[li].rope]
+            key = s.layers[li].rope
             qkv = self._linear(li, "qkv", self._rms(x, layer["input_layernorm"]))
             v = qkv[..., self.q_size + self.kv_size :].view(*lead, KV, D)
             if spec.qk_norm:
-                q = _rotate(self._rms(qkv[..., : self.q_size].view(*lead, H, D), layer["q_norm"]), cos, sin)
-                k = _rotate(self._rms(qkv[..., self.q_size : self.q_size + self.kv_size].view(*lead, KV, D),
-                                      layer["k_norm"]), cos, sin)
+                q = rotate(self._rms(qkv[..., : self.q_size].view(*lead, H, D), layer["q_norm"]), key)
+                k = rotate(self._rms(qkv[..., self.q_size : self.q_size + self.kv_size].view(*lead, KV, D),
+                                     layer["k_norm"]), key)
             else:  # q and k heads rotated together
-                qk = _rotate(qkv[..., : self.q_size + self.kv_size].view(*lead, H + KV, D), cos, sin)
+                qk = rotate(qkv[..., : self.q_size + self.kv_size].view(*lead, H + KV, D), key)
                 q, k = qk[..., :H, :], qk[..., H:, :]
             out = self._linear(li, "o", attend(li, q, k, v))
             if spec.sandwich_norms:
@@ -416,6 +419,20 @@ class NativeDecoder:
                 x = x + out
                 x = x + self._mlp(li, self._rms(x, layer["post_attention_layernorm"]))
         return x
+
+    def _rotation(self, positions: torch.Tensor):
+        """``rotate(x [..., heads, D], rope key)`` at positions [...]: one kernel call inside an eager decode step
+        (cpu_rotary.py), else _rotate on the tables' rows gathered once per forward."""
+        ops, rope = self._step_rotary, self.rope
+        if ops is not None and ops.reads_tables(rope):
+            def rotate(x: torch.Tensor, key: str) -> torch.Tensor:
+                if ops.supports(x):
+                    return ops.rotate(x, rope.cos[key], rope.sin[key], positions)
+                return _rotate(x, rope.cos[key][positions].unsqueeze(-2), rope.sin[key][positions].unsqueeze(-2))
+            return rotate
+        tables = {key: (cos[positions].unsqueeze(-2), rope.sin[key][positions].unsqueeze(-2))
+                  for key, cos in rope.cos.items()}  # [..., 1, rotary_dim]
+        return lambda x, key: _rotate(x, *tables[key])
 
     def prefill(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor, cache: KVCache
@@ -475,7 +492,11 @@ class NativeDecoder:
                                        s.attn_softcap)
             return out.reshape(r, self.q_size)
 
-        return self._logits(self._layers(tokens, positions, attend))
+        self._step_rotary = self.rotary_kernel
+        try:
+            return self._logits(self._layers(tokens, positions, attend))
+        finally:
+            self._step_rotary = None
 
     def decode_static(self, buf) -> None:
         """decode() on fixed-shape buffers (static_decode.StepBuffers), capturable as a CUDA graph.
