@@ -189,3 +189,17 @@ def test_without_a_compiler_the_engine_says_so_and_uses_torch(monkeypatch, tmp_p
         assert create_rollout_engine("native", path, dtype="fp32").model.attention_kernel is None
     finally:
         cpu_attention.load.cache_clear()  # later tests build (or find) the real kernel again
+
+
+def test_left_pads_are_kept_per_mask_and_found_again_when_it_changes(kernel):
+    bias = torch.zeros(2, 5)
+    bias[1, :2] = float("-inf")
+    assert kernel.starts(bias, 5, 1, [None])[None].tolist() == [0, 2]
+    assert kernel.starts(bias, 5, 2, [None, 3])[3].tolist() == [4, 4]  # the kept pads, a new window clamp
+    bias[0, :3] = float("-inf")  # written in place: torch's version counter moves
+    assert kernel.starts(bias, 5, 1, [None])[None].tolist() == [3, 2]
+    assert kernel.starts(bias, 4, 1, [None]) is None  # another prompt length: [0, :3] of 4 columns is not [0, 2]
+    with torch.inference_mode():
+        fresh = torch.zeros(2, 5)
+        fresh[0, :1] = float("-inf")
+        assert kernel.starts(fresh, 5, 1, [None])[None].tolist() == [1, 0]

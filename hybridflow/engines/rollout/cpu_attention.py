@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 from pathlib import Path
 
 import torch
@@ -53,6 +54,7 @@ class DecodeAttentionKernel:
                                  ptr, ptr, ptr, ptr, i]  # start, new key, new value, scratch, threads
             function.restype = None
             self._functions[dtype] = function
+        self._last_pads = None  # (weak reference to a mask, its version and prompt length, its left pads)
 
     @staticmethod
     def supports(cache) -> bool:
@@ -63,20 +65,33 @@ class DecodeAttentionKernel:
                 and all(t.stride(-1) == 1 for t in parts)
                 and all(v.stride(-2) == v.shape[-1] for v in parts[1::2]))  # values: rows of head_dim
 
-    @staticmethod
-    def starts(prompt_bias: torch.Tensor, prompt_len: int, length: int, windows) -> dict | None:
+    def starts(self, prompt_bias: torch.Tensor, prompt_len: int, length: int, windows) -> dict | None:
         """Per sliding-window size of `windows` (None: full attention), the first attended column [rows] (int32) of
         the rows' prompt + `length` generated keys, from their prompt masks [rows, P] (0, or -inf at left padding).
         None when a mask is not left padding (then the additive-mask path is needed)."""
+        pads = self._left_pads(prompt_bias, prompt_len)
+        if pads is None:
+            return None
+        return {window: pads if window is None else pads.clamp(min=prompt_len + length - window)
+                for window in windows}
+
+    def _left_pads(self, prompt_bias: torch.Tensor, prompt_len: int) -> torch.Tensor | None:
+        """Each row's count of left-padding columns [rows] (int32), or None when a mask is not left padding. A decode
+        loop passes the same mask tensor every step until it drops rows, so the last answer is kept for it (checked
+        by identity and torch's in-place version counter, which inference-mode tensors do not have: the engine
+        replaces its mask when rows are dropped, never writes it in place)."""
+        key = (None if prompt_bias.is_inference() else prompt_bias._version, prompt_len)
+        last = self._last_pads
+        if last is not None and last[0]() is prompt_bias and last[1] == key:
+            return last[2]
         masked = torch.isinf(prompt_bias)
         pads = masked.sum(-1)
         if not torch.equal(masked, torch.arange(prompt_len, device=pads.device)[None] < pads[:, None]):
-            return None
-        out = {}
-        for window in windows:
-            first = pads if window is None else pads.clamp(min=prompt_len + length - window)
-            out[window] = first.to(torch.int32)
-        return out
+            pads = None
+        else:
+            pads = pads.to(torch.int32)
+        self._last_pads = (weakref.ref(prompt_bias), key, pads)
+        return pads
 
     def __call__(self, q: torch.Tensor, cache, layer: int, rows, start: torch.Tensor, length: int, scale: float,
                  softcap: float | None = None, keys: torch.Tensor | None = None,

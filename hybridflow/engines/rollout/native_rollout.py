@@ -409,12 +409,18 @@ class _Responses:
 
     def record(self, step: int, tokens: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
         """Store step `step`'s sampled tokens [running] and their log-probs; returns the tokens."""
-        self.tokens[self.row_index, step] = tokens
-        self.log_probs[self.row_index, step] = log_probs
+        if self.row_index.numel() == self.tokens.shape[0]:  # no slot dropped yet: slot i is row i
+            self.tokens[:, step] = tokens
+            self.log_probs[:, step] = log_probs
+        else:
+            self.tokens[self.row_index, step] = tokens
+            self.log_probs[self.row_index, step] = log_probs
         stopped = torch.isin(tokens, self.stop_ids) & ~self.done
-        self.lengths[self.row_index[stopped]] = step + 1
-        self.done |= stopped
-        self.n_done = int(self.done.sum())
+        stops = int(stopped.sum())
+        if stops:
+            self.lengths[self.row_index[stopped]] = step + 1
+            self.done |= stopped
+            self.n_done += stops
         return tokens
 
     def finished(self, step: int) -> bool:
