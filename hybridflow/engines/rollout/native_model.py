@@ -137,10 +137,10 @@ class NativeDecoder:
         # the eager decode's attention kernel (cpu_attention.DecodeAttentionKernel), set by the rollout engine; None:
         # kv_cache.decode_attention (torch matmuls)
         self.attention_kernel = None
-        # the eager decode's fp32 rotary embedding as one call (cpu_rotary.RotaryKernel), set by the rollout engine;
-        # active (_step_rotary) only inside decode()
-        self.rotary_kernel = None
-        self._step_rotary = None
+        # the eager decode's rotary embedding and bf16 RMSNorm as one call each (cpu_step_ops.StepOpsKernel), set
+        # by the rollout engine; active (_step_ops) only inside decode()
+        self.step_ops = None
+        self._step_ops = None
 
         def empty(*size: int) -> torch.Tensor:
             return torch.zeros(size, dtype=dtype, device=device)
@@ -337,6 +337,9 @@ class NativeDecoder:
 
     # ------------------------------------------------------------------ forward
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ops = self._step_ops
+        if ops is not None and ops.normalises(x, weight):
+            return ops.rms_norm(x, weight, self.shape.rms_norm_eps, self.offset_norm)
         return _rms_norm(x, weight, self.shape.rms_norm_eps, self.offset_norm)
 
     def _mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
@@ -422,11 +425,11 @@ class NativeDecoder:
 
     def _rotation(self, positions: torch.Tensor):
         """``rotate(x [..., heads, D], rope key)`` at positions [...]: one kernel call inside an eager decode step
-        (cpu_rotary.py), else _rotate on the tables' rows gathered once per forward."""
-        ops, rope = self._step_rotary, self.rope
+        (cpu_step_ops.py), else _rotate on the tables' rows gathered once per forward."""
+        ops, rope = self._step_ops, self.rope
         if ops is not None and ops.reads_tables(rope):
             def rotate(x: torch.Tensor, key: str) -> torch.Tensor:
-                if ops.supports(x):
+                if ops.rotates(x, rope.cos[key]):
                     return ops.rotate(x, rope.cos[key], rope.sin[key], positions)
                 return _rotate(x, rope.cos[key][positions].unsqueeze(-2), rope.sin[key][positions].unsqueeze(-2))
             return rotate
@@ -492,11 +495,11 @@ class NativeDecoder:
                                        s.attn_softcap)
             return out.reshape(r, self.q_size)
 
-        self._step_rotary = self.rotary_kernel
+        self._step_ops = self.step_ops
         try:
             return self._logits(self._layers(tokens, positions, attend))
         finally:
-            self._step_rotary = None
+            self._step_ops = None
 
     def decode_static(self, buf) -> None:
         """decode() on fixed-shape buffers (static_decode.StepBuffers), capturable as a CUDA graph.

@@ -40,7 +40,7 @@ import torch
 
 from hybridflow import device as hf_device
 from hybridflow.engines.batch_invariant import onednn_matmuls
-from hybridflow.engines.rollout import cpu_attention, cpu_rotary
+from hybridflow.engines.rollout import cpu_attention, cpu_step_ops
 from hybridflow.engines.rollout.arch_specs import resolve
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
 from hybridflow.engines.rollout.chunked_prefill import chunked_prefill
@@ -210,9 +210,9 @@ class NativeRollout(RolloutEngine):
                                                tp=self.tensor_parallel, int8=self.int8, prepack=prepack,
                                                linear_kernel=linear_kernel)
         self.model.attention_kernel = self._attention_kernel(attention_kernel)
-        # the eager decode steps' fp32 rotary embedding as one C call (cpu_rotary.py; the same bits as torch's ops)
-        if self.device.type == "cpu" and self.dtype == torch.float32:
-            self.model.rotary_kernel = cpu_rotary.load()
+        # the eager decode steps' rotary embedding (torch's bits) and bf16 RMSNorm as one C call each (cpu_step_ops.py)
+        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and not self.batch_invariant:
+            self.model.step_ops = cpu_step_ops.load()
         if self.model.max_positions < self.max_model_len:  # longrope: its short factors only (rope.py)
             logger.warning("native rollout: %s's rope switches factors past %d positions; generating within "
                            "max_model_len=%d instead of %d", self.config.model_type, self.model.max_positions,

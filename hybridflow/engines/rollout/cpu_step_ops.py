@@ -1,0 +1,114 @@
+"""Small ops of the native rollout's decode step on CPU as one C call each (cpu_step_ops.c), built on first use.
+
+Why: a decode step of a small model is mostly per-op overhead. Its rotary embedding is two gathers of the tables'
+rows at the step's positions, then a product, a roll, a product and a sum per rotation (one or two per layer). A
+bf16 RMSNorm is a float conversion, torch's five-op fp32 norm, a conversion back and the weight's product (17 a step
+in the mid model: 14% of a 64-row bf16 generate call). Here each is one call that reads its tables in place.
+
+Exactness: the rotary embedding is transformers' arithmetic bit for bit in fp32 and bf16 (the file is built without
+FMA contraction, and bf16 products are rounded as torch rounds them). The bf16 norm sums its squares in another order
+than torch's reduction, so its output can differ by one bf16 ulp where the fp32 value sits within an fp32 ulp of a
+bf16 rounding boundary. An fp32 norm is not offered: there that difference is the output, and it alone took the
+rollout-vs-training log-prob mismatch past 1e-5 (tests/engines/test_native_archs.py). The engine uses these in its
+eager decode steps only (NativeDecoder.decode), never in the batch-invariant mode.
+
+Build: on first use, for this CPU, cached per machine (c_kernels.py). Without a compiler, or when the build fails,
+`load` logs why once and returns None: the decoder then keeps torch's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from hybridflow.engines.rollout.c_kernels import load_library
+
+__all__ = ["StepOpsKernel", "load"]
+
+_SOURCE = Path(__file__).with_name("cpu_step_ops.c")
+_ROPE = {torch.float32: "rope_f32", torch.bfloat16: "rope_bf16"}
+
+
+@functools.cache
+def load() -> StepOpsKernel | None:
+    """The kernels, built on first use (c_kernels.py); None where they cannot be built here."""
+    lib = load_library(_SOURCE, "step_ops", "rotary and RMSNorm", "the decode steps keep torch's rotary and norm ops",
+                       fast_math=False, extra_flags=("-ffp-contract=off",))
+    return None if lib is None else StepOpsKernel(lib)
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """(R, H, row stride, head stride) of x [R, n] or [R, H, n], whose last dimension is contiguous."""
+    if x.dim() == 2:
+        return x.shape[0], 1, x.stride(0), x.shape[1]
+    return x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+
+
+class StepOpsKernel:
+    """``rotate`` = native_model._rotate on the tables' rows at the given positions, bit for bit; ``rms_norm`` =
+    native_model._rms_norm for bf16 rows (up to one ulp at rounding boundaries)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        i, long, f, ptr = ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_void_p
+        self._rope = {}
+        for dtype, name in _ROPE.items():
+            function = getattr(lib, name)
+            function.argtypes = [long, long, long, ptr, long, long, ptr, ptr, long, ptr, ptr, i]
+            function.restype = None
+            self._rope[dtype] = function
+        self._rms = lib.rms_norm_bf16
+        self._rms.argtypes = [long, long, long, ptr, long, long, ptr, f, i, ptr, i]  # R, H, n, x, sr, sh, w, eps,
+        self._rms.restype = None  # offset, y, threads
+
+    @staticmethod
+    def _reads(x: torch.Tensor, dtypes) -> bool:
+        return (x.dtype in dtypes and x.device.type == "cpu" and x.dim() in (2, 3) and x.stride(-1) == 1
+                and not torch.compiler.is_compiling())
+
+    @staticmethod
+    def reads_tables(rope) -> bool:
+        """Whether `rotate` reads the rotary tables of `rope` (rope.RotaryTables) in place."""
+        tables = (*rope.cos.values(), *rope.sin.values())
+        return rope.rotary_dim % 2 == 0 and all(t.dtype in _ROPE and t.is_contiguous() for t in tables)
+
+    def rotates(self, x: torch.Tensor, table: torch.Tensor) -> bool:
+        """Whether `rotate` takes the heads x [R, H, D] with a table of `table`'s dtype."""
+        return x.dim() == 3 and x.dtype == table.dtype and self._reads(x, _ROPE)
+
+    def normalises(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether `rms_norm` takes the rows x [R, n] or [R, H, n] with `weight`."""
+        return weight.dtype == torch.bfloat16 and self._reads(x, (torch.bfloat16,))
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """x [R, H, D] (fp32 or bf16, the tables' dtype; last dimension contiguous) rotated at positions [R] with
+        the tables cos, signed_sin [max_positions, rotary_dim] (rope.RotaryTables) -> [R, H, D] contiguous."""
+        R, H, sr, sh = _rows(x)
+        positions = positions.to(torch.int64).contiguous()
+        out = torch.empty(x.shape, dtype=x.dtype)
+        args = (R, H, x.shape[-1], x.data_ptr(), sr, sh, cos.data_ptr(), signed_sin.data_ptr(), cos.shape[-1],
+                positions.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        self._run(self._rope[x.dtype], "hybridflow::decode_rotary", args)
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+        """x [R, n] or [R, H, n] bf16 (last dimension contiguous), weight [n] bf16 (Gemma: 1 + w, offset=True) ->
+        the normalised rows, contiguous."""
+        R, H, sr, sh = _rows(x)
+        weight = weight.contiguous()
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        args = (R, H, x.shape[-1], x.data_ptr(), sr, sh, weight.data_ptr(), eps, int(offset), out.data_ptr(),
+                torch.get_num_threads())
+        self._run(self._rms, "hybridflow::decode_rms_norm", args)
+        return out
+
+    @staticmethod
+    def _run(function, name: str, args: tuple) -> None:
+        if torch.autograd._profiler_enabled():  # a named range in torch.profiler's tables (no op of its own)
+            with torch.profiler.record_function(name):
+                function(*args)
+        else:
+            function(*args)

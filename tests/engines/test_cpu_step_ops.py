@@ -1,0 +1,96 @@
+"""The decode step's small-op kernels (engines/rollout/cpu_step_ops.py, cpu_step_ops.c): the rotary embedding is
+native_model._rotate bit for bit in fp32 and bf16 (strided q/k views of the fused projection, partial rotary dims, one
+thread and split over threads); the bf16 RMSNorm is native_model._rms_norm up to one ulp at rare rounding boundaries
+(Llama's and Gemma's order); an engine's outputs are the same bits with and without the kernels in fp32, and its
+greedy tokens the same in bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.engines.rollout import SamplingParams, cpu_step_ops, create_rollout_engine
+from hybridflow.engines.rollout.native_model import _rms_norm, _rotate
+from hybridflow.engines.rollout.rope import RotaryTables
+from hybridflow.engines.tiny import write_tiny_model
+from hybridflow.protocol import DataProto
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = cpu_step_ops.load()
+    assert built is not None, "the step-op kernels did not build on this machine (see the log warning)"
+    return built
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# rows x heads x head_dim: one thread below 32768 elements, split over threads above
+@pytest.mark.parametrize("rows,heads,D,dim", [(5, 3, 16, 16), (16, 6, 32, 32), (7, 4, 80, 40), (64, 12, 64, 64)])
+def test_the_rotation_is_rotate_bit_for_bit(kernel, dtype, rows, heads, D, dim):
+    g = torch.Generator().manual_seed(rows + D)
+    positions_total = 50
+    cos = torch.randn(positions_total, dim, generator=g).to(dtype)
+    sin = torch.randn(positions_total, dim, generator=g).to(dtype)
+    assert kernel.reads_tables(RotaryTables({"default": cos}, {"default": sin}, dim, None))
+    # a strided view, as the q/k heads of the fused qkv projection are
+    fused = torch.randn(rows, heads * D + 24, generator=g).to(dtype)
+    x = fused[:, : heads * D].view(rows, heads, D)
+    assert kernel.rotates(x, cos)
+    positions = torch.randint(0, positions_total, (rows,), generator=g)
+    want = _rotate(x, cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2))
+    got = kernel.rotate(x, cos, sin, positions)
+    assert got.is_contiguous() and got.dtype == dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("offset", [False, True])  # Llama's order (w * bf16(v)); Gemma's (bf16(v * (1 + w)))
+@pytest.mark.parametrize("shape", [(64, 512), (16, 6, 128), (3, 7)])
+def test_the_bf16_norm_is_torchs_up_to_rare_rounding_ties(kernel, offset, shape):
+    g = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
+    x = (torch.randn(*shape, generator=g) * 3).to(torch.bfloat16)
+    weight = (torch.randn(shape[-1], generator=g) * 0.2 + 1).to(torch.bfloat16)
+    assert kernel.normalises(x, weight)
+    got = kernel.rms_norm(x, weight, 1e-6, offset)
+    want = _rms_norm(x, weight, 1e-6, offset)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    differ = got != want
+    assert differ.float().mean() < 1e-3, int(differ.sum())
+    # where they differ, by one bf16 ulp of the value (2^-7 relative, at most)
+    assert torch.all((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-30)
+    # a strided input (the q heads of a fused projection) reads the same rows
+    wide = torch.cat([x, x], -1)
+    assert torch.equal(kernel.rms_norm(wide[..., : shape[-1]], weight, 1e-6, offset), got)
+
+
+def test_what_the_kernels_do_not_take_is_refused(kernel):
+    cos = torch.randn(8, 6)
+    assert not kernel.reads_tables(RotaryTables({"default": cos.double()}, {"default": cos.double()}, 6, None))
+    assert not kernel.reads_tables(RotaryTables({"default": cos[:, :5]}, {"default": cos[:, :5]}, 5, None))
+    assert not kernel.rotates(torch.randn(4, 2, 8).to(torch.bfloat16), cos)  # not the table's dtype
+    assert not kernel.rotates(torch.randn(4, 8, 2).transpose(1, 2), cos)  # last dimension strided
+    assert kernel.rotates(torch.randn(4, 2, 8), cos)
+    assert not kernel.normalises(torch.randn(4, 8), torch.ones(8))  # fp32 norms stay torch's
+    assert kernel.normalises(torch.randn(4, 8).to(torch.bfloat16), torch.ones(8, dtype=torch.bfloat16))
+
+
+def _outputs(engine, ops):
+    engine.model.step_ops = ops
+    enc = engine.tokenizer(["a b c", "d", "e f g h i j"], return_tensors="pt", padding=True, padding_side="left")
+    batch = DataProto.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+                                 "position_ids": (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)})
+    return [engine.generate(batch, params) for params in (
+        SamplingParams(greedy=True, max_new_tokens=12), SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=11))]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma2"])  # q and k rotated together; q/k norms; Gemma's norms
+def test_an_engine_gives_the_same_outputs_with_and_without_the_kernels(kernel, tmp_path, arch):
+    path = write_tiny_model(str(tmp_path / arch), "tiny", seed=0, arch=arch)
+    fp32 = create_rollout_engine("native", path, dtype="fp32", seed=3)
+    assert fp32.model.step_ops is kernel
+    for with_kernel, without in zip(_outputs(fp32, kernel), _outputs(fp32, None)):
+        assert torch.equal(with_kernel.batch["responses"], without.batch["responses"])
+        assert torch.equal(with_kernel.batch["rollout_log_probs"], without.batch["rollout_log_probs"])
+    bf16 = create_rollout_engine("native", path, dtype="bf16", seed=3)
+    assert bf16.model.step_ops is kernel
+    greedy_k, _ = _outputs(bf16, kernel)
+    greedy_t, _ = _outputs(bf16, None)
+    assert torch.equal(greedy_k.batch["responses"], greedy_t.batch["responses"])
