@@ -48,8 +48,8 @@ def time_one(tree: str, target: float, test_freq: int, max_steps: int, run_dir: 
         while hit is None:
             done = proc.poll() is not None
             if os.path.exists(metrics):
-                with open(metrics) as f:
-                    rows = [json.loads(line) for line in f if line.strip()]
+                with open(metrics) as f:  # whole lines only: the trainer may be writing the last one
+                    rows = [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
                 for row in rows[seen:]:
                     if VAL_KEY in row:
                         curve.append((row["step"], row[VAL_KEY], round(time.perf_counter() - start, 2)))
