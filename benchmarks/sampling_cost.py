@@ -2,7 +2,8 @@
 
     python benchmarks/sampling_cost.py [--vocab 288,49152,151936] [--rows 16,64] [--threads 2]
 
-Per (vocabulary, rows): milliseconds per ``sample_tokens`` call on random logits (temperature 1, then top-p 0.9),
+Per (vocabulary, rows): milliseconds per ``sample_tokens`` call on random logits (temperature 1; then top-p 0.9;
+then top-k 50),
 with the draws from a ``StepUniforms`` table as the native engine takes them, and the per-step hashing alone
 (``uniform_from_keys``), which the table replaces. The vocabularies are the tiny models' (288), SmolLM2's (49,152)
 and Qwen3's (151,936). Medians of --repeats timings of --calls calls each.
@@ -41,16 +42,17 @@ def measure(vocab: int, rows: int, calls: int, repeats: int) -> dict:
     draws = StepUniforms(keys, steps=1 << 20)
     step = [0]
 
-    def sample(top_p: float):
+    def sample(top_p: float, top_k: int = -1):
         def call():
             step[0] += 1
-            sample_tokens(logits, greedy=False, temperature=1.0, top_k=-1, top_p=top_p, keys=None, step=step[0],
+            sample_tokens(logits, greedy=False, temperature=1.0, top_k=top_k, top_p=top_p, keys=None, step=step[0],
                           uniforms=draws.at(step[0]))
         return call
 
     return {
         "sample_ms": _ms_per_call(sample(1.0), calls, repeats),
         "sample_top_p_0.9_ms": _ms_per_call(sample(0.9), max(1, calls // 4), repeats),
+        "sample_top_k_50_ms": _ms_per_call(sample(1.0, 50), max(1, calls // 4), repeats),
         "per_step_hashing_ms": _ms_per_call(lambda: uniform_from_keys(keys, 7), calls, repeats),
     }
 

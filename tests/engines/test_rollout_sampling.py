@@ -8,8 +8,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
-from hybridflow.engines.rollout.sampling import _inverse_cdf, row_keys, sample_tokens, uniform_from_keys, uniform_table
+from hybridflow.engines.rollout import SamplingParams, create_rollout_engine, sampling
+from hybridflow.engines.rollout.sampling import (
+    _draw_filtered,
+    _inverse_cdf,
+    row_keys,
+    sample_tokens,
+    uniform_from_keys,
+    uniform_table,
+)
 from hybridflow.engines.tiny import SIZES, build_char_tokenizer, make_config
 from hybridflow.protocol import DataProto
 
@@ -77,6 +84,36 @@ def test_the_inverse_cdf_never_picks_a_zero_probability_token():
     cases = {0.0: [0, 1], 0.3: [0, 1], 0.5: [1, 3], 1 - 2**-53: [1, 3], 1.0: [1, 3]}  # 1.0: outside [0, 1)
     for u, want in cases.items():
         assert _inverse_cdf(probs, torch.full((2,), u, dtype=torch.float64)).tolist() == want, u
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k,top_p", [(-1, 1.0), (-1, 0.9), (20, 1.0)])
+def test_sampling_rows_in_chunks_changes_nothing(dtype, top_k, top_p, monkeypatch):
+    # 60 rows x 50,000 logits: sample_tokens goes through them in chunks of 20 rows
+    logits = (torch.randn(60, 50_000, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+    kw = dict(greedy=False, temperature=0.9, top_k=top_k, top_p=top_p, step=4,
+              keys=row_keys(2, torch.arange(60), torch.zeros(60, dtype=torch.long)))
+    chunked = sample_tokens(logits, **kw)
+    monkeypatch.setattr(sampling, "_CHUNK_ELEMENTS", 1 << 40)
+    whole = sample_tokens(logits, **kw)
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[1], whole[1])
+
+
+@pytest.mark.parametrize("top_k,top_p", [(-1, 0.9), (-1, 0.3), (-1, 0.995), (4, 1.0), (40, 1.0), (40, 0.8)])
+@pytest.mark.parametrize("scale,step", [(0.5, None), (4.0, None), (2.0, 0.5)])
+def test_sorting_only_candidates_draws_the_tokens_of_sorting_the_whole_row(top_k, top_p, scale, step):
+    # step: logits on a grid of that spacing, so equal probabilities straddle the candidates' cut
+    logits = torch.randn(64, 5000, generator=torch.Generator().manual_seed(3)) * scale
+    if step is not None:
+        logits = (logits / step).round() * step
+    probs = logits.softmax(-1)
+    u = uniform_from_keys(row_keys(4, torch.arange(64), torch.zeros(64, dtype=torch.long)), 0)
+    whole_row = _draw_filtered(probs, u, top_k, top_p, first_width=5000)
+    for width in (1, 5, 64, 700):  # 700: the next width, 5600, is past the row: the whole row
+        assert torch.equal(_draw_filtered(probs, u, top_k, top_p, first_width=width), whole_row), width
+    for row in (0, 17, 63) if step is None else ():  # restricted() orders ties as argsort does
+        allowed = restricted(probs[row].double(), top_k, top_p).nonzero().flatten().tolist()
+        assert int(whole_row[row]) in allowed
 
 
 @pytest.mark.parametrize("top_k,top_p", [(-1, 1.0), (3, 1.0), (-1, 0.75), (-1, 0.85), (3, 0.6)])
