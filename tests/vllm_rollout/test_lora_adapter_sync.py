@@ -64,6 +64,30 @@ def test_loaded_adapter_generates_like_the_merged_model(model_path):
     assert not os.path.exists(adapter_dir)
 
 
+def test_a_new_engine_removes_adapter_folders_of_gone_processes(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import tempfile
+
+    from hybridflow.engines.rollout.vllm_rollout import _new_adapter_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    names = {
+        "gone": f"hybridflow-vllm-lora-{int(gone.stdout)}-abc",  # a killed rollout worker's
+        "alive": f"hybridflow-vllm-lora-{os.getpid()}-def",  # a running engine's
+        "other": "hybridflow-vllm-lora-notapid",  # not of the pattern: left alone
+        "unrelated": "something-else-1",
+    }
+    for name in names.values():
+        os.makedirs(tmp_path / name / "adapter")
+    made = _new_adapter_dir()
+    assert os.path.dirname(made) == str(tmp_path)
+    assert os.path.basename(made).startswith(f"hybridflow-vllm-lora-{os.getpid()}-")
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(made)] + [names[k] for k in ("alive", "other",
+                                                                                                   "unrelated")])
+
+
 def test_grpo_with_lora_syncs_only_the_adapter(arithmetic_files, model_path, tmp_path):
     run_dir = str(tmp_path / "run")
     cfg = load_config(tiny_run_overrides(

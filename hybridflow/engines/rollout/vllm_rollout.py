@@ -57,6 +57,34 @@ _INSTALL_HINT = (
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
+_ADAPTER_DIR_PREFIX = "hybridflow-vllm-lora-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _new_adapter_dir() -> str:
+    """This engine's temporary folder for adapter folders, named after this process (<prefix><pid>-<random>).
+
+    Rollout workers are killed (ray.kill) rather than shut down, so an engine's own clean-up (shutdown, the
+    finalizer at interpreter exit) may never run; each new one therefore first removes such folders left by
+    processes of this machine that are gone. Only folders of that name pattern are touched.
+    """
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        pid = name[len(_ADAPTER_DIR_PREFIX):].split("-", 1)[0]
+        if name.startswith(_ADAPTER_DIR_PREFIX) and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{_ADAPTER_DIR_PREFIX}{os.getpid()}-")
+
+
 def _vllm_installed() -> bool:
     spec = importlib.util.find_spec("vllm")
     # A bare directory named vllm on sys.path (tests/vllm_rollout, when pytest puts tests/ there) is found as a namespace
@@ -226,7 +254,9 @@ class VLLMRollout(RolloutEngine):
         # PEFT adapter folder (load_adapter) instead of streaming merged weights. 0: no LoRA in vLLM.
         self.adapter_sync = lora_rank > 0
         self._lora_request = None
-        self._adapter_dir = tempfile.mkdtemp(prefix="hybridflow-vllm-lora-") if self.adapter_sync else None
+        self._adapter_dir = _new_adapter_dir() if self.adapter_sync else None
+        if self._adapter_dir is not None:
+            self._remove_adapter_dir = weakref.finalize(self, shutil.rmtree, self._adapter_dir, ignore_errors=True)
         self.on_gpu = device.is_cuda_available()
         self._asleep = False
         self._sleep_mode = bool(kw.get("enable_sleep_mode", False)) and self.on_gpu
@@ -439,7 +469,7 @@ class VLLMRollout(RolloutEngine):
         """Stop the engine and free its memory; the object is unusable afterwards."""
         llm = self.__dict__.pop("llm", None)
         if self._adapter_dir is not None:
-            shutil.rmtree(self._adapter_dir, ignore_errors=True)  # this engine's own temporary adapter folders
+            self._remove_adapter_dir()  # this engine's own temporary adapter folders
             self._adapter_dir = None
         if llm is None:
             return
