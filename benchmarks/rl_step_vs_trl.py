@@ -402,7 +402,7 @@ def side_by_side_config(args, size: str) -> dict:
             "actor_rollout_ref.actor.optim.weight_decay": 0.0, "actor_rollout_ref.actor.grad_clip": 1.0,
             "trainer.num_threads_per_worker": args.threads, "trainer.n_gpus_per_node": 1, "data.shuffle": False,
             "old_log_prob_pass": "skipped (on-policy: one optimizer step per batch)",
-            "optimizer": "torch.optim.AdamW, default (per-tensor) implementation (hybridflow/engines/optim.py)",
+            "optimizer": "torch.optim.AdamW(fused=True) (hybridflow/engines/optim.py)",
         },
         "trl": {
             "GRPOConfig": {

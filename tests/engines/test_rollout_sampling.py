@@ -87,12 +87,12 @@ def test_the_inverse_cdf_never_picks_a_zero_probability_token():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("top_k,top_p", [(-1, 1.0), (-1, 0.9), (20, 1.0)])
-def test_sampling_rows_in_chunks_changes_nothing(dtype, top_k, top_p, monkeypatch):
-    # 60 rows x 50,000 logits: sample_tokens goes through them in chunks of 20 rows
-    logits = (torch.randn(60, 50_000, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
-    kw = dict(greedy=False, temperature=0.9, top_k=top_k, top_p=top_p, step=4,
-              keys=row_keys(2, torch.arange(60), torch.zeros(60, dtype=torch.long)))
+@pytest.mark.parametrize("greedy,top_k,top_p", [(False, -1, 1.0), (False, -1, 0.9), (False, 20, 1.0), (True, -1, 1.0)])
+def test_sampling_rows_in_chunks_changes_nothing(dtype, greedy, top_k, top_p, monkeypatch):
+    # 61 rows x 50,000 logits: sample_tokens goes through them in chunks of 20, 20 and 21 rows
+    logits = (torch.randn(61, 50_000, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+    kw = dict(greedy=greedy, temperature=0.9, top_k=top_k, top_p=top_p, step=4,
+              keys=row_keys(2, torch.arange(61), torch.zeros(61, dtype=torch.long)))
     chunked = sample_tokens(logits, **kw)
     monkeypatch.setattr(sampling, "_CHUNK_ELEMENTS", 1 << 40)
     whole = sample_tokens(logits, **kw)

@@ -183,26 +183,27 @@ def sample_tokens(
     with the draws ``uniform_from_keys(keys, step)``, or ``uniforms`` [rows] float64 when given (taken from a
     ``uniform_table`` of the same keys). Each row's result depends on that row alone, so rows go in chunks.
     """
-    if greedy:
-        logits = logits.float()
-        tokens = logits.argmax(-1)
-        return tokens, log_probs_from_logits(logits, tokens)
-    if keys is None and uniforms is None:
+    if keys is None and uniforms is None and not greedy:
         raise ValueError("sampling needs per-row random keys; pass keys=row_keys(...)")
-    u = uniform_from_keys(keys, step) if uniforms is None else uniforms
+    u = None if greedy else uniform_from_keys(keys, step) if uniforms is None else uniforms
     rows, vocab = logits.shape
-    chunk = max(1, _CHUNK_ELEMENTS // vocab)
-    if rows <= chunk:
-        return _sample_rows(logits, u, temperature, top_k, top_p)
-    parts = [_sample_rows(logits[i:i + chunk], u[i:i + chunk], temperature, top_k, top_p)
-             for i in range(0, rows, chunk)]
+    chunks = -(-rows * vocab // _CHUNK_ELEMENTS)
+    if chunks <= 1 or rows == 1:
+        return _sample_rows(logits, u, greedy, temperature, top_k, top_p)
+    parts = []
+    for i in range(chunks):  # near-equal chunks (never one short chunk left over at the end)
+        rows_i = slice(i * rows // chunks, (i + 1) * rows // chunks)
+        parts.append(_sample_rows(logits[rows_i], None if u is None else u[rows_i], greedy, temperature, top_k, top_p))
     return torch.cat([t for t, _ in parts]), torch.cat([lp for _, lp in parts])
 
 
 def _sample_rows(
-    logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k: int, top_p: float
+    logits: torch.Tensor, u: torch.Tensor | None, greedy: bool, temperature: float, top_k: int, top_p: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     logits = logits.float()
+    if greedy:
+        tokens = logits.argmax(-1)
+        return tokens, log_probs_from_logits(logits, tokens)
     scaled = logits if temperature == 1.0 else logits / temperature  # x / 1.0 == x: skip a pass over [rows, V]
     # one logsumexp for the draw and the reported log-prob (log_probs_from_logits' formula, the same bits); the
     # draw's probabilities are exp'd in fp32 and summed in fp64 (an fp64 exp over 49,152 tokens cost 3x as much);
