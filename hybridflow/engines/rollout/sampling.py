@@ -123,7 +123,8 @@ def _draw_filtered(
     These are the tokens of filtering the stably sorted whole row, which only the last resort sorts: the first try
     sorts top_k + 1 candidates when top-k filters, else `first_width` (default 1024), and a row is redrawn with 8x
     as many (then the whole row) when a kept, drawable token has the candidates' smallest value, since values equal
-    to it may lie outside them.
+    to it may lie outside them. Rows of up to 4,096 tokens, or with candidates past a quarter of them, are sorted
+    whole at once.
     """
     rows, vocab = probs.shape
     top_k = top_k if 0 < top_k < vocab else vocab
