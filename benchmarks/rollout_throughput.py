@@ -11,10 +11,11 @@ prints one JSON document.
     .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,native:prepack=false   # CPU: oneDNN packing
     .venv/bin/python benchmarks/rollout_throughput.py --arch gemma3_text --dtypes fp32 --batch-sizes 64   # one arch
     .venv/bin/python benchmarks/rollout_throughput.py --model DIR --dtypes fp32 --batch-sizes 32,64    # a real model
+    .venv/bin/python benchmarks/rollout_throughput.py --model DIR --top-p 0.9 --n 4 --batch-sizes 64   # nucleus
     .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,native:attention_kernel=false --interleave
     .venv/bin/python benchmarks/rollout_throughput.py --backends native,native:linear_kernel=false --interleave
 
-Sampling at temperature 1 with the model's eos active: tokens/s counts the tokens actually generated (response_mask),
+Sampling at temperature 1 (with --top-p / --top-k when given, for every backend) with the model's eos active: tokens/s counts the tokens actually generated (response_mask),
 and each configuration reports the best of --repeats runs after one warm-up call. --interleave times the backends'
 calls in turns (their best and every call's rate are reported), instead of one backend's repeats after another's.
 """
@@ -85,7 +86,7 @@ def run_interleaved(path: str, backends: list[str], dtypes: list[str], batch_siz
     """--interleave: per dtype, every backend's engine built and warmed up, then per batch size `repeats` rounds in
     which each backend makes one call in turn; each backend's row is its best call (and its first one)."""
     results = []
-    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.n)
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.n, top_p=args.top_p, top_k=args.top_k)
     for dtype in dtypes:
         engines, warmups = {}, {}
         for backend in backends:
@@ -196,6 +197,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", default="16,32", help="min,max prompt length in tokens")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt: each batch is batch/n prompts x n samples")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling for every backend (1.0: off)")
+    parser.add_argument("--top-k", type=int, default=-1, help="top-k sampling for every backend (-1: off)")
     parser.add_argument("--size", default="mid", choices=sorted(SIZES))
     parser.add_argument("--arch", default="qwen2", choices=TINY_ARCHITECTURES, help="architecture of the model")
     parser.add_argument("--model", default=None,
@@ -232,7 +235,7 @@ def main() -> None:
                 except (ImportError, ValueError) as err:
                     errors[f"{backend}/{dtype}"] = str(err)
                     continue
-                params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.n)
+                params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.n, top_p=args.top_p, top_k=args.top_k)
                 start = time.perf_counter()
                 engine.generate(make_prompts(engine.tokenizer, 4, min_len, max_len, seed=99), params)  # warm-up
                 warmup_seconds = round(time.perf_counter() - start, 3)
@@ -298,6 +301,8 @@ def main() -> None:
             "new_tokens": args.new_tokens,
             "prompt_len": [min_len, max_len],
             "samples_per_prompt": args.n,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
             "repeats": args.repeats,
             "quick": args.quick,
             "interleave": args.interleave,
