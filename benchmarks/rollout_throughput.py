@@ -15,9 +15,10 @@ prints one JSON document.
     .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,native:attention_kernel=false --interleave
     .venv/bin/python benchmarks/rollout_throughput.py --backends native,native:linear_kernel=false --interleave
 
-Sampling at temperature 1 (with --top-p / --top-k when given, for every backend) with the model's eos active: tokens/s counts the tokens actually generated (response_mask),
-and each configuration reports the best of --repeats runs after one warm-up call. --interleave times the backends'
-calls in turns (their best and every call's rate are reported), instead of one backend's repeats after another's.
+Sampling at temperature 1 (with --top-p / --top-k when given, for every backend) with the model's eos active:
+tokens/s counts the tokens actually generated (response_mask), and each configuration reports the best of --repeats
+runs after one warm-up call. --interleave times the backends' calls in turns (their best and every call's rate are
+reported), instead of one backend's repeats after another's.
 """
 
 from __future__ import annotations
