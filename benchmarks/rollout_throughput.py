@@ -82,12 +82,18 @@ def measure(engine, prompts: DataProto, params: SamplingParams, repeats: int, se
     return {**best, "first_call_seconds": round(first, 4)}
 
 
+def sampling_params(args) -> SamplingParams:
+    """Every backend's sampling: temperature 1, --new-tokens, --n samples a prompt, --top-p / --top-k."""
+    return SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.n, top_p=args.top_p,
+                          top_k=args.top_k)
+
+
 def run_interleaved(path: str, backends: list[str], dtypes: list[str], batch_sizes: list[int], prompt_len, args,
                     errors: dict) -> list[dict]:
     """--interleave: per dtype, every backend's engine built and warmed up, then per batch size `repeats` rounds in
     which each backend makes one call in turn; each backend's row is its best call (and its first one)."""
     results = []
-    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.n, top_p=args.top_p, top_k=args.top_k)
+    params = sampling_params(args)
     for dtype in dtypes:
         engines, warmups = {}, {}
         for backend in backends:
@@ -236,7 +242,7 @@ def main() -> None:
                 except (ImportError, ValueError) as err:
                     errors[f"{backend}/{dtype}"] = str(err)
                     continue
-                params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.n, top_p=args.top_p, top_k=args.top_k)
+                params = sampling_params(args)
                 start = time.perf_counter()
                 engine.generate(make_prompts(engine.tokenizer, 4, min_len, max_len, seed=99), params)  # warm-up
                 warmup_seconds = round(time.perf_counter() - start, 3)

@@ -133,13 +133,16 @@ def _draw_filtered(
     tokens, todo = None, None  # todo: the rows left to draw (None: all of them)
     while True:
         full = width * 4 > vocab or vocab <= 4 * _CANDIDATES  # the whole row is sorted: every row is exact
-        sub, sub_u = (probs, u) if todo is None else (probs[todo], u[todo])
+        if todo is None:
+            sub, sub_u, sub_total = probs, u, total
+        else:
+            sub, sub_u, sub_total = probs[todo], u[todo], None if total is None else total[todo]
         candidates, indices = _stable_top(sub, vocab if full else width)
         values = candidates.double()
         if top_k < values.shape[-1]:
             values[:, top_k:] = 0
         if top_p < 1.0:
-            mass = values[:, :top_k].sum(-1, keepdim=True) if total is None else total if todo is None else total[todo]
+            mass = values[:, :top_k].sum(-1, keepdim=True) if sub_total is None else sub_total
             before = values.cumsum(-1) - values  # mass strictly above each token
             values = values.masked_fill(before >= top_p * mass, 0)
             values[:, 0] = values[:, 0].clamp(min=torch.finfo(values.dtype).tiny)
