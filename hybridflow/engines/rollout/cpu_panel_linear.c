@@ -10,6 +10,7 @@
    Each output is the sum over k = 0..K-1 in that order, FMA by FMA, whatever M is: a row's result does not depend
    on how many rows are in the call. */
 #include <immintrin.h>
+#include <omp.h>
 
 #if defined(__AVX512F__)
 #define VEC 16
@@ -50,7 +51,7 @@ typedef __m256 vec;
    each row (16 columns with AVX-512, 8 with AVX2) */
 static inline __attribute__((always_inline)) void
 block(const int mr, const float *x, long ldx, const float *const *lane, long K, float *y, long ldy,
-      const float *bias, int cols) {
+      const float *bias, int cols, const float *pf, long pf_lines) {
     vec acc[MR][REGS];
     for (int m = 0; m < mr; m++)
         for (int j = 0; j < REGS; j++) acc[m][j] = vzero();
@@ -60,6 +61,9 @@ block(const int mr, const float *x, long ldx, const float *const *lane, long K, 
             w[j] = vload(lane[j] + k * PANEL);
             _mm_prefetch((const char *)(lane[j] + k * PANEL + 256), _MM_HINT_T0);
         }
+        /* the next task's weights into L2, two lines per k while this block's share lasts */
+        if (2 * k < pf_lines) _mm_prefetch((const char *)(pf + 2 * k * PANEL), _MM_HINT_T1);
+        if (2 * k + 1 < pf_lines) _mm_prefetch((const char *)(pf + (2 * k + 1) * PANEL), _MM_HINT_T1);
         for (int m = 0; m < mr; m++) {
             vec xv = vbroadcast(x + m * ldx + k);
             for (int j = 0; j < REGS; j++) acc[m][j] = vfma(xv, w[j], acc[m][j]);
@@ -85,10 +89,11 @@ block(const int mr, const float *x, long ldx, const float *const *lane, long K, 
 
 #define BLOCK(R)                                                                                                   \
     static void block##R(const float *x, long ldx, const float *const *lane, long K, float *y, long ldy,          \
-                         const float *bias, int cols) {                                                           \
-        block(R, x, ldx, lane, K, y, ldy, bias, cols);                                                            \
+                         const float *bias, int cols, const float *pf, long pf_lines) {                           \
+        block(R, x, ldx, lane, K, y, ldy, bias, cols, pf, pf_lines);                                              \
     }
-typedef void (*block_fn)(const float *, long, const float *const *, long, float *, long, const float *, int);
+typedef void (*block_fn)(const float *, long, const float *const *, long, float *, long, const float *, int,
+                         const float *, long);
 #if MR == 12
 BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8) BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12)
 static const block_fn BLOCKS[MR + 1] = {0, block1, block2, block3, block4, block5, block6,
@@ -104,28 +109,46 @@ int panel_linear_vector_width(void) { return VEC; }
 void panel_linear_f32(const float *x, long M, long K, const float *packed, long N, const float *bias, float *y) {
     const long panels = (N + PANEL - 1) / PANEL;
     const long tasks = (panels + TASK_PANELS - 1) / TASK_PANELS;
-#pragma omp parallel for schedule(static)
-    for (long t = 0; t < tasks; t++) {
-        const long col0 = t * TASK_PANELS * PANEL;
-        const long left = N - col0;
-        const int cols = (int)(left < TASK_PANELS * PANEL ? left : TASK_PANELS * PANEL);
-        const float *first = packed + t * TASK_PANELS * K * PANEL;
-        /* the registers' weight streams: with AVX-512 one per panel; with AVX2 the two halves of the panel. A task
-           with one real panel (the last, N <= 16 past it) reads its first panel twice and drops the copy. */
-        const float *lane[REGS];
+#pragma omp parallel
+    {
+        /* contiguous ranges of tasks per thread, so that a task knows the next one this thread runs */
+        const long threads = omp_get_num_threads(), me = omp_get_thread_num();
+        const long t_begin = tasks * me / threads, t_end = tasks * (me + 1) / threads;
+        for (long t = t_begin; t < t_end; t++) {
+            const long col0 = t * TASK_PANELS * PANEL;
+            const long left = N - col0;
+            const int cols = (int)(left < TASK_PANELS * PANEL ? left : TASK_PANELS * PANEL);
+            const float *first = packed + t * TASK_PANELS * K * PANEL;
+            /* the registers' weight streams: with AVX-512 one per panel; with AVX2 the two halves of the panel. A
+               task with one real panel (the last, N <= 16 past it) reads its first panel twice and drops the copy. */
+            const float *lane[REGS];
 #if VEC == 16
-        lane[0] = first;
-        lane[1] = cols > PANEL ? first + K * PANEL : first;
+            lane[0] = first;
+            lane[1] = cols > PANEL ? first + K * PANEL : first;
 #else
-        lane[0] = first;
-        lane[1] = first + VEC;
+            lane[0] = first;
+            lane[1] = first + VEC;
 #endif
-        for (long m0 = 0; m0 < M;) {
-            const long rest = M - m0;
-            /* blocks of MR rows; what is left under 2 MR is split in two near-equal blocks */
-            const int mr = (int)(rest <= MR ? rest : (rest < 2 * MR ? (rest + 1) / 2 : MR));
-            BLOCKS[mr](x + m0 * K, K, lane, K, y + m0 * N + col0, N, bias ? bias + col0 : 0, cols);
-            m0 += mr;
+            /* The next task's panels (one 64-byte line per k and panel, contiguous after this task's) are
+               prefetched into L2 while this task's row blocks run, shared out over its blocks: its first block
+               then reads from cache instead of waiting on memory, and the memory stream overlaps the FMAs. */
+            const float *next = first + TASK_PANELS * K * PANEL;
+            const long next_panels = t + 1 < t_end ? (panels - (t + 1) * TASK_PANELS < TASK_PANELS
+                                                      ? panels - (t + 1) * TASK_PANELS : TASK_PANELS) : 0;
+            const long blocks = M <= MR ? 1 : (M < 2 * MR ? 2 : (M + MR - 1) / MR);
+            long pf_left = next_panels * K, pf_share = (pf_left + blocks - 1) / blocks;
+            if (pf_share > 2 * K) pf_share = 2 * K;
+            for (long m0 = 0; m0 < M;) {
+                const long rest = M - m0;
+                /* blocks of MR rows; what is left under 2 MR is split in two near-equal blocks */
+                const int mr = (int)(rest <= MR ? rest : (rest < 2 * MR ? (rest + 1) / 2 : MR));
+                const long pf_lines = pf_left < pf_share ? pf_left : pf_share;
+                BLOCKS[mr](x + m0 * K, K, lane, K, y + m0 * N + col0, N, bias ? bias + col0 : 0, cols, next,
+                           pf_lines);
+                next += pf_lines * PANEL;
+                pf_left -= pf_lines;
+                m0 += mr;
+            }
         }
     }
 }
