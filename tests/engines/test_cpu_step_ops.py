@@ -1,15 +1,17 @@
 """The decode step's small-op kernels (engines/rollout/cpu_step_ops.py, cpu_step_ops.c): the rotary embedding is
 native_model._rotate bit for bit in fp32 and bf16 (strided q/k views of the fused projection, partial rotary dims, one
-thread and split over threads); the bf16 RMSNorm is native_model._rms_norm up to one ulp at rare rounding boundaries
-(Llama's and Gemma's order); an engine's outputs are the same bits with and without the kernels in fp32, and its
+thread and split over threads); the fp32 RMSNorm is native_model._rms_norm bit for bit (torch's order of summing the
+squares), and is not used where that cannot be reproduced; the bf16 RMSNorm is native_model._rms_norm up to one ulp
+at rare rounding boundaries (Llama's and Gemma's order); an engine's outputs are the same bits with and without the kernels in fp32, and its
 greedy tokens the same in bf16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from hybridflow.engines.rollout import SamplingParams, cpu_step_ops, create_rollout_engine
+from hybridflow.engines.rollout import SamplingParams, c_kernels, cpu_step_ops, create_rollout_engine
 from hybridflow.engines.rollout.native_model import _rms_norm, _rotate
 from hybridflow.engines.rollout.rope import RotaryTables
 from hybridflow.engines.tiny import write_tiny_model
@@ -61,6 +63,37 @@ def test_the_bf16_norm_is_torchs_up_to_rare_rounding_ties(kernel, offset, shape)
     assert torch.equal(kernel.rms_norm(wide[..., : shape[-1]], weight, 1e-6, offset), got)
 
 
+# rows of one vector and less (torch's scalar sum), around the vector widths, the mid model's q/k heads and hidden
+# size, past the sum's first cascade level, and a row split over threads
+@pytest.mark.parametrize("shape", [(5, 7), (3, 8), (4, 17), (16, 8, 64), (64, 512), (7, 1000), (3, 4097), (2, 70_000)])
+@pytest.mark.parametrize("offset", [False, True])
+def test_the_fp32_norm_is_torchs_bit_for_bit(kernel, shape, offset):
+    assert kernel.f32_lanes is not None, "no vector width reproduced torch's fp32 sum on this machine"
+    g = torch.Generator().manual_seed(shape[-1])
+    for scale in (1e-3, 1.0, 40.0):
+        x = torch.randn(*shape, generator=g) * scale
+        weight = torch.randn(shape[-1], generator=g) * 0.2 + 1
+        assert kernel.normalises(x, weight)
+        want = _rms_norm(x, weight, 1e-6, offset)
+        assert torch.equal(kernel.rms_norm(x, weight, 1e-6, offset), want)
+        # a strided input (the q heads of a fused projection) reads the same rows
+        wide = torch.cat([x, x], -1)
+        assert torch.equal(kernel.rms_norm(wide[..., : shape[-1]], weight, 1e-6, offset), want)
+
+
+def test_the_fp32_norm_is_not_used_where_torchs_bits_cannot_be_reproduced(monkeypatch):
+    lib = c_kernels.load_library(cpu_step_ops._SOURCE, "step_ops", "rotary and RMSNorm", "torch's ops",
+                                 fast_math=False, extra_flags=("-ffp-contract=off",))
+    # a torch whose norm rounds differently (one ulp up everywhere) than any summing order of the kernel
+    torch_norm = F.rms_norm
+    monkeypatch.setattr(cpu_step_ops.F, "rms_norm", lambda *args: torch.nextafter(torch_norm(*args),
+                                                                                     torch.tensor(float("inf"))))
+    built = cpu_step_ops.StepOpsKernel(lib)
+    assert built.f32_lanes is None
+    assert not built.normalises(torch.randn(4, 8), torch.ones(8))
+    assert built.normalises(torch.randn(4, 8).to(torch.bfloat16), torch.ones(8, dtype=torch.bfloat16))
+
+
 def test_what_the_kernels_do_not_take_is_refused(kernel):
     cos = torch.randn(8, 6)
     assert not kernel.reads_tables(RotaryTables({"default": cos.double()}, {"default": cos.double()}, 6, None))
@@ -68,7 +101,8 @@ def test_what_the_kernels_do_not_take_is_refused(kernel):
     assert not kernel.rotates(torch.randn(4, 2, 8).to(torch.bfloat16), cos)  # not the table's dtype
     assert not kernel.rotates(torch.randn(4, 8, 2).transpose(1, 2), cos)  # last dimension strided
     assert kernel.rotates(torch.randn(4, 2, 8), cos)
-    assert not kernel.normalises(torch.randn(4, 8), torch.ones(8))  # fp32 norms stay torch's
+    assert not kernel.normalises(torch.randn(4, 8), torch.ones(8, dtype=torch.bfloat16))  # not the weight's dtype
+    assert not kernel.normalises(torch.randn(4, 8, 2).transpose(1, 2), torch.ones(2))  # last dimension strided
     assert kernel.normalises(torch.randn(4, 8).to(torch.bfloat16), torch.ones(8, dtype=torch.bfloat16))
 
 

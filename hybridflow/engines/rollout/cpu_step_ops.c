@@ -1,12 +1,13 @@
 /* Small ops of the eager decode step on CPU as one call each (cpu_step_ops.py): the rotary embedding (fp32, bf16)
- * and the bf16 RMSNorm, instead of torch's gather of the table rows and four ops, or its float conversions around a
- * five-op norm.
+ * and the RMSNorm (fp32, bf16), instead of torch's gather of the table rows and four ops, or its five-op norm (with
+ * float conversions around it in bf16).
  *
  * Built without -ffast-math and with -ffp-contract=off: each product and sum is rounded as torch's op rounds it
  * (bf16 ops: computed in fp32, rounded to bf16 to nearest even, as torch's CPU kernels do), so the rotary embedding is
- * transformers' arithmetic bit for bit in both dtypes. The RMSNorm's sum of squares is summed in fp32 in vector
- * lanes, not in torch's order: its fp32 result can differ in the last bit, which changes the bf16 output only where
- * that value lies within one fp32 ulp of a bf16 rounding boundary.
+ * transformers' arithmetic bit for bit in both dtypes. The fp32 RMSNorm sums its squares in torch's order and is
+ * torch's bit for bit (rms_norm_f32). The bf16 one sums them in fp32 in vector lanes, not in torch's order: its fp32
+ * result can differ in the last bit, which changes the bf16 output only where that value lies within one fp32 ulp of
+ * a bf16 rounding boundary.
  *
  * Rows are (row, head) pairs: row r, head h starts at x + r * sr + h * sh (strides in elements; the last dimension
  * is contiguous). Outputs are contiguous [R, H, n]. Small calls run on one thread: the fork would cost more.
@@ -92,4 +93,72 @@ void rms_norm_bf16(long R, long H, long n, const bf16 *x, long sr, long sh, cons
             yt[k] = offset ? to_bf16(v * from_bf16(w[k])) : to_bf16(from_bf16(w[k]) * from_bf16(to_bf16(v)));
         }
     }
+}
+
+/* torch's sum of the squares x_i * x_i of one contiguous fp32 row, in torch's order (aten's inner sum kernel for
+ * V-lane vectors, SumKernel.cpp): whole vectors go to four vector accumulators in turn (vector 4 i + k to
+ * accumulator k), with a cascade of partial sums every 2^p groups (p = max(4, ceil_log2(groups) / 4)); leftover
+ * vectors go to accumulator 0, then accumulators 1-3 are added to it; the sum is the leftover elements' running
+ * sum plus the accumulator's lanes in order. Each lane is a plain float sum, so this is bitwise torch's result. */
+#define MAX_LANES 16
+static float torch_sum_of_squares(const float *x, long n, int V) {
+    const long vectors = n / V, groups = vectors / 4;
+    long bits = 1;
+    if (groups > 2) {
+        bits = 0;
+        for (unsigned long g = (unsigned long)(groups - 1); g; g >>= 1) bits++;
+    }
+    const long power = bits / 4 > 4 ? bits / 4 : 4, step = 1L << power, mask = step - 1;
+    float acc[4][4][MAX_LANES] = {{{0}}}; /* [level][accumulator][lane] */
+    long i = 0;
+    for (; i + step <= groups;) {
+        for (long j = 0; j < step; ++j, ++i)
+            for (int k = 0; k < 4; k++) {
+                const float *v = x + (4 * i + k) * V;
+                for (int l = 0; l < V; l++) acc[0][k][l] += v[l] * v[l];
+            }
+        for (int j = 1; j < 4; ++j) {
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < V; l++) {
+                    acc[j][k][l] += acc[j - 1][k][l];
+                    acc[j - 1][k][l] = 0.f;
+                }
+            if ((i & (mask << (j * power))) != 0) break;
+        }
+    }
+    for (; i < groups; ++i)
+        for (int k = 0; k < 4; k++) {
+            const float *v = x + (4 * i + k) * V;
+            for (int l = 0; l < V; l++) acc[0][k][l] += v[l] * v[l];
+        }
+    for (int j = 1; j < 4; ++j)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < V; l++) acc[0][k][l] += acc[j][k][l];
+    float *part = acc[0][0];
+    for (long v = groups * 4; v < vectors; v++)
+        for (int l = 0; l < V; l++) part[l] += x[v * V + l] * x[v * V + l];
+    for (int k = 1; k < 4; k++)
+        for (int l = 0; l < V; l++) part[l] += acc[0][k][l];
+    float sum = 0.f;
+    for (long e = vectors * V; e < n; e++) sum += x[e] * x[e];
+    for (int l = 0; l < V; l++) sum += part[l];
+    return sum;
+}
+
+/* y_t = F.rms_norm(x_t, w, eps) in fp32 for the R * H rows x_t of n features, bit for bit: the sum of squares in
+ * torch's order (`lanes`: torch's float vector width, 16 with AVX-512, 8 with AVX2), divided by n, plus eps, then
+ * 1 / sqrt (torch's rsqrt), x * that, times w */
+int rms_norm_f32(long R, long H, long n, const float *x, long sr, long sh, const float *w, float eps, int lanes,
+                 float *y, int nthreads) {
+    if (lanes < 1 || lanes > MAX_LANES) return -1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (R * H * n >= PARALLEL_FROM)
+    for (long t = 0; t < R * H; t++) {
+        const float *xt = x + (t / H) * sr + (t % H) * sh;
+        float *yt = y + t * n;
+        /* a row shorter than a vector is summed as scalars, in the same grouping (torch's scalar path) */
+        const float mean = torch_sum_of_squares(xt, n, n >= lanes ? lanes : 1) / (float)n;
+        const float inv = 1.0f / sqrtf(mean + eps);
+        for (long k = 0; k < n; k++) yt[k] = xt[k] * inv * w[k];
+    }
+    return 0;
 }

@@ -1,15 +1,18 @@
 """Small ops of the native rollout's decode step on CPU as one C call each (cpu_step_ops.c), built on first use.
 
 Why: a decode step of a small model is mostly per-op overhead. Its rotary embedding is two gathers of the tables'
-rows at the step's positions, then a product, a roll, a product and a sum per rotation (one or two per layer). A
-bf16 RMSNorm is a float conversion, torch's five-op fp32 norm, a conversion back and the weight's product (17 a step
-in the mid model: 14% of a 64-row bf16 generate call). Here each is one call that reads its tables in place.
+rows at the step's positions, then a product, a roll, a product and a sum per rotation (one or two per layer). An
+RMSNorm is torch's five-op norm (pow, mean, add, rsqrt, two products; in bf16 with float conversions around it and
+the weight's product after), 17 a step in the mid model: 9% of a 16-row fp32 generate call and 21% of the tiny
+model's, in torch.profiler's self time (docs/benchmarks.md). Here each is one call that reads its tables in place.
 
 Exactness: the rotary embedding is transformers' arithmetic bit for bit in fp32 and bf16 (the file is built without
-FMA contraction, and bf16 products are rounded as torch rounds them). The bf16 norm sums its squares in another order
-than torch's reduction, so its output can differ by one bf16 ulp where the fp32 value sits within an fp32 ulp of a
-bf16 rounding boundary. An fp32 norm is not offered: there that difference is the output, and it alone took the
-rollout-vs-training log-prob mismatch past 1e-5 (tests/engines/test_native_archs.py). The engine uses these in its
+FMA contraction, and bf16 products are rounded as torch rounds them). The fp32 norm is torch's bit for bit too: it
+sums the squares in the order of torch's CPU sum kernel, whose vector width (8 or 16 floats, by build and CPU) is
+found at load by comparing with ``F.rms_norm``; where no width reproduces torch's bits the fp32 norm is not used
+(even a last-bit difference in the norm took the rollout-vs-training log-prob mismatch past 1e-5 in
+tests/engines/test_native_archs.py). The bf16 norm sums its squares in its own order, so its output can differ by
+one bf16 ulp where the fp32 value sits within an fp32 ulp of a bf16 rounding boundary. The engine uses these in its
 eager decode steps only (NativeDecoder.decode), never in the batch-invariant mode.
 
 Build: on first use, for this CPU, cached per machine (c_kernels.py). Without a compiler, or when the build fails,
@@ -20,13 +23,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from hybridflow.engines.rollout.c_kernels import load_library
 
 __all__ = ["StepOpsKernel", "load"]
+
+logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_step_ops.c")
 _ROPE = {torch.float32: "rope_f32", torch.bfloat16: "rope_bf16"}
@@ -49,7 +56,8 @@ def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
 
 class StepOpsKernel:
     """``rotate`` = native_model._rotate on the tables' rows at the given positions, bit for bit; ``rms_norm`` =
-    native_model._rms_norm for bf16 rows (up to one ulp at rounding boundaries)."""
+    native_model._rms_norm, bit for bit in fp32 (where ``f32_lanes`` was found), up to one ulp at rounding boundaries
+    in bf16."""
 
     def __init__(self, lib: ctypes.CDLL):
         i, long, f, ptr = ctypes.c_int, ctypes.c_long, ctypes.c_float, ctypes.c_void_p
@@ -62,6 +70,25 @@ class StepOpsKernel:
         self._rms = lib.rms_norm_bf16
         self._rms.argtypes = [long, long, long, ptr, long, long, ptr, f, i, ptr, i]  # R, H, n, x, sr, sh, w, eps,
         self._rms.restype = None  # offset, y, threads
+        self._rms_f32 = lib.rms_norm_f32
+        self._rms_f32.argtypes = [long, long, long, ptr, long, long, ptr, f, i, ptr, i]  # ..., eps, lanes, y, threads
+        self._rms_f32.restype = i
+        self.f32_lanes = self._torch_sum_lanes()  # None: the fp32 norm is not used
+
+    def _torch_sum_lanes(self) -> int | None:
+        """The vector width with which the fp32 norm reproduces ``F.rms_norm`` bit for bit here (torch's sum kernel
+        depends on its build and the CPU), tried on rows of widths around the vector sizes and up to 70,000; None
+        when no width does (logged)."""
+        g = torch.Generator().manual_seed(0)
+        rows = [torch.randn(3, n, generator=g) * scale for n in (7, 64, 100, 512, 513, 1536, 4097, 70_000)
+                for scale in (1e-3, 30.0)]
+        for lanes in (8, 16, 4, 32):
+            if all(torch.equal(self._norm_f32(x, torch.ones(x.shape[-1]), 1e-6, lanes),
+                               F.rms_norm(x, x.shape[-1:], torch.ones(x.shape[-1]), 1e-6)) for x in rows):
+                return lanes
+        logger.info("native rollout: no vector width reproduces torch's fp32 RMSNorm here, so the fp32 decode keeps "
+                    "torch's norm")
+        return None
 
     @staticmethod
     def _reads(x: torch.Tensor, dtypes) -> bool:
@@ -80,6 +107,8 @@ class StepOpsKernel:
 
     def normalises(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether `rms_norm` takes the rows x [R, n] or [R, H, n] with `weight`."""
+        if weight.dtype == torch.float32:
+            return self.f32_lanes is not None and self._reads(x, (torch.float32,))
         return weight.dtype == torch.bfloat16 and self._reads(x, (torch.bfloat16,))
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
@@ -95,14 +124,26 @@ class StepOpsKernel:
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
-        """x [R, n] or [R, H, n] bf16 (last dimension contiguous), weight [n] bf16 (Gemma: 1 + w, offset=True) ->
-        the normalised rows, contiguous."""
+        """x [R, n] or [R, H, n] fp32 or bf16 (last dimension contiguous), weight [n] of x's dtype (Gemma: 1 + w,
+        offset=True) -> the normalised rows, contiguous. In fp32 the offset makes no difference (native_model's
+        _rms_norm)."""
+        if x.dtype == torch.float32:
+            return self._norm_f32(x, weight, eps, self.f32_lanes)
         R, H, sr, sh = _rows(x)
         weight = weight.contiguous()
         out = torch.empty(x.shape, dtype=torch.bfloat16)
         args = (R, H, x.shape[-1], x.data_ptr(), sr, sh, weight.data_ptr(), eps, int(offset), out.data_ptr(),
                 torch.get_num_threads())
         self._run(self._rms, "hybridflow::decode_rms_norm", args)
+        return out
+
+    def _norm_f32(self, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:
+        R, H, sr, sh = _rows(x)
+        weight = weight.contiguous()
+        out = torch.empty(x.shape, dtype=torch.float32)
+        args = (R, H, x.shape[-1], x.data_ptr(), sr, sh, weight.data_ptr(), eps, lanes, out.data_ptr(),
+                torch.get_num_threads())
+        self._run(self._rms_f32, "hybridflow::decode_rms_norm", args)
         return out
 
     @staticmethod
