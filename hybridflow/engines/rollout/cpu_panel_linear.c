@@ -4,8 +4,9 @@
    one panel is a contiguous stream of K rows of 16 floats. A task takes one or two panels and all M rows; in blocks
    of up to MR rows it keeps every (row, column) sum in a register over the whole K loop: per k, one load of each
    panel's 16 weights, one broadcast per row, one FMA per row and panel. Each weight is read from memory once per
-   call (the second row block of a task reads its panels from cache), which is what a decode step with few rows is
-   bound by.
+   call, which is what a decode step with few rows is bound by. Each thread runs a contiguous range of tasks and
+   prefetches the next task's panels into L2 while the current task's row blocks run, so that streaming the weights
+   from memory overlaps the FMAs instead of stalling the first row block of every task.
 
    Each output is the sum over k = 0..K-1 in that order, FMA by FMA, whatever M is: a row's result does not depend
    on how many rows are in the call. */

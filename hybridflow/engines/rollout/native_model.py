@@ -137,7 +137,7 @@ class NativeDecoder:
         # the eager decode's attention kernel (cpu_attention.DecodeAttentionKernel), set by the rollout engine; None:
         # kv_cache.decode_attention (torch matmuls)
         self.attention_kernel = None
-        # the eager decode's rotary embedding and bf16 RMSNorm as one call each (cpu_step_ops.StepOpsKernel), set
+        # the eager decode's rotary embedding and RMSNorm as one call each (cpu_step_ops.StepOpsKernel), set
         # by the rollout engine; active (_step_ops) only inside decode()
         self.step_ops = None
         self._step_ops = None

@@ -210,7 +210,7 @@ class NativeRollout(RolloutEngine):
                                                tp=self.tensor_parallel, int8=self.int8, prepack=prepack,
                                                linear_kernel=linear_kernel)
         self.model.attention_kernel = self._attention_kernel(attention_kernel)
-        # the eager decode steps' rotary embedding (torch's bits) and bf16 RMSNorm as one C call each (cpu_step_ops.py)
+        # the eager decode steps' rotary embedding and RMSNorm (torch's bits in fp32) as one C call each (cpu_step_ops.py)
         if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and not self.batch_invariant:
             self.model.step_ops = cpu_step_ops.load()
         if self.model.max_positions < self.max_model_len:  # longrope: its short factors only (rope.py)
