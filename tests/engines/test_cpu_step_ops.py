@@ -65,7 +65,7 @@ def test_the_bf16_norm_is_torchs_up_to_rare_rounding_ties(kernel, offset, shape)
 
 # rows of one vector and less (torch's scalar sum), around the vector widths, the mid model's q/k heads and hidden
 # size, past the sum's first cascade level, and a row split over threads
-@pytest.mark.parametrize("shape", [(5, 7), (3, 8), (4, 17), (16, 8, 64), (64, 512), (7, 1000), (3, 4097), (2, 70_000)])
+@pytest.mark.parametrize("shape", [(5, 7), (3, 8), (4, 17), (16, 8, 64), (64, 512), (7, 1000), (3, 4097), (2, 32_767)])
 @pytest.mark.parametrize("offset", [False, True])
 def test_the_fp32_norm_is_torchs_bit_for_bit(kernel, shape, offset):
     assert kernel.f32_lanes is not None, "no vector width reproduced torch's fp32 sum on this machine"
@@ -103,6 +103,7 @@ def test_what_the_kernels_do_not_take_is_refused(kernel):
     assert kernel.rotates(torch.randn(4, 2, 8), cos)
     assert not kernel.normalises(torch.randn(4, 8), torch.ones(8, dtype=torch.bfloat16))  # not the weight's dtype
     assert not kernel.normalises(torch.randn(4, 8, 2).transpose(1, 2), torch.ones(2))  # last dimension strided
+    assert not kernel.normalises(torch.randn(1, 32768), torch.ones(32768))  # a row torch may split between threads
     assert kernel.normalises(torch.randn(4, 8).to(torch.bfloat16), torch.ones(8, dtype=torch.bfloat16))
 
 

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_step_ops.c")
 _ROPE = {torch.float32: "rope_f32", torch.bfloat16: "rope_bf16"}
+# at::internal::GRAIN_SIZE: torch splits one row's sum between threads from this many elements, in another order
+_TORCH_GRAIN = 32768
 
 
 @functools.cache
@@ -77,10 +79,10 @@ class StepOpsKernel:
 
     def _torch_sum_lanes(self) -> int | None:
         """The vector width with which the fp32 norm reproduces ``F.rms_norm`` bit for bit here (torch's sum kernel
-        depends on its build and the CPU), tried on rows of widths around the vector sizes and up to 70,000; None
+        depends on its build and the CPU), tried on rows of widths around the vector sizes and up to 32,767; None
         when no width does (logged)."""
         g = torch.Generator().manual_seed(0)
-        rows = [torch.randn(3, n, generator=g) * scale for n in (7, 64, 100, 512, 513, 1536, 4097, 70_000)
+        rows = [torch.randn(3, n, generator=g) * scale for n in (7, 64, 100, 512, 513, 1536, 4097, 32_767)
                 for scale in (1e-3, 30.0)]
         for lanes in (8, 16, 4, 32):
             if all(torch.equal(self._norm_f32(x, torch.ones(x.shape[-1]), 1e-6, lanes),
@@ -107,8 +109,8 @@ class StepOpsKernel:
 
     def normalises(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether `rms_norm` takes the rows x [R, n] or [R, H, n] with `weight`."""
-        if weight.dtype == torch.float32:
-            return self.f32_lanes is not None and self._reads(x, (torch.float32,))
+        if weight.dtype == torch.float32:  # rows past torch's grain size may be summed by two threads in torch
+            return self.f32_lanes is not None and x.shape[-1] < _TORCH_GRAIN and self._reads(x, (torch.float32,))
         return weight.dtype == torch.bfloat16 and self._reads(x, (torch.bfloat16,))
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
