@@ -106,6 +106,10 @@ static const block_fn BLOCKS[MR + 1] = {0, block1, block2, block3, block4, block
 
 int panel_linear_vector_width(void) { return VEC; }
 
+/* rows of the next block when `rest` rows are left: blocks of MR rows; what is left under 2 MR is split in two
+   near-equal blocks */
+static inline int block_rows(long rest) { return (int)(rest <= MR ? rest : (rest < 2 * MR ? (rest + 1) / 2 : MR)); }
+
 /* x [M, K] contiguous, packed [ceil(N / 16)][K][16], bias [N] or NULL, y [M, N] contiguous */
 void panel_linear_f32(const float *x, long M, long K, const float *packed, long N, const float *bias, float *y) {
     const long panels = (N + PANEL - 1) / PANEL;
@@ -136,13 +140,12 @@ void panel_linear_f32(const float *x, long M, long K, const float *packed, long 
             const float *next = first + TASK_PANELS * K * PANEL;
             const long next_panels = t + 1 < t_end ? (panels - (t + 1) * TASK_PANELS < TASK_PANELS
                                                       ? panels - (t + 1) * TASK_PANELS : TASK_PANELS) : 0;
-            const long blocks = M <= MR ? 1 : (M < 2 * MR ? 2 : (M + MR - 1) / MR);
-            long pf_left = next_panels * K, pf_share = (pf_left + blocks - 1) / blocks;
+            long blocks = 0;
+            for (long m0 = 0; m0 < M; m0 += block_rows(M - m0)) blocks++;
+            long pf_left = next_panels * K, pf_share = blocks ? (pf_left + blocks - 1) / blocks : 0;
             if (pf_share > 2 * K) pf_share = 2 * K;
             for (long m0 = 0; m0 < M;) {
-                const long rest = M - m0;
-                /* blocks of MR rows; what is left under 2 MR is split in two near-equal blocks */
-                const int mr = (int)(rest <= MR ? rest : (rest < 2 * MR ? (rest + 1) / 2 : MR));
+                const int mr = block_rows(M - m0);
                 const long pf_lines = pf_left < pf_share ? pf_left : pf_share;
                 BLOCKS[mr](x + m0 * K, K, lane, K, y + m0 * N + col0, N, bias ? bias + col0 : 0, cols, next,
                            pf_lines);

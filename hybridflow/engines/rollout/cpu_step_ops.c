@@ -146,7 +146,8 @@ static float torch_sum_of_squares(const float *x, long n, int V) {
 }
 
 /* y_t = F.rms_norm(x_t, w, eps) in fp32 for the R * H rows x_t of n features, bit for bit: the sum of squares in
- * torch's order (`lanes`: torch's float vector width, 16 with AVX-512, 8 with AVX2), divided by n, plus eps, then
+ * torch's order (`lanes`: the float vector width of torch's sum kernel, 1 to 16, found at load by cpu_step_ops.py),
+ * divided by n, plus eps, then
  * 1 / sqrt (torch's rsqrt), x * that, times w */
 int rms_norm_f32(long R, long H, long n, const float *x, long sr, long sh, const float *w, float eps, int lanes,
                  float *y, int nthreads) {

@@ -8,7 +8,7 @@ model's, in torch.profiler's self time (docs/benchmarks.md). Here each is one ca
 
 Exactness: the rotary embedding is transformers' arithmetic bit for bit in fp32 and bf16 (the file is built without
 FMA contraction, and bf16 products are rounded as torch rounds them). The fp32 norm is torch's bit for bit too: it
-sums the squares in the order of torch's CPU sum kernel, whose vector width (8 or 16 floats, by build and CPU) is
+sums the squares in the order of torch's CPU sum kernel, whose vector width (4, 8 or 16 floats, by build and CPU) is
 found at load by comparing with ``F.rms_norm``; where no width reproduces torch's bits the fp32 norm is not used
 (even a last-bit difference in the norm took the rollout-vs-training log-prob mismatch past 1e-5 in
 tests/engines/test_native_archs.py). The bf16 norm sums its squares in its own order, so its output can differ by
@@ -84,7 +84,7 @@ class StepOpsKernel:
         g = torch.Generator().manual_seed(0)
         rows = [torch.randn(3, n, generator=g) * scale for n in (7, 64, 100, 512, 513, 1536, 4097, 32_767)
                 for scale in (1e-3, 30.0)]
-        for lanes in (8, 16, 4, 32):
+        for lanes in (8, 16, 4):  # torch's Vectorized<float> sizes (the C file takes up to 16)
             if all(torch.equal(self._norm_f32(x, torch.ones(x.shape[-1]), 1e-6, lanes),
                                F.rms_norm(x, x.shape[-1:], torch.ones(x.shape[-1]), 1e-6)) for x in rows):
                 return lanes
