@@ -16,7 +16,11 @@ For each dtype, on the mid model with the prompts of rollout_throughput.py:
     the identity (wrong outputs, same shapes and matmuls). The profiler's self-CPU share of these ops overstates
     them (its per-op cost is larger than theirs); this measures what fusing them could give;
   * wall seconds of one generate call by stage: the prefill (chunked_prefill), the decode attention
-    (kv_cache.decode_attention or the kernel) and the rest of the decode loop (layer matmuls, norms, sampling, bookkeeping).
+    (kv_cache.decode_attention or the kernel) and the rest of the decode loop (layer matmuls, norms, sampling, bookkeeping);
+  * wall seconds of one generate call inside the engine's C kernels (cpu_linear.py, cpu_attention.py,
+    cpu_step_ops.py: timed around their ctypes calls), per kernel, and the rest of the call: the Python, the torch
+    ops between the kernels, sampling and bookkeeping. With ``--n`` > 1 each prompt is sampled n times (GRPO's
+    shape; the rollout decodes batch * n rows over batch prompts' shared KV).
 """
 
 from __future__ import annotations
@@ -168,17 +172,70 @@ def without_norms_and_activation(engine, prompts, params, repeats: int) -> float
         native_model._rms_norm, decoder.act = real_norm, real_act
 
 
+def kernel_seconds(engine, prompts, params) -> dict | None:
+    """Wall seconds of one generate call inside each C kernel of the native engine, and the rest; None when the
+    engine runs none (oneDNN projections, torch attention)."""
+    decoder = engine.model
+    spent: dict[str, float] = defaultdict(float)
+    patches = []  # (holder, key, original): holder is an object (attribute key) or a dict (item key)
+
+    def timed(name, function):
+        def call(*args):
+            start = time.perf_counter()
+            try:
+                return function(*args)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return call
+
+    def patch(holder, key, name):
+        original = holder[key] if isinstance(holder, dict) else getattr(holder, key)
+        patches.append((holder, key, original))
+        if isinstance(holder, dict):
+            holder[key] = timed(name, original)
+        else:
+            setattr(holder, key, timed(name, original))
+
+    if decoder.panel_kernel is not None:
+        patch(decoder.panel_kernel, "_function", "panel_linear")
+    if decoder.attention_kernel is not None:
+        for dtype in list(decoder.attention_kernel._functions):
+            patch(decoder.attention_kernel._functions, dtype, "decode_attention")
+    if decoder.step_ops is not None:
+        patch(decoder.step_ops, "_rms", "rms_norm")
+        patch(decoder.step_ops, "_rms_f32", "rms_norm")
+        for dtype in list(decoder.step_ops._rope):
+            patch(decoder.step_ops._rope, dtype, "rotary")
+    if not patches:
+        return None
+    try:
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        whole = time.perf_counter() - start
+    finally:
+        for holder, key, original in reversed(patches):
+            if isinstance(holder, dict):
+                holder[key] = original
+            else:
+                setattr(holder, key, original)
+    inside = sum(spent.values())
+    return {"generate": round(whole, 4), **{k: round(v, 4) for k, v in sorted(spent.items())},
+            "outside_kernels": round(whole - inside, 4), "outside_share": round(1 - inside / whole, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="int8,fp32")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64, help="distinct prompts")
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt (decode rows = batch * n)")
     parser.add_argument("--arch", default="qwen2", choices=TINY_ARCHITECTURES, help="architecture of the mid model")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     device.set_num_threads(args.threads)
-    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.n)
+    rows = args.batch * args.n
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_model(os.path.join(tmp, "mid"), "mid", seed=0, arch=args.arch)
@@ -192,8 +249,9 @@ def main() -> None:
             row["profile_self_cpu_share"] = profile_shares(engine, prompts, params)
             row["layer_matmul_seconds_per_step"] = matmul_seconds_per_step(engine, prompts, params)
             row["stage_seconds"] = stage_seconds(engine, prompts, params)
+            row["kernel_seconds"] = kernel_seconds(engine, prompts, params)
             # the same matmuls (plus the output head) alone, on their own: rollout_throughput.py's floor
-            row["matmul_floor_seconds_per_step"] = round(args.batch / matmul_floor("mid", dtype, args.batch), 4)
+            row["matmul_floor_seconds_per_step"] = round(rows / matmul_floor("mid", dtype, rows), 4)
             row["tokens_per_s_if_attention_were_free"] = without_attention(engine, prompts, params, args.repeats)
             row["tokens_per_s_if_norms_and_activation_were_free"] = without_norms_and_activation(
                 engine, prompts, params, args.repeats)
@@ -204,7 +262,7 @@ def main() -> None:
         "benchmark": "rollout_profile",
         "git_commit": git_commit(),
         "config": {"size": "mid", "arch": args.arch, "batch": args.batch, "new_tokens": args.new_tokens, "threads": args.threads,
-                   "prompt_len": [16, 32], "samples_per_prompt": 1},
+                   "prompt_len": [16, 32], "samples_per_prompt": args.n},
         "load_average": os.getloadavg(),
         "results": results,
     }
