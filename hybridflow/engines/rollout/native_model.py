@@ -141,6 +141,9 @@ class NativeDecoder:
         # by the rollout engine; active (_step_ops) only inside decode()
         self.step_ops = None
         self._step_ops = None
+        # the eager fp32 decode's layers as two C calls each (cpu_decode_layer.DecodeLayerKernel), set by the rollout
+        # engine; used where its ``applies`` holds and the attention kernel takes the step
+        self.layer_kernel = None
 
         def empty(*size: int) -> torch.Tensor:
             return torch.zeros(size, dtype=dtype, device=device)
@@ -497,6 +500,12 @@ class NativeDecoder:
 
         self._step_ops = self.step_ops
         try:
+            layers = self.layer_kernel
+            if starts is not None and layers is not None and layers.applies(self):
+                x = self._embed(tokens)
+                if self.embed_scale is not None:
+                    x = x * self.embed_scale
+                return self._logits(layers.layers(self, x.contiguous(), positions, cache, rows, starts, column + 1))
             return self._logits(self._layers(tokens, positions, attend))
         finally:
             self._step_ops = None

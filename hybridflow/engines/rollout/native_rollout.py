@@ -40,7 +40,7 @@ import torch
 
 from hybridflow import device as hf_device
 from hybridflow.engines.batch_invariant import onednn_matmuls
-from hybridflow.engines.rollout import cpu_attention, cpu_step_ops
+from hybridflow.engines.rollout import cpu_attention, cpu_decode_layer, cpu_step_ops
 from hybridflow.engines.rollout.arch_specs import resolve
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
 from hybridflow.engines.rollout.chunked_prefill import chunked_prefill
@@ -213,6 +213,9 @@ class NativeRollout(RolloutEngine):
         # the eager decode steps' rotary embedding and RMSNorm (torch's bits in fp32) as one C call each (cpu_step_ops.py)
         if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and not self.batch_invariant:
             self.model.step_ops = cpu_step_ops.load()
+            # and in fp32, where those kernels all run, each layer as two C calls (cpu_decode_layer.py)
+            if self.dtype == torch.float32 and self.tensor_parallel is None:
+                self.model.layer_kernel = cpu_decode_layer.load()
         if self.model.max_positions < self.max_model_len:  # longrope: its short factors only (rope.py)
             logger.warning("native rollout: %s's rope switches factors past %d positions; generating within "
                            "max_model_len=%d instead of %d", self.config.model_type, self.model.max_positions,

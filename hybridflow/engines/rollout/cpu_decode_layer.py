@@ -1,0 +1,173 @@
+"""An fp32 decode step's layers on CPU as two C calls a layer (cpu_decode_layer.c), built on first use.
+
+Why: with its projections, attention, norms and rotary embedding each one C call, an eager fp32 decode step still ran
+a dozen Python-level operations a layer (norm, projection, slicing and views, rotation, attention with its argument
+checks, residual adds, gate/up split), each with its dispatch and allocation: at 16 rows of the ~21M "mid" model a
+quarter of a generate call's wall time was outside the C kernels, and most of the tiny model's
+(``benchmarks/rollout_profile.py``'s ``kernel_seconds``). Here the first call runs the layer from its input norm
+through the attention block and the residual to the gate/up projection, and the second the down projection and its
+residual; between them the MLP activation stays torch's ``act(gate) * up``.
+
+Exactness: the C driver calls the same kernels as the eager step (through their function pointers) with the same
+arguments in the same order; a residual is one fp32 add per element either way. So tokens and log-probs are the same
+bits as without it (tests/engines/test_cpu_decode_layer.py).
+
+It applies to a decoder whose projections run on the panel kernel (fp32, ``matmul == "panel"``), whose decode
+attention runs on cpu_attention.py's kernel, whose fp32 norm and rotary embedding run on cpu_step_ops.py's kernels,
+with dense MLPs on every layer, outside tensor parallelism; elsewhere the eager step runs as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
+from pathlib import Path
+
+import torch
+
+from hybridflow.engines.rollout.c_kernels import load_library
+
+__all__ = ["DecodeLayerKernel", "load"]
+
+_SOURCE = Path(__file__).with_name("cpu_decode_layer.c")
+_ptr, _long, _int, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("panel", _ptr), ("rms", _ptr), ("rope", _ptr), ("attn", _ptr),
+                ("hidden", _long), ("heads", _long), ("kv_heads", _long), ("head_dim", _long), ("inter", _long),
+                ("eps", _float), ("scale", _float), ("softcap", _float), ("lanes", _int), ("sandwich", _int)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _ptr) for name in ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm", "q_norm",
+                                          "k_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
+                                          "down", "down_bias", "cos", "ssin")] + [
+        ("rotary_dim", _long), ("kA", _ptr), ("vA", _ptr), ("kAr", _long), ("kAh", _long), ("kAd", _long),
+        ("vAr", _long), ("vAh", _long), ("kB", _ptr), ("vB", _ptr), ("kBr", _long), ("kBh", _long), ("kBd", _long),
+        ("vBr", _long), ("vBh", _long)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("R", _long), ("lenA", _int), ("lenB", _int), ("threads", _int), ("positions", _ptr),
+                ("prompt_index", _ptr)] + [(name, _ptr) for name in ("x", "h", "qkv", "qn", "kn", "q", "k", "v",
+                                                                      "attn", "gate_up", "tmp", "scratch")]
+
+
+@functools.cache
+def load() -> DecodeLayerKernel | None:
+    """The driver, built on first use (c_kernels.py); None where it cannot be built here."""
+    lib = load_library(_SOURCE, "decode_layer", "decode-layer", "the decode steps call the kernels one by one",
+                       fast_math=False, extra_flags=("-ffp-contract=off",))
+    return None if lib is None else DecodeLayerKernel(lib)
+
+
+def _address(function) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
+def _data(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecodeLayerKernel:
+    """``applies(decoder)``: whether a decoder's eager steps can use it; ``layers(decoder, x, ...)``: its layers."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._attention, self._mlp_out = lib.layer_attention_f32, lib.layer_mlp_out_f32
+        for function in (self._attention, self._mlp_out):
+            function.argtypes = [_ptr, _ptr, _ptr, _ptr]
+            function.restype = None
+        # id(decoder) -> (weak references to its first packed weight and to the cache, model struct, layer structs):
+        # the structs hold raw addresses, valid while those objects live (a weight update re-packs, a generate call
+        # allocates its cache); weak, so that neither is kept alive by this memo
+        self._memo: dict[int, tuple] = {}
+
+    @staticmethod
+    def applies(decoder) -> bool:
+        """Whether `decoder`'s (native_model.NativeDecoder, not a tensor-parallel rank's: the engine does not give
+        those this kernel) eager decode steps can run their layers here: panel projections, the attention kernel,
+        the fp32 norm and rotary kernels on the rotary tables in place, dense MLPs."""
+        s, ops = decoder.shape, decoder.step_ops
+        return (decoder.matmul == "panel" and decoder.dtype == torch.float32 and decoder.attention_kernel is not None
+                and ops is not None and ops.f32_lanes is not None and not s.moe
+                and ops.reads_tables(decoder.rope) and all(t.dtype == torch.float32 for t in decoder.rope.cos.values())
+                and max(s.hidden_size, s.head_dim) < 32768)  # cpu_step_ops' limit for the fp32 norm
+
+    def layers(self, decoder, x: torch.Tensor, positions: torch.Tensor, cache, rows, starts: dict,
+               length: int) -> torch.Tensor:
+        """Every layer of one decode step on the hidden states x [R, hidden] (fp32, contiguous; updated in place and
+        returned) at positions [R]; cache, rows, starts and length as NativeDecoder.decode's attention kernel takes
+        them (its K/V of generated token ``length - 1`` are written)."""
+        s = decoder.shape
+        model, layers = self._structs(decoder, cache)
+        R, H, KV, D, inter = x.shape[0], s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size
+        threads = torch.get_num_threads()
+        lenA = cache.prompt_len if cache.shared else cache.offset + length
+        lenB = length if cache.shared else 0
+        prompt_index = rows.prompt_index.to(torch.int64).contiguous() if cache.shared else None
+        positions = positions.to(torch.int64).contiguous()
+        starts = {window: start.to(torch.int32).contiguous() for window, start in starts.items()}
+
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.empty(shape, dtype=torch.float32)
+
+        buffers = {"h": empty(R, s.hidden_size), "qkv": empty(R, (H + 2 * KV) * D), "qn": empty(R, H * D),
+                   "kn": empty(R, KV * D), "q": empty(R, H * D), "k": empty(R, KV * D), "v": empty(R, KV * D),
+                   "attn": empty(R, H * D), "gate_up": empty(R, 2 * inter), "tmp": empty(R, s.hidden_size),
+                   "scratch": empty(threads * (2 * (H // KV) * D + (H // KV) * ((lenA + lenB + 15) // 16 * 16)))}
+        step = _Step(R=R, lenA=lenA, lenB=lenB, threads=threads, positions=positions.data_ptr(),
+                     prompt_index=_data(prompt_index), x=x.data_ptr(),
+                     **{name: t.data_ptr() for name, t in buffers.items()})
+        gate, up = buffers["gate_up"][:, :inter], buffers["gate_up"][:, inter:]
+        model_p, step_p = ctypes.addressof(model), ctypes.addressof(step)
+        for li, layer in enumerate(layers):
+            start = starts[s.layers[li].window]
+            self._attention(model_p, ctypes.addressof(layer), step_p, start.data_ptr())
+            act = decoder.act(gate).mul_(up)  # torch's activation, as the eager step's _mlp
+            if not act.is_contiguous():
+                act = act.contiguous()
+            self._mlp_out(model_p, ctypes.addressof(layer), step_p, act.data_ptr())
+        return x
+
+    def _structs(self, decoder, cache) -> tuple[_Model, list[_Layer]]:
+        """The decoder's model struct and per-layer structs for `cache`, kept while its packed weights and the cache
+        are the same objects (a weight update re-packs, a generate call allocates its cache)."""
+        packed = decoder._packed_weights()
+        first = packed["layers"][0]["qkv"].panels
+        memo = self._memo.get(id(decoder))
+        if memo is not None and memo[0]() is first and memo[1]() is cache:
+            return memo[2], memo[3]
+        s, spec, ops = decoder.shape, decoder.spec, decoder.step_ops
+        model = _Model(panel=_address(decoder.panel_kernel._function), rms=_address(ops._rms_f32),
+                       rope=_address(ops._rope[torch.float32]),
+                       attn=_address(decoder.attention_kernel._functions[torch.float32]),
+                       hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                       inter=s.intermediate_size, eps=s.rms_norm_eps, scale=s.attention_scale,
+                       softcap=s.attn_softcap or 0.0, lanes=ops.f32_lanes, sandwich=int(bool(spec.sandwich_norms)))
+        layers = []
+        for li, (weights, tensors) in enumerate(zip(packed["layers"], decoder.layers)):
+            key = s.layers[li].rope
+            if cache.shared:
+                kA, vA, kB, vB = cache.prompt_keys[li], cache.prompt_values[li], cache.keys[li], cache.values[li]
+            else:
+                kA = kB = cache.keys[li]
+                vA = vB = cache.values[li]
+            layers.append(_Layer(
+                input_norm=_data(tensors.get("input_layernorm")),
+                post_attn_norm=_data(tensors.get("post_attention_layernorm")),
+                pre_ff_norm=_data(tensors.get("pre_feedforward_layernorm")),
+                post_ff_norm=_data(tensors.get("post_feedforward_layernorm")),
+                q_norm=_data(tensors.get("q_norm")), k_norm=_data(tensors.get("k_norm")),
+                qkv=weights["qkv"].panels.data_ptr(), qkv_bias=_data(tensors["b_qkv"]),
+                o=weights["o"].panels.data_ptr(), o_bias=_data(tensors["b_o"]),
+                gate_up=weights["gate_up"].panels.data_ptr(), gate_up_bias=_data(tensors["b_gate_up"]),
+                down=weights["down"].panels.data_ptr(), down_bias=_data(tensors["b_down"]),
+                cos=decoder.rope.cos[key].data_ptr(), ssin=decoder.rope.sin[key].data_ptr(),
+                rotary_dim=decoder.rope.cos[key].shape[-1],
+                kA=kA.data_ptr(), vA=vA.data_ptr(), kAr=kA.stride(0), kAh=kA.stride(1), kAd=kA.stride(2),
+                vAr=vA.stride(0), vAh=vA.stride(1), kB=kB.data_ptr(), vB=vB.data_ptr(), kBr=kB.stride(0),
+                kBh=kB.stride(1), kBd=kB.stride(2), vBr=vB.stride(0), vBh=vB.stride(1)))
+        self._memo[id(decoder)] = (weakref.ref(first), weakref.ref(cache), model, layers)
+        return model, layers

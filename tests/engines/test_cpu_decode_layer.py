@@ -1,0 +1,97 @@
+"""The fp32 decode layers as two C calls each (engines/rollout/cpu_decode_layer.py, cpu_decode_layer.c): an engine's
+tokens and log-probs are the same bits with and without it on every dense architecture, with a shared (n > 1) and an
+unshared prompt cache, with rows stopping and being compacted mid-call, and after a weight update; it is not used
+where its kernels do not all run (bf16, MoE, without the attention kernel), and those engines still generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridflow.engines.rollout import SamplingParams, cpu_decode_layer, create_rollout_engine
+from hybridflow.engines.tiny import write_tiny_model
+from hybridflow.protocol import DataProto
+
+DENSE = ["qwen2", "qwen3", "llama", "mistral", "phi3", "gemma2", "gemma3_text"]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = cpu_decode_layer.load()
+    assert built is not None, "the decode-layer driver did not build on this machine (see the log warning)"
+    return built
+
+
+def _prompts(engine) -> DataProto:
+    enc = engine.tokenizer(["a b c", "d", "e f g h i j k l"], return_tensors="pt", padding=True, padding_side="left")
+    return DataProto.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+                                "position_ids": (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)})
+
+
+PARAMS = [
+    SamplingParams(greedy=True, max_new_tokens=10),  # n = 1: one cache segment per row
+    SamplingParams(temperature=1.0, max_new_tokens=10, n=3, seed=11),  # shared prompt part + generated part
+    # rows stop early and are compacted: the running rows (and the structs' row count) change within the call
+    SamplingParams(temperature=1.0, max_new_tokens=16, n=4, seed=5, stop_token_ids=list(range(40, 140))),
+]
+
+
+def _generate(engine, layer_kernel, calls: list[int] | None = None):
+    engine.model.layer_kernel = layer_kernel
+    if layer_kernel is not None and calls is not None:
+        real = layer_kernel.layers
+
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return real(*args, **kwargs)
+
+        layer_kernel.layers = counted
+    try:
+        return [engine.generate(_prompts(engine), params) for params in PARAMS]
+    finally:
+        if layer_kernel is not None and calls is not None:
+            del layer_kernel.layers  # back to the class's method
+
+
+def _assert_same(with_kernel, without) -> None:
+    for a, b in zip(with_kernel, without):
+        for key in ("responses", "rollout_log_probs", "response_mask"):
+            assert torch.equal(a.batch[key], b.batch[key]), key
+
+
+@pytest.mark.parametrize("arch", DENSE)
+def test_an_engine_gives_the_same_bits_with_and_without_the_layer_driver(kernel, tmp_path, arch):
+    path = write_tiny_model(str(tmp_path / arch), "tiny", seed=0, arch=arch)
+    engine = create_rollout_engine("native", path, dtype="fp32", seed=3)
+    assert engine.model.layer_kernel is kernel and kernel.applies(engine.model)
+    calls = [0]
+    with_kernel = _generate(engine, kernel, calls)
+    assert calls[0] > 0, "the decode steps did not go through the layer driver"
+    _assert_same(with_kernel, _generate(engine, None))
+    # rows did stop and were compacted in the third call
+    assert (with_kernel[2].batch["response_mask"].sum(-1) < 16).any()
+
+
+def test_a_weight_update_is_read_by_the_next_steps(kernel, tmp_path):
+    path = write_tiny_model(str(tmp_path / "qwen3"), "tiny", seed=0, arch="qwen3")
+    engine = create_rollout_engine("native", path, dtype="fp32", seed=3)
+    _generate(engine, kernel)  # the driver's structs now point at the packed weights of the first load
+    other = write_tiny_model(str(tmp_path / "other"), "tiny", seed=1, arch="qwen3")
+    from safetensors.torch import load_file
+    engine.update_weights(load_file(f"{other}/model.safetensors").items())
+    fresh = create_rollout_engine("native", other, dtype="fp32", seed=3)
+    fresh.model.layer_kernel = None
+    _assert_same(_generate(engine, kernel), _generate(fresh, None))
+
+
+def test_it_is_not_used_where_its_kernels_do_not_all_run(kernel, tmp_path):
+    path = write_tiny_model(str(tmp_path / "qwen2"), "tiny", seed=0, arch="qwen2")
+    bf16 = create_rollout_engine("native", path, dtype="bf16", seed=3)
+    assert bf16.model.layer_kernel is None  # bf16 projections are oneDNN's
+    fp32 = create_rollout_engine("native", path, dtype="fp32", seed=3, attention_kernel=False)
+    assert not kernel.applies(fp32.model)  # the attention as torch matmuls: the eager layers run
+    _generate(fp32, kernel)
+    moe_path = write_tiny_model(str(tmp_path / "moe"), "tiny", seed=0, arch="qwen3_moe")
+    moe = create_rollout_engine("native", moe_path, dtype="fp32", seed=3)
+    assert not kernel.applies(moe.model)
+    assert all(out.batch["response_mask"].sum() > 0 for out in _generate(moe, moe.model.layer_kernel))
