@@ -17,9 +17,12 @@ For each dtype, on the mid model with the prompts of rollout_throughput.py:
     them (its per-op cost is larger than theirs); this measures what fusing them could give;
   * wall seconds of one generate call by stage: the prefill (chunked_prefill), the decode attention
     (kv_cache.decode_attention or the kernel) and the rest of the decode loop (layer matmuls, norms, sampling, bookkeeping);
+    this and the two diagnostics above replace the attention call, so in fp32 they time the eager step's layers
+    (cpu_decode_layer.py's driver calls the attention kernel from C and is then not used);
   * wall seconds of one generate call inside the engine's C kernels (cpu_linear.py, cpu_attention.py,
-    cpu_step_ops.py: timed around their ctypes calls), per kernel, and the rest of the call: the Python, the torch
-    ops between the kernels, sampling and bookkeeping. With ``--n`` > 1 each prompt is sampled n times (GRPO's
+    cpu_step_ops.py, and cpu_decode_layer.py's driver, which calls the others itself: timed around their ctypes
+    calls), per kernel, and the rest of the call: the Python, the torch ops between the kernels, sampling and
+    bookkeeping. With ``--n`` > 1 each prompt is sampled n times (GRPO's
     shape; the rollout decodes batch * n rows over batch prompts' shared KV).
 """
 
@@ -201,6 +204,9 @@ def kernel_seconds(engine, prompts, params) -> dict | None:
     if decoder.attention_kernel is not None:
         for dtype in list(decoder.attention_kernel._functions):
             patch(decoder.attention_kernel._functions, dtype, "decode_attention")
+    if decoder.layer_kernel is not None:  # cpu_decode_layer.py: its C driver calls the kernels below itself
+        patch(decoder.layer_kernel, "_attention", "decode_layer")
+        patch(decoder.layer_kernel, "_mlp_out", "decode_layer")
     if decoder.step_ops is not None:
         patch(decoder.step_ops, "_rms", "rms_norm")
         patch(decoder.step_ops, "_rms_f32", "rms_norm")

@@ -54,6 +54,8 @@ class DecodeAttentionKernel:
                                  ptr, ptr, ptr, ptr, i]  # start, new key, new value, scratch, threads
             function.restype = None
             self._functions[dtype] = function
+        # their addresses, for the decode-layer driver that calls them from C (cpu_decode_layer.py)
+        self.addresses = {dtype: ctypes.cast(f, ctypes.c_void_p).value for dtype, f in self._functions.items()}
         self._last_pads = None  # (weak reference to a mask, its version and prompt length, its left pads)
 
     @staticmethod

@@ -27,6 +27,9 @@ from pathlib import Path
 import torch
 
 from hybridflow.engines.rollout.c_kernels import load_library
+from hybridflow.engines.rollout.cpu_attention import DecodeAttentionKernel
+from hybridflow.engines.rollout.cpu_linear import PanelLinearKernel
+from hybridflow.engines.rollout.cpu_step_ops import StepOpsKernel
 
 __all__ = ["DecodeLayerKernel", "load"]
 
@@ -63,10 +66,6 @@ def load() -> DecodeLayerKernel | None:
     return None if lib is None else DecodeLayerKernel(lib)
 
 
-def _address(function) -> int:
-    return ctypes.cast(function, ctypes.c_void_p).value
-
-
 def _data(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -90,8 +89,10 @@ class DecodeLayerKernel:
         those this kernel) eager decode steps can run their layers here: panel projections, the attention kernel,
         the fp32 norm and rotary kernels on the rotary tables in place, dense MLPs."""
         s, ops = decoder.shape, decoder.step_ops
-        return (decoder.matmul == "panel" and decoder.dtype == torch.float32 and decoder.attention_kernel is not None
-                and ops is not None and ops.f32_lanes is not None and not s.moe
+        return (decoder.matmul == "panel" and decoder.dtype == torch.float32
+                and isinstance(decoder.panel_kernel, PanelLinearKernel)
+                and isinstance(decoder.attention_kernel, DecodeAttentionKernel)  # not a replaced call (benchmarks)
+                and isinstance(ops, StepOpsKernel) and ops.f32_lanes is not None and not s.moe
                 and ops.reads_tables(decoder.rope) and all(t.dtype == torch.float32 for t in decoder.rope.cos.values())
                 and max(s.hidden_size, s.head_dim) < 32768)  # cpu_step_ops' limit for the fp32 norm
 
@@ -140,9 +141,8 @@ class DecodeLayerKernel:
         if memo is not None and memo[0]() is first and memo[1]() is cache:
             return memo[2], memo[3]
         s, spec, ops = decoder.shape, decoder.spec, decoder.step_ops
-        model = _Model(panel=_address(decoder.panel_kernel._function), rms=_address(ops._rms_f32),
-                       rope=_address(ops._rope[torch.float32]),
-                       attn=_address(decoder.attention_kernel._functions[torch.float32]),
+        model = _Model(panel=decoder.panel_kernel.address, rms=ops.addresses["rms_norm_f32"],
+                       rope=ops.addresses["rope_f32"], attn=decoder.attention_kernel.addresses[torch.float32],
                        hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                        inter=s.intermediate_size, eps=s.rms_norm_eps, scale=s.attention_scale,
                        softcap=s.attn_softcap or 0.0, lanes=ops.f32_lanes, sandwich=int(bool(spec.sandwich_norms)))

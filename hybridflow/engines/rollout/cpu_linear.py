@@ -83,6 +83,8 @@ class PanelLinearKernel:
         self._function = lib.panel_linear_f32
         self._function.argtypes = [ptr, long, long, ptr, long, ptr, ptr]  # x, M, K, packed, N, bias, y
         self._function.restype = None
+        # its address, for the decode-layer driver that calls it from C (cpu_decode_layer.py)
+        self.address = ctypes.cast(self._function, ctypes.c_void_p).value
         self.vector_width = int(lib.panel_linear_vector_width())  # floats per register: 16 (AVX-512) or 8 (AVX2)
 
     @staticmethod

@@ -75,6 +75,9 @@ class StepOpsKernel:
         self._rms_f32 = lib.rms_norm_f32
         self._rms_f32.argtypes = [long, long, long, ptr, long, long, ptr, f, i, ptr, i]  # ..., eps, lanes, y, threads
         self._rms_f32.restype = i
+        # addresses for the decode-layer driver that calls them from C (cpu_decode_layer.py)
+        self.addresses = {"rms_norm_f32": ctypes.cast(self._rms_f32, ctypes.c_void_p).value,
+                          "rope_f32": ctypes.cast(self._rope[torch.float32], ctypes.c_void_p).value}
         self.f32_lanes = self._torch_sum_lanes()  # None: the fp32 norm is not used
 
     def _torch_sum_lanes(self) -> int | None:
