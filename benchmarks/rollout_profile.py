@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/rollout_profile.py                      # int8 and fp32, 64 prompts x 1 sample
     .venv/bin/python benchmarks/rollout_profile.py --dtypes fp32 --batch 16
     .venv/bin/python benchmarks/rollout_profile.py --dtypes fp32,bf16 --arch llama --threads 1
+    .venv/bin/python benchmarks/rollout_profile.py --dtypes fp32 --batch 4 --n 4 --size tiny   # the step's shape
 
-For each dtype, on the mid model with the prompts of rollout_throughput.py:
+For each dtype, on the mid model (``--size``) with the prompts of rollout_throughput.py:
   * new tokens/s of hf (fp32) and native, best of --repeats generate calls;
   * the share of torch.profiler self-CPU time per group of ops in one generate call: layer matmuls, decode attention
     (torch's matmuls, or the CPU kernel of cpu_attention.py where the engine uses it), everything else;
@@ -23,12 +24,14 @@ For each dtype, on the mid model with the prompts of rollout_throughput.py:
     cpu_step_ops.py, and cpu_decode_layer.py's driver, which calls the others itself: timed around their ctypes
     calls), per kernel, and the rest of the call: the Python, the torch ops between the kernels, sampling and
     bookkeeping. With ``--n`` > 1 each prompt is sampled n times (GRPO's
-    shape; the rollout decodes batch * n rows over batch prompts' shared KV).
+    shape; the rollout decodes batch * n rows over batch prompts' shared KV);
+  * in fp32, generate calls with cpu_decode_layer.py's driver on and off, alternated (``layer_driver_ab``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -229,22 +232,50 @@ def kernel_seconds(engine, prompts, params) -> dict | None:
             "outside_kernels": round(whole - inside, 4), "outside_share": round(1 - inside / whole, 3)}
 
 
+def layer_driver_ab(engine, prompts, params, rounds: int) -> dict | None:
+    """Generate calls with cpu_decode_layer.py's driver on and off, alternated (A B B A ...): median seconds of
+    each, their ratio, and whether the two gave the same tokens and log-probs (they must); None without the driver."""
+    decoder = engine.model
+    driver = decoder.layer_kernel
+    if driver is None or not driver.applies(decoder):
+        return None
+    times, outputs = {"on": [], "off": []}, {}
+    params = dataclasses.replace(params, seed=0)  # the same draws in every call, so the outputs compare
+    try:
+        for r in range(rounds + 1):  # round 0 warms both up
+            for name in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                decoder.layer_kernel = driver if name == "on" else None
+                start = time.perf_counter()
+                outputs[name] = engine.generate(prompts, params)
+                if r:
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        decoder.layer_kernel = driver
+    median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    same = all(torch.equal(outputs["on"].batch[k], outputs["off"].batch[k])
+               for k in ("responses", "rollout_log_probs"))
+    return {"median_s_on": round(median["on"], 4), "median_s_off": round(median["off"], 4),
+            "on_over_off": round(median["on"] / median["off"], 3), "rounds": rounds, "same_outputs": same}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="int8,fp32")
     parser.add_argument("--batch", type=int, default=64, help="distinct prompts")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt (decode rows = batch * n)")
-    parser.add_argument("--arch", default="qwen2", choices=TINY_ARCHITECTURES, help="architecture of the mid model")
+    parser.add_argument("--arch", default="qwen2", choices=TINY_ARCHITECTURES, help="architecture of the model")
+    parser.add_argument("--size", default="mid", choices=["tiny", "small", "mid"], help="engines/tiny.py's SIZES")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--ab-rounds", type=int, default=6, help="rounds of the layer driver's on/off A/B")
     args = parser.parse_args()
     device.set_num_threads(args.threads)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.n)
     rows = args.batch * args.n
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_tiny_model(os.path.join(tmp, "mid"), "mid", seed=0, arch=args.arch)
+        path = write_tiny_model(os.path.join(tmp, args.size), args.size, seed=0, arch=args.arch)
         hf = create_rollout_engine("hf", path, dtype="fp32", num_threads=args.threads)
         prompts = make_prompts(hf.tokenizer, args.batch, 16, 32, seed=args.batch)
         results["hf_fp32_tokens_per_s"] = tokens_per_s(hf, prompts, params, args.repeats)
@@ -256,8 +287,9 @@ def main() -> None:
             row["layer_matmul_seconds_per_step"] = matmul_seconds_per_step(engine, prompts, params)
             row["stage_seconds"] = stage_seconds(engine, prompts, params)
             row["kernel_seconds"] = kernel_seconds(engine, prompts, params)
+            row["layer_driver_ab"] = layer_driver_ab(engine, prompts, params, args.ab_rounds)
             # the same matmuls (plus the output head) alone, on their own: rollout_throughput.py's floor
-            row["matmul_floor_seconds_per_step"] = round(rows / matmul_floor("mid", dtype, rows), 4)
+            row["matmul_floor_seconds_per_step"] = round(rows / matmul_floor(args.size, dtype, rows), 4)
             row["tokens_per_s_if_attention_were_free"] = without_attention(engine, prompts, params, args.repeats)
             row["tokens_per_s_if_norms_and_activation_were_free"] = without_norms_and_activation(
                 engine, prompts, params, args.repeats)
@@ -267,7 +299,7 @@ def main() -> None:
     doc = {
         "benchmark": "rollout_profile",
         "git_commit": git_commit(),
-        "config": {"size": "mid", "arch": args.arch, "batch": args.batch, "new_tokens": args.new_tokens, "threads": args.threads,
+        "config": {"size": args.size, "arch": args.arch, "batch": args.batch, "new_tokens": args.new_tokens, "threads": args.threads,
                    "prompt_len": [16, 32], "samples_per_prompt": args.n},
         "load_average": os.getloadavg(),
         "results": results,
