@@ -109,14 +109,10 @@ class DecodeAttentionKernel:
             keys, values = keys.to(dtype).contiguous(), values.to(dtype).contiguous()
         out = torch.empty_like(q)
         threads = torch.get_num_threads()
-        if cache.shared:
-            a_keys, a_values, lenA = cache.prompt_keys[layer], cache.prompt_values[layer], cache.prompt_len
-            prompt_index = rows.prompt_index.to(torch.int64).contiguous()
-            b_keys, b_values, lenB = cache.keys[layer], cache.values[layer], length
-        else:
-            a_keys, a_values, lenA, prompt_index = cache.keys[layer], cache.values[layer], cache.offset + length, None
-            b_keys, b_values, lenB = a_keys, a_values, 0
-        scratch = torch.empty(threads * (2 * G * D + G * ((lenA + lenB + 15) // 16 * 16)), dtype=torch.float32)
+        a_keys, a_values, b_keys, b_values = self.segments(cache, layer)
+        lenA, lenB = self.lengths(cache, length)
+        prompt_index = rows.prompt_index.to(torch.int64).contiguous() if cache.shared else None
+        scratch = self.scratch(threads, G, D, lenA + lenB)
         args = (q, out, scale, softcap, a_keys, a_values, lenA, prompt_index, b_keys, b_values, lenB, start, keys,
                 values, scratch, threads)
         if torch.autograd._profiler_enabled():  # a named range in torch.profiler's tables (no op of its own)
@@ -125,6 +121,24 @@ class DecodeAttentionKernel:
         else:
             self._call(*args)
         return out
+
+    @staticmethod
+    def segments(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s (keys A, values A, keys B, values B): with a shared cache the prompt part (indexed by each
+        row's prompt slot) and the rows' generated part; else the rows' one part twice (B then has length 0)."""
+        if cache.shared:
+            return cache.prompt_keys[layer], cache.prompt_values[layer], cache.keys[layer], cache.values[layer]
+        return cache.keys[layer], cache.values[layer], cache.keys[layer], cache.values[layer]
+
+    @staticmethod
+    def lengths(cache, length: int) -> tuple[int, int]:
+        """The attended lengths of segments A and B when `length` tokens have been generated."""
+        return (cache.prompt_len, length) if cache.shared else (cache.offset + length, 0)
+
+    @staticmethod
+    def scratch(threads: int, G: int, D: int, length: int) -> torch.Tensor:
+        """The kernel's per-thread work space for G query heads of D per KV head over `length` keys."""
+        return torch.empty(threads * (2 * G * D + G * ((length + 15) // 16 * 16)), dtype=torch.float32)
 
     def _call(self, q, out, scale, softcap, a_keys, a_values, lenA, prompt_index, b_keys, b_values, lenB, start,
               keys, values, scratch, threads) -> None:

@@ -57,11 +57,11 @@ struct step {
     float *x;                    /* [R, hidden]: the residual stream, updated in place */
     float *h;                    /* [R, hidden] */
     float *qkv;                  /* [R, (heads + 2 kv_heads) head_dim] */
-    float *qn, *kn;              /* [R, heads, head_dim], [R, kv_heads, head_dim]: q/k after their norms */
+    float *qn, *kn;              /* q/k after their norms, [R, heads, D] and [R, kv_heads, D]; NULL without them */
     float *q, *k, *v;            /* rotated q [R, heads, D], k and v [R, kv_heads, D] */
     float *attn;                 /* [R, heads * head_dim] */
     float *gate_up;              /* [R, 2 inter] */
-    float *tmp;                  /* [R, hidden]: a sandwich norm's output */
+    float *tmp;                  /* [R, hidden]: a sandwich norm's output; NULL without sandwich norms */
     float *scratch;              /* the attention's per-thread scratch */
 };
 

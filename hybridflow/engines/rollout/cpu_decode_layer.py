@@ -78,10 +78,10 @@ class DecodeLayerKernel:
         for function in (self._attention, self._mlp_out):
             function.argtypes = [_ptr, _ptr, _ptr, _ptr]
             function.restype = None
-        # id(decoder) -> (weak references to its first packed weight and to the cache, model struct, layer structs):
-        # the structs hold raw addresses, valid while those objects live (a weight update re-packs, a generate call
-        # allocates its cache); weak, so that neither is kept alive by this memo
-        self._memo: dict[int, tuple] = {}
+        # decoder -> (weak references to its first packed weight and to the cache, model struct, layer structs): the
+        # structs hold raw addresses, valid while those objects live (a weight update re-packs, a generate call
+        # allocates its cache); all weak, so that the memo keeps none of them alive
+        self._memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @staticmethod
     def applies(decoder) -> bool:
@@ -101,12 +101,11 @@ class DecodeLayerKernel:
         """Every layer of one decode step on the hidden states x [R, hidden] (fp32, contiguous; updated in place and
         returned) at positions [R]; cache, rows, starts and length as NativeDecoder.decode's attention kernel takes
         them (its K/V of generated token ``length - 1`` are written)."""
-        s = decoder.shape
+        s, spec = decoder.shape, decoder.spec
         model, layers = self._structs(decoder, cache)
         R, H, KV, D, inter = x.shape[0], s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size
         threads = torch.get_num_threads()
-        lenA = cache.prompt_len if cache.shared else cache.offset + length
-        lenB = length if cache.shared else 0
+        lenA, lenB = DecodeAttentionKernel.lengths(cache, length)
         prompt_index = rows.prompt_index.to(torch.int64).contiguous() if cache.shared else None
         positions = positions.to(torch.int64).contiguous()
         starts = {window: start.to(torch.int32).contiguous() for window, start in starts.items()}
@@ -114,10 +113,14 @@ class DecodeLayerKernel:
         def empty(*shape: int) -> torch.Tensor:
             return torch.empty(shape, dtype=torch.float32)
 
-        buffers = {"h": empty(R, s.hidden_size), "qkv": empty(R, (H + 2 * KV) * D), "qn": empty(R, H * D),
-                   "kn": empty(R, KV * D), "q": empty(R, H * D), "k": empty(R, KV * D), "v": empty(R, KV * D),
-                   "attn": empty(R, H * D), "gate_up": empty(R, 2 * inter), "tmp": empty(R, s.hidden_size),
-                   "scratch": empty(threads * (2 * (H // KV) * D + (H // KV) * ((lenA + lenB + 15) // 16 * 16)))}
+        buffers = {"h": empty(R, s.hidden_size), "qkv": empty(R, (H + 2 * KV) * D), "q": empty(R, H * D),
+                   "k": empty(R, KV * D), "v": empty(R, KV * D), "attn": empty(R, H * D),
+                   "gate_up": empty(R, 2 * inter), "scratch": DecodeAttentionKernel.scratch(threads, H // KV, D,
+                                                                                          lenA + lenB)}
+        if spec.qk_norm:
+            buffers |= {"qn": empty(R, H * D), "kn": empty(R, KV * D)}
+        if spec.sandwich_norms:
+            buffers["tmp"] = empty(R, s.hidden_size)
         step = _Step(R=R, lenA=lenA, lenB=lenB, threads=threads, positions=positions.data_ptr(),
                      prompt_index=_data(prompt_index), x=x.data_ptr(),
                      **{name: t.data_ptr() for name, t in buffers.items()})
@@ -135,9 +138,9 @@ class DecodeLayerKernel:
     def _structs(self, decoder, cache) -> tuple[_Model, list[_Layer]]:
         """The decoder's model struct and per-layer structs for `cache`, kept while its packed weights and the cache
         are the same objects (a weight update re-packs, a generate call allocates its cache)."""
-        packed = decoder._packed_weights()
+        packed = decoder.packed_weights()
         first = packed["layers"][0]["qkv"].panels
-        memo = self._memo.get(id(decoder))
+        memo = self._memo.get(decoder)
         if memo is not None and memo[0]() is first and memo[1]() is cache:
             return memo[2], memo[3]
         s, spec, ops = decoder.shape, decoder.spec, decoder.step_ops
@@ -149,11 +152,7 @@ class DecodeLayerKernel:
         layers = []
         for li, (weights, tensors) in enumerate(zip(packed["layers"], decoder.layers)):
             key = s.layers[li].rope
-            if cache.shared:
-                kA, vA, kB, vB = cache.prompt_keys[li], cache.prompt_values[li], cache.keys[li], cache.values[li]
-            else:
-                kA = kB = cache.keys[li]
-                vA = vB = cache.values[li]
+            kA, vA, kB, vB = DecodeAttentionKernel.segments(cache, li)
             layers.append(_Layer(
                 input_norm=_data(tensors.get("input_layernorm")),
                 post_attn_norm=_data(tensors.get("post_attention_layernorm")),
@@ -169,5 +168,5 @@ class DecodeLayerKernel:
                 kA=kA.data_ptr(), vA=vA.data_ptr(), kAr=kA.stride(0), kAh=kA.stride(1), kAd=kA.stride(2),
                 vAr=vA.stride(0), vAh=vA.stride(1), kB=kB.data_ptr(), vB=vB.data_ptr(), kBr=kB.stride(0),
                 kBh=kB.stride(1), kBd=kB.stride(2), vBr=vB.stride(0), vBh=vB.stride(1)))
-        self._memo[id(decoder)] = (weakref.ref(first), weakref.ref(cache), model, layers)
+        self._memo[decoder] = (weakref.ref(first), weakref.ref(cache), model, layers)
         return model, layers

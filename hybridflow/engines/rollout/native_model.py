@@ -298,7 +298,9 @@ class NativeDecoder:
                                      for gate_up, down in zip(layer["experts_gate_up"], layer["experts_down"])]
         return {"layers": layers, "lm_head": pack(self.lm_head)}
 
-    def _packed_weights(self) -> dict:
+    def packed_weights(self) -> dict:
+        """The packed projections ({"layers": [{name: packed}], "lm_head": packed}), packed now if a weight update
+        dropped them: a re-pack makes new tensors, so holders of their addresses must check (cpu_decode_layer.py)."""
         if self._packed is None:
             self._packed = self._pack_all()
         return self._packed
@@ -317,8 +319,8 @@ class NativeDecoder:
         'gate_up' or 'down'; li = -1: the output head ('lm_head', panel or onednn only). Output in x's dtype."""
         multiply = self.panel_kernel.linear if self.matmul == "panel" else onednn_linear
         if li < 0:
-            return multiply(x, self._packed_weights()["lm_head"], None)
-        packed = self._packed_weights()["layers"][li]
+            return multiply(x, self.packed_weights()["lm_head"], None)
+        packed = self.packed_weights()["layers"][li]
         if expert >= 0:
             return multiply(x, packed["experts"][expert][name == "down"], None)
         if self.matmul == "int8":
