@@ -8,6 +8,11 @@ the micro-batches on a batch whose response lengths vary 4x.
     .venv/bin/python benchmarks/train_throughput.py [--quick] [--threads N] [--dtypes fp32,bf16]
     .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --linears onednn,torch   # onednn_train.py A/B
     .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --linears onednn,torch --size tiny
+    .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --fused-ops-ab 4   # cpu_train_ops.py A/B
+
+--fused-ops-ab K builds two engines on the same model, with and without the fused norm/rotary/SwiGLU ops
+(EngineConfig.fused_cpu_ops), and alternates their train steps K rounds (A B, B A, ...): median step seconds and
+their ratio, and whether both engines' weights are still equal to rounding.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import tempfile
 import time
 
 import torch
+from _common import cpu_flags
 
 from hybridflow import device
 from hybridflow.common.metrics import matmul_peaks
@@ -118,6 +124,30 @@ def bench_training(path: str, dtype: str, data: DataProto, steps: int, max_token
     }
 
 
+def ab_fused_ops(path: str, data: DataProto, rounds: int, max_tokens: int) -> dict:
+    """Train steps of an engine with the fused ops and one without, alternated; see the module docstring."""
+    import statistics
+
+    engines = {on: FSDPEngine(EngineConfig(model_path=path, param_dtype="fp32", use_dynamic_bsz=True,
+                                           max_tokens_per_micro_batch=max_tokens, fused_cpu_ops=on,
+                                           optim=OptimConfig(lr=1e-5)))
+               for on in (True, False)}
+    for eng in engines.values():
+        eng.train_step(data, pg_loss)  # warm-up
+    times = {True: [], False: []}
+    for r in range(rounds):
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
+            start = time.perf_counter()
+            engines[on].train_step(data, pg_loss)
+            times[on].append(time.perf_counter() - start)
+    weights = [eng.full_state_dict() for eng in engines.values()]
+    drift = max(float((weights[0][k] - weights[1][k]).abs().max()) for k in weights[0])
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    return {"rounds": rounds, "step_seconds_fused": times[True], "step_seconds_unfused": times[False],
+            "median_fused_s": on, "median_unfused_s": off, "fused_over_unfused": on / off,
+            "max_weight_difference_after": drift}
+
+
 def git_commit() -> str:
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,6 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--size", default="mid", choices=sorted(SIZES), help="model size (engines/tiny.py)")
     parser.add_argument("--linears", default="auto",
                         help="comma-separated: auto (the engine's choice), onednn (onednn_train.py), torch (F.linear)")
+    parser.add_argument("--fused-ops-ab", type=int, default=0, metavar="K",
+                        help="also alternate K train steps with and without the fused CPU ops (cpu_train_ops.py)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -165,6 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
                 run["matmul_peak_by_kernel_flops_per_s"] = kernels
                 run["mfu"] = run["model_flops_per_s"] / peak
                 results[name if choice == "auto" else f"{name}:{choice}"] = run
+        if args.fused_ops_ab:
+            results["fused_ops_ab"] = ab_fused_ops(path, data, args.fused_ops_ab, args.max_tokens)
 
     import transformers
 
@@ -176,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "device": device.device_name() if not device.is_cuda_available() else torch.cuda.get_device_name(),
+            "cpu_flags": cpu_flags(),
         },
         "versions": {
             "python": sys.version.split()[0],
@@ -195,6 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
             "layout": args.layout,
             "matmul_size": mm_size,
             "quick": args.quick,
+            "fused_ops_ab_rounds": args.fused_ops_ab,
         },
         "results": results,
         "goal": "mfu >= 0.70 of the measured matmul peak on mid at 2 threads (issue #22); token-budget padding_waste <= 0.10",

@@ -47,6 +47,7 @@ from hybridflow.engines.batch_invariant import (
     onednn_matmuls,
 )
 from hybridflow.engines.checkpoint_io import load_engine_state, save_engine_state
+from hybridflow.engines.cpu_train_ops import fused_ops_here, use_fused_ops
 from hybridflow.engines.hf_model import HeadOnPositions, hf_name, load_model, load_tokenizer
 from hybridflow.engines.lora import LoraSettings, adapter_disabled, apply_lora, base_name, merged_parameters
 from hybridflow.engines.moe_train import RouterTap, aux_loss_coef
@@ -100,6 +101,9 @@ class EngineConfig:
     # fp32 linears on CPU through oneDNN, forward and backward (onednn_train.py); None: where torch has oneDNN and
     # the model is wide enough to gain (onednn_train.MIN_HIDDEN_SIZE)
     onednn_linears: bool | None = None
+    # RMSNorm, rotary and SwiGLU as one C call each way on CPU in fp32, with transformers' forward bits
+    # (cpu_train_ops.py); None: on CPU in fp32 where the kernels build
+    fused_cpu_ops: bool | None = None
     entropy_chunk_size: int = 2048  # tokens whose [chunk, vocab] logits are held at once
     # veRL's entropy_checkpointing: training forwards recompute each chunk's entropy in backward (hf_model.py)
     entropy_checkpointing: bool = False
@@ -230,6 +234,9 @@ class FSDPEngine:
         hidden = getattr(hf_model.config.get_text_config(), "hidden_size", None)
         if config.tensor_parallel_size == 1 and onednn_training(self.device, self.compute_dtype, linears, hidden):
             use_onednn_linears(hf_model)
+        if (config.tensor_parallel_size == 1 and not config.batch_invariant
+                and fused_ops_here(self.device, self.compute_dtype, config.fused_cpu_ops)):
+            use_fused_ops(hf_model)
         self.model: nn.Module = self._wrap(hf_model)
         self.model.entropy_checkpointing = config.entropy_checkpointing
         self.model.row_multiple = ROW_MULTIPLE if config.batch_invariant else 1

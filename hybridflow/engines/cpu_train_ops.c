@@ -1,0 +1,70 @@
+/* Backward passes of the training engine's fused fp32 CPU ops (cpu_train_ops.py): the RMSNorm's and the gated
+ * MLP's (SwiGLU: silu(a) * b), each one pass over its rows. Their forwards are torch's arithmetic (the norm is the
+ * native rollout's bit-exact C kernel, the SwiGLU torch's own ops), so only gradients come from here: fp32 sums,
+ * not torch's order, which is rounding only.
+ *
+ * Built with -ffast-math for the vectorised expf. Work is split over threads in fixed chunks, and the norm weight's
+ * gradient sums per-thread partials in thread order, so a result depends on the thread count only.
+ */
+#include <math.h>
+#include <omp.h>
+
+#define PARALLEL_FROM 32768L /* elements from which a call is split over threads */
+
+/* For the R rows x_t of n features (row stride sx; g, dx: contiguous [R, n]) of y_t = x_t * r_t * w with
+ * r_t = 1 / sqrt(mean(x_t^2) + eps) (w: the norm's effective weight, Gemma's 1 + w):
+ *   dx_t = r_t * (g_t * w) - x_t * r_t^3 * sum(g_t * w * x_t) / n
+ *   dw   = sum_t g_t * x_t * r_t          (when dw is not NULL; partial: nthreads * n floats of scratch) */
+void rms_norm_backward_f32(long R, long n, const float *x, long sx, const float *g, const float *w, float eps,
+                           float *dx, float *dw, float *partial, int nthreads) {
+    const int threads = R * n >= PARALLEL_FROM ? nthreads : 1;
+    int used = 1;
+#pragma omp parallel num_threads(threads)
+    {
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#pragma omp single
+        used = nth;
+        float *acc = dw ? partial + (long)tid * n : 0;
+        if (acc)
+            for (long k = 0; k < n; k++) acc[k] = 0.f;
+        const long lo = R * tid / nth, hi = R * (tid + 1) / nth;
+        for (long t = lo; t < hi; t++) {
+            const float *xt = x + t * sx, *gt = g + t * n;
+            float ss = 0.f, dot = 0.f;
+            for (long k = 0; k < n; k++) {
+                ss += xt[k] * xt[k];
+                dot += gt[k] * w[k] * xt[k];
+            }
+            const float r = 1.0f / sqrtf(ss / (float)n + eps);
+            const float c = r * r * r * dot / (float)n;
+            float *dxt = dx + t * n;
+            for (long k = 0; k < n; k++) dxt[k] = r * gt[k] * w[k] - xt[k] * c;
+            if (acc)
+                for (long k = 0; k < n; k++) acc[k] += gt[k] * xt[k] * r;
+        }
+    }
+    if (dw) {
+        for (long k = 0; k < n; k++) dw[k] = partial[k];
+        for (int t = 1; t < used; t++)
+            for (long k = 0; k < n; k++) dw[k] += partial[(long)t * n + k];
+    }
+}
+
+/* The gradients of y = silu(a) * b for R rows of C features: a, b with row strides sa, sb; gy contiguous [R, C];
+ * da, db with row strides sda, sdb (the same buffer for a fused gate/up projection's output):
+ *   db = gy * silu(a),  da = gy * b * s * (1 + a * (1 - s)),  s = sigmoid(a) */
+void silu_mul_backward_f32(long R, long C, const float *a, long sa, const float *b, long sb, const float *gy,
+                           float *da, long sda, float *db, long sdb, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (R * C >= PARALLEL_FROM)
+    for (long t = 0; t < R; t++) {
+        const float *at = a + t * sa, *bt = b + t * sb, *gt = gy + t * C;
+        float *dat = da + t * sda, *dbt = db + t * sdb;
+#pragma omp simd
+        for (long k = 0; k < C; k++) {
+            const float s = 1.0f / (1.0f + expf(-at[k]));
+            const float gs = gt[k] * s;
+            dbt[k] = gs * at[k];
+            dat[k] = gs * bt[k] * (1.0f + at[k] * (1.0f - s));
+        }
+    }
+}
