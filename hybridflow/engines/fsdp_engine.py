@@ -95,6 +95,10 @@ class EngineConfig:
     # None: packed where it applies (one tensor/sequence-parallel rank, stripped rows, not batch-invariant, a model
     # whose attention packing runs; `why_not_packed` says why not), else bucketed.
     use_sequence_packing: bool | None = None
+    # A packed micro-batch holds each distinct prompt once, before the responses of all its rows (shared_prompts.py:
+    # GRPO's n samples of a prompt compute it once). None: wherever the engine packs, except with flash-attn's varlen
+    # kernel (CUDA), router replay or a mixture-of-experts model; True asks for it (an error where it cannot run).
+    share_prompts: bool | None = None
     # True: attention and matmul shapes whose fp32 rounding the native rollout reproduces bit for bit
     # (batch_invariant.py); needs the stripped rows (use_remove_padding) and one tensor-parallel rank
     batch_invariant: bool = False
@@ -227,6 +231,7 @@ class FSDPEngine:
         if not self.trainable:
             hf_model.requires_grad_(False)
         self.packing = self._choose_packing(hf_model)
+        self.share_prompts = self._choose_prompt_sharing(hf_model)
         if config.batch_invariant:
             enable_batch_invariant_attention(hf_model)
         # fp32 products by oneDNN (onednn_train.py); batch-invariant mode needs the rollout's kernels where it has them
@@ -255,6 +260,20 @@ class FSDPEngine:
         self.global_step = 0
 
     # ------------------------------------------------------------------ setup
+    def _choose_prompt_sharing(self, hf_model: nn.Module) -> bool:
+        """EngineConfig.share_prompts resolved: why not, where it cannot run (packing off, flash-attn's varlen kernel
+        on CUDA, router replay, a mixture-of-experts model, whose router statistics count tokens)."""
+        c = self.config
+        text = hf_model.config.get_text_config()
+        moe = any(getattr(text, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+        flash = self.device.type == "cuda" and packing._flash_varlen() is not None
+        reason = ("the engine does not pack (use_sequence_packing)" if not self.packing else
+                  "flash-attn's varlen kernel runs the packed attention" if flash else
+                  "router replay is on" if c.router_replay else "the model routes experts" if moe else None)
+        if c.share_prompts and reason is not None:
+            raise ValueError(f"share_prompts=True cannot run here: {reason}; leave it unset (None) to choose")
+        return reason is None if c.share_prompts is None else bool(c.share_prompts)
+
     def _choose_packing(self, hf_model: nn.Module) -> bool:
         """Switch `hf_model` to packed attention when use_sequence_packing is True, or None and packing applies
         (`why_not_packed` is None); returns whether this engine packs its micro-batches."""
@@ -426,7 +445,7 @@ class FSDPEngine:
         args = (batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device), position_ids.to(self.device))
         pad = self.tokenizer.pad_token_id or 0
         if self.packing:
-            bucket = packing.build_packed(*args, resp_len, pad_token_id=pad)
+            bucket = packing.build_packed(*args, resp_len, pad_token_id=pad, share_prompts=self.share_prompts)
             attention_kwargs = bucket.attention_kwargs()
         else:
             bucket = mb.build_bucket(*args, resp_len, remove_padding=self.config.use_remove_padding, pad_token_id=pad,

@@ -16,6 +16,9 @@ through the same model is still masked.
 
 Results equal the bucketed computation up to float rounding (tests/engines/test_packing.py checks log-probs and
 gradients to 1e-5 in fp32).
+
+With ``share_prompts`` (EngineConfig.share_prompts), rows of one prompt hold it once in the packed row, before their
+responses, and the attention runs per group (shared_prompts.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.engines.micro_batch import Bucket, build_bucket, real_token_spans
+from hybridflow.engines.shared_prompts import SharedPrompts, shared_layout, shared_prompt_attention
 
 __all__ = ["VARLEN_ATTENTION", "PackedBucket", "build_packed", "enable_packed_attention", "packing_refusal",
            "varlen_attention"]
@@ -42,9 +46,12 @@ class PackedBucket(Bucket):
 
     cu_seq_lens: torch.Tensor | None = None
     max_length: int = 0
+    shared: SharedPrompts | None = None
 
     def attention_kwargs(self) -> dict:
         """The forward kwargs `varlen_attention` (and transformers' flash-attention path) read."""
+        if self.shared is not None:  # cu_seq_lens are the groups' bounds; the attention reads the groups
+            return {"hybridflow_shared_prompts": self.shared, "cu_seq_lens_q": self.cu_seq_lens}
         return {
             "cu_seq_lens_q": self.cu_seq_lens,
             "cu_seq_lens_k": self.cu_seq_lens,
@@ -59,9 +66,19 @@ def build_packed(
     position_ids: torch.Tensor,
     response_length: int,
     pad_token_id: int = 0,
+    share_prompts: bool = False,
 ) -> PackedBucket:
-    """Padded rows ``[b, P+R]`` (one micro-batch, rollout layout) -> a `PackedBucket` of ``T = sum(real tokens)``."""
+    """Padded rows ``[b, P+R]`` (one micro-batch, rollout layout) -> a `PackedBucket` of ``T = sum(real tokens)``;
+    with `share_prompts`, rows of one prompt hold it once (shared_prompts.py) where any two rows share one."""
     stripped = build_bucket(input_ids, attention_mask, position_ids, response_length, True, pad_token_id)
+    layout = shared_layout(input_ids, attention_mask, position_ids, response_length) if share_prompts else None
+    if layout is not None:
+        return PackedBucket(
+            input_ids=layout["input_ids"], position_ids=layout["position_ids"], attention_mask=None,
+            select_rows=torch.zeros_like(stripped.select_rows), select_cols=layout["select_cols"],
+            target_ids=stripped.target_ids, out_rows=stripped.out_rows, out_cols=stripped.out_cols,
+            cu_seq_lens=layout["cu_seq_lens"], max_length=layout["max_length"], shared=layout["shared"],
+        )
     b, width = stripped.input_ids.shape
     starts, ends = real_token_spans(attention_mask)
     lens = ends - starts
@@ -142,6 +159,9 @@ def varlen_attention(
         return out.transpose(1, 2).contiguous(), None
     if query.shape[0] != 1:
         raise ValueError(f"{VARLEN_ATTENTION}: packed input must be one row [1, T], got batch {query.shape[0]}")
+    shared = kwargs.get("hybridflow_shared_prompts")
+    if shared is not None:
+        return shared_prompt_attention(query, key, value, shared, p, scaling, groups), None
     flash = _flash_varlen() if query.is_cuda else None
     if flash is not None:
         # flash-attn's layout is [T, H, D]; it repeats no KV heads itself (GQA is native)

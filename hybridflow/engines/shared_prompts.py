@@ -1,0 +1,164 @@
+"""Packed rows that share a prompt computed once: a GRPO micro-batch's n samples of one prompt in one group.
+
+Why: GRPO, RLOO and their relatives draw n responses per prompt, and every training and log-prob pass over a
+micro-batch computes the prompt's hidden states n times over, with the same result each time (the same tokens at
+the same positions under causal attention). Here the packed row holds each distinct prompt once, followed by the
+responses of every row that has that prompt:
+
+    [ prompt A | response A1 | response A2 | ... | prompt B | response B1 | ... ]
+
+and attention keeps the rows apart: a prompt attends causally to itself, a response to its prompt and causally to
+itself, never to a sibling response. A response's first token is predicted from its prompt's last hidden state, and
+the prompt's hidden states get the gradients of all the rows that read them (autograd sums them). The result is the
+unshared computation up to float rounding (tests/engines/test_shared_prompts.py: log-probs, entropy, values and
+gradients to 1e-5 in fp32); the tokens computed drop by (n - 1) prompts per group.
+
+Attention per group is two SDPA calls: the prompt's causal self-attention, and its responses as a batch [n, heads,
+longest response, D] against keys [prompt; own response], masked where a response is shorter than the longest (a
+padded query still sees the prompt, so no softmax row is empty; its output is dropped and gets no gradient). One
+gather takes the responses' q/k/v for all groups, one index puts every output back in packed order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.engines.micro_batch import real_token_spans
+
+__all__ = ["SharedPrompts", "shared_layout", "shared_prompt_attention"]
+
+
+@dataclass
+class SharedPrompts:
+    """The groups of one packed row: per group ``(prompt_start, prompt_len, [(response_start, response_len), ...])``,
+    positions in the packed row ``[1, T]``. Index tensors for the attention are built on first use and kept (every
+    layer reads the same)."""
+
+    groups: list[tuple[int, int, list[tuple[int, int]]]]
+    tokens: int
+    _plan: dict = field(default_factory=dict, repr=False)
+
+    def plan(self, device: torch.device) -> dict:
+        if device not in self._plan:
+            self._plan[device] = _plan(self, device)
+        return self._plan[device]
+
+
+def shared_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                  response_length: int) -> dict | None:
+    """The packed layout of padded rows ``[b, P+R]`` (rollout layout: left-padded prompts, right-padded responses)
+    with rows of identical prompts (token ids and positions) grouped, or None when no two rows share a prompt or a
+    row has no prompt token. Returns ``input_ids`` / ``position_ids [1, T]``, ``select_cols [N]`` (the packed position
+    predicting each response token, in build_bucket's row-major order), ``cu_seq_lens`` (the groups' bounds, int32),
+    ``max_length`` and ``shared`` (SharedPrompts)."""
+    b, seq = input_ids.shape
+    prompt_len = seq - response_length
+    starts, ends = real_token_spans(attention_mask)
+    if prompt_len < 1 or bool((starts >= prompt_len).any()):
+        return None
+    resp_lens = (ends - prompt_len).clamp(min=0, max=response_length)
+    members: dict[tuple, list[int]] = {}
+    ids_cpu, pos_cpu = input_ids.cpu(), position_ids.cpu()
+    for row in range(b):
+        lo = int(starts[row])
+        key = (tuple(ids_cpu[row, lo:prompt_len].tolist()), tuple(pos_cpu[row, lo:prompt_len].tolist()))
+        members.setdefault(key, []).append(row)
+    if len(members) == b:
+        return None
+    flat_index, groups, bounds = [], [], [0]
+    resp_start = torch.zeros(b, dtype=torch.long)
+    prompt_last = torch.zeros(b, dtype=torch.long)
+    cursor = 0
+    for rows in members.values():
+        first = rows[0]
+        lo = int(starts[first])
+        plen = prompt_len - lo
+        flat_index.append(first * seq + torch.arange(lo, prompt_len))
+        group_start, cursor = cursor, cursor + plen
+        responses = []
+        for row in rows:
+            rlen = int(resp_lens[row])
+            flat_index.append(row * seq + torch.arange(prompt_len, prompt_len + rlen))
+            resp_start[row], prompt_last[row] = cursor, group_start + plen - 1
+            responses.append((cursor, rlen))
+            cursor += rlen
+        groups.append((group_start, plen, responses))
+        bounds.append(cursor)
+    index = torch.cat(flat_index).to(input_ids.device)
+    out_rows = torch.repeat_interleave(torch.arange(b), resp_lens)
+    out_cols = torch.arange(int(resp_lens.sum())) - torch.repeat_interleave(torch.cumsum(resp_lens, 0) - resp_lens,
+                                                                            resp_lens)
+    # response token t is predicted from the prompt's last position (t = 0) or from its own token t - 1
+    select = torch.where(out_cols == 0, prompt_last[out_rows], resp_start[out_rows] + out_cols - 1)
+    sizes = torch.tensor(bounds)
+    return {
+        "input_ids": input_ids.reshape(-1)[index][None, :],
+        "position_ids": position_ids.reshape(-1)[index][None, :],
+        "select_cols": select.to(input_ids.device),
+        "cu_seq_lens": sizes.to(dtype=torch.int32, device=input_ids.device),
+        "max_length": int((sizes[1:] - sizes[:-1]).max()),
+        "shared": SharedPrompts(groups=groups, tokens=cursor),
+    }
+
+
+def _plan(shared: SharedPrompts, device: torch.device) -> dict:
+    """Per group: the prompt's span, the gather index of its responses padded to the longest [n * longest], their
+    key mask [n (1 when all are equal), 1, longest, prompt + longest]; and the index that puts the concatenated
+    outputs (prompts, then each group's padded responses) back in packed order."""
+    gather, calls = [], []
+    out_order = []  # for each output slot in concatenation order: its packed position, or -1 for padding
+    for start, plen, _ in shared.groups:
+        out_order.append(torch.arange(start, start + plen))
+    for start, plen, responses in shared.groups:
+        lengths = torch.tensor([r for _, r in responses])
+        longest = int(lengths.max()) if len(responses) else 0
+        if longest == 0:
+            continue
+        firsts = torch.tensor([s for s, _ in responses])
+        cols = torch.arange(longest)
+        valid = cols[None, :] < lengths[:, None]  # [n, longest]
+        # padding slots read the prompt's last token (any real token would do: their keys are masked, outputs dropped)
+        slots = torch.where(valid, firsts[:, None] + cols, torch.full_like(firsts[:, None], start + plen - 1))
+        gather.append(slots.reshape(-1))
+        out_order.append(torch.where(valid, firsts[:, None] + cols, -1).reshape(-1))
+        # a query sees the prompt and its own response causally (lower-right causal over [prompt; response]), and
+        # none of the padding keys of a shorter response
+        own = torch.arange(plen + longest)[None, None, :] - plen  # a key's index in the response; < 0: the prompt
+        mask = (own < 0) | ((own <= cols[None, :, None]) & (own < lengths[:, None, None]))
+        if bool(valid.all()):
+            mask = mask[:1]  # the same for every response
+        mask = mask[:, None].to(device)  # [n or 1, 1, longest, prompt + longest]
+        calls.append((start, plen, len(responses), longest, mask))
+    order = torch.cat(out_order)
+    slot = torch.empty(shared.tokens, dtype=torch.long)
+    kept = order >= 0
+    slot[order[kept]] = torch.arange(order.numel())[kept]
+    return {"gather": torch.cat(gather).to(device) if gather else None,
+            "sizes": [n * longest for _, _, n, longest, _ in calls], "calls": calls, "slot": slot.to(device)}
+
+
+def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shared: SharedPrompts,
+                            dropout: float, scaling: float | None, groups: int) -> torch.Tensor:
+    """Attention of a packed row of shared-prompt groups: ``query [1, H, T, D]``, ``key/value [1, Hkv, T, D]`` ->
+    ``[1, T, H, D]`` (see the module docstring)."""
+    plan = shared.plan(query.device)
+    q, k, v = (t.squeeze(0) for t in (query, key, value))  # [heads, T, D]
+    gqa = groups > 1
+    pieces = []
+    for start, plen, _ in shared.groups:
+        prompt = [t[None, :, start:start + plen] for t in (q, k, v)]
+        pieces.append(F.scaled_dot_product_attention(*prompt, dropout_p=dropout, is_causal=True, scale=scaling,
+                                                     enable_gqa=gqa)[0])
+    if plan["gather"] is not None:
+        gathered = (t.index_select(1, plan["gather"]).split(plan["sizes"], dim=1) for t in (q, k, v))
+        for (start, plen, n, longest, mask), rq, rk, rv in zip(plan["calls"], *gathered):
+            rq, rk, rv = (t.unflatten(1, (n, longest)).transpose(0, 1) for t in (rq, rk, rv))  # [n, heads, longest, D]
+            pk, pv = (t[None, :, start:start + plen].expand(n, -1, -1, -1) for t in (k, v))
+            keys, values = torch.cat((pk, rk), dim=2), torch.cat((pv, rv), dim=2)
+            out = F.scaled_dot_product_attention(rq, keys, values, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                                 enable_gqa=gqa)
+            pieces.append(out.transpose(0, 1).flatten(1, 2))  # [heads, n * longest, D]
+    return torch.cat(pieces, dim=1).index_select(1, plan["slot"]).transpose(0, 1)[None].contiguous()
