@@ -21,6 +21,7 @@ gather takes the responses' q/k/v for all groups, one index puts every output ba
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -59,40 +60,47 @@ def shared_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
     starts, ends = real_token_spans(attention_mask)
     if prompt_len < 1 or bool((starts >= prompt_len).any()):
         return None
-    resp_lens = (ends - prompt_len).clamp(min=0, max=response_length)
-    members: dict[tuple, list[int]] = {}
-    ids_cpu, pos_cpu = input_ids.cpu(), position_ids.cpu()
-    for row in range(b):
-        lo = int(starts[row])
-        key = (tuple(ids_cpu[row, lo:prompt_len].tolist()), tuple(pos_cpu[row, lo:prompt_len].tolist()))
-        members.setdefault(key, []).append(row)
-    if len(members) == b:
+    # rows of one prompt: the same left-padded ids, mask and positions over the prompt columns
+    prompts = torch.cat([input_ids[:, :prompt_len].masked_fill(attention_mask[:, :prompt_len] == 0, -1),
+                         position_ids[:, :prompt_len]], dim=1).cpu()
+    _, group_of = torch.unique(prompts, dim=0, return_inverse=True)
+    if int(group_of.max()) + 1 == b:
         return None
-    flat_index, groups, bounds = [], [], [0]
-    resp_start = torch.zeros(b, dtype=torch.long)
-    prompt_last = torch.zeros(b, dtype=torch.long)
-    cursor = 0
-    for rows in members.values():
-        first = rows[0]
-        lo = int(starts[first])
-        plen = prompt_len - lo
-        flat_index.append(first * seq + torch.arange(lo, prompt_len))
-        group_start, cursor = cursor, cursor + plen
-        responses = []
-        for row in rows:
-            rlen = int(resp_lens[row])
-            flat_index.append(row * seq + torch.arange(prompt_len, prompt_len + rlen))
-            resp_start[row], prompt_last[row] = cursor, group_start + plen - 1
-            responses.append((cursor, rlen))
-            cursor += rlen
-        groups.append((group_start, plen, responses))
-        bounds.append(cursor)
-    index = torch.cat(flat_index).to(input_ids.device)
+    starts, ends, group_of = starts.cpu(), ends.cpu(), group_of.cpu()
+    resp_lens = (ends - prompt_len).clamp(min=0, max=response_length)
+    # groups in the order of their first row, rows of a group in their order
+    first_row = torch.full((b,), b, dtype=torch.long).scatter_reduce(0, group_of, torch.arange(b), "amin")
+    rank = torch.argsort(first_row[group_of] * b + torch.arange(b))  # rows sorted by (group's first row, row)
+    ordered_groups = group_of[rank]
+    leaders = torch.ones(b, dtype=torch.bool)
+    leaders[1:] = ordered_groups[1:] != ordered_groups[:-1]
+    prompt_lens = (prompt_len - starts)[rank]
+    # packed length of each row in group order: its response, plus its group's prompt when it leads the group
+    span = resp_lens[rank] + torch.where(leaders, prompt_lens, 0)
+    offset = torch.cumsum(span, 0) - span
+    group_start = torch.cummax(torch.where(leaders, offset, 0), 0).values  # the leader's offset, carried forward
+    resp_start_sorted = offset + torch.where(leaders, prompt_lens, 0)
+    resp_start, prompt_last = torch.empty(b, dtype=torch.long), torch.empty(b, dtype=torch.long)
+    resp_start[rank] = resp_start_sorted
+    prompt_last[rank] = group_start + prompt_lens - 1
+    # the source of every packed token in the flattened [b, seq] input: leaders' prompts, then each row's response
+    src_row = torch.repeat_interleave(rank, span)
+    within = torch.arange(int(span.sum())) - torch.repeat_interleave(offset, span)
+    lead_prompt = torch.repeat_interleave(torch.where(leaders, prompt_lens, 0), span)
+    col = torch.where(within < lead_prompt, starts[src_row] + within, prompt_len + within - lead_prompt)
+    index = (src_row * seq + col).to(input_ids.device)
     out_rows = torch.repeat_interleave(torch.arange(b), resp_lens)
     out_cols = torch.arange(int(resp_lens.sum())) - torch.repeat_interleave(torch.cumsum(resp_lens, 0) - resp_lens,
                                                                             resp_lens)
     # response token t is predicted from the prompt's last position (t = 0) or from its own token t - 1
     select = torch.where(out_cols == 0, prompt_last[out_rows], resp_start[out_rows] + out_cols - 1)
+    groups, bounds = [], [0]
+    lead_at = [*torch.nonzero(leaders).flatten().tolist(), b]
+    starts_l, plens_l, rs_l, rl_l = (group_start.tolist(), prompt_lens.tolist(), resp_start_sorted.tolist(),
+                                     resp_lens[rank].tolist())
+    for lo, hi in itertools.pairwise(lead_at):
+        groups.append((starts_l[lo], plens_l[lo], [(rs_l[i], rl_l[i]) for i in range(lo, hi)]))
+        bounds.append(starts_l[lo] + plens_l[lo] + sum(rl_l[lo:hi]))
     sizes = torch.tensor(bounds)
     return {
         "input_ids": input_ids.reshape(-1)[index][None, :],
@@ -100,7 +108,7 @@ def shared_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
         "select_cols": select.to(input_ids.device),
         "cu_seq_lens": sizes.to(dtype=torch.int32, device=input_ids.device),
         "max_length": int((sizes[1:] - sizes[:-1]).max()),
-        "shared": SharedPrompts(groups=groups, tokens=cursor),
+        "shared": SharedPrompts(groups=groups, tokens=bounds[-1]),
     }
 
 
