@@ -14,9 +14,12 @@ unshared computation up to float rounding (tests/engines/test_shared_prompts.py:
 gradients to 1e-5 in fp32); the tokens computed drop by (n - 1) prompts per group.
 
 Attention per group is two SDPA calls: the prompt's causal self-attention, and its responses as a batch [n, heads,
-longest response, D] against keys [prompt; own response], masked where a response is shorter than the longest (a
-padded query still sees the prompt, so no softmax row is empty; its output is dropped and gets no gradient). One
-gather takes the responses' q/k/v for all groups, one index puts every output back in packed order.
+longest response, D] against keys [prompt; own response] under a boolean mask (lower-right causal, and the padding
+of a shorter response masked; a padded query still sees the prompt, so no softmax row is empty; its output is
+dropped and gets no gradient). A row alone with its prompt is one causal call over its prompt and response. One
+gather takes the responses' q/k/v for all groups, one index puts every output back in packed order. The masks live
+as long as the micro-batch's forward and backward, so their size is bounded (MASK_BUDGET): past it, a group's rows
+keep a copy of the prompt each.
 """
 
 from __future__ import annotations
@@ -64,10 +67,11 @@ def shared_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
     prompts = torch.cat([input_ids[:, :prompt_len].masked_fill(attention_mask[:, :prompt_len] == 0, -1),
                          position_ids[:, :prompt_len]], dim=1).cpu()
     _, group_of = torch.unique(prompts, dim=0, return_inverse=True)
-    if int(group_of.max()) + 1 == b:
-        return None
     starts, ends, group_of = starts.cpu(), ends.cpu(), group_of.cpu()
     resp_lens = (ends - prompt_len).clamp(min=0, max=response_length)
+    group_of = _within_mask_budget(group_of, prompt_len - starts, resp_lens)
+    if int(group_of.max()) + 1 == b:
+        return None
     # groups in the order of their first row, rows of a group in their order
     first_row = torch.full((b,), b, dtype=torch.long).scatter_reduce(0, group_of, torch.arange(b), "amin")
     rank = torch.argsort(first_row[group_of] * b + torch.arange(b))  # rows sorted by (group's first row, row)
@@ -112,15 +116,48 @@ def shared_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
     }
 
 
+# The response call of a group of n rows masks [n, longest response, prompt + longest response] query-key pairs (one
+# boolean each, kept for the whole forward and backward of the micro-batch). Groups are shared while the micro-batch's
+# masks stay within this many elements; the rows of a group past it keep their own copy of the prompt (one causal
+# call each, no mask), so long responses cost no large mask.
+MASK_BUDGET = 1 << 26
+
+
+def _within_mask_budget(group_of: torch.Tensor, prompt_lens: torch.Tensor, resp_lens: torch.Tensor) -> torch.Tensor:
+    """`group_of` [b] with the groups whose masks would pass MASK_BUDGET (in order of their first row) split into
+    single rows."""
+    group_of = group_of.clone()
+    used, next_id = 0, int(group_of.max()) + 1
+    for group in dict.fromkeys(group_of.tolist()):  # in order of their first row
+        rows = torch.nonzero(group_of == group).flatten()
+        if len(rows) < 2:
+            continue
+        lengths = resp_lens[rows]
+        longest = int(lengths.max())
+        size = (1 if bool((lengths == longest).all()) else len(rows)) * longest * (int(prompt_lens[rows[0]]) + longest)
+        if used + size <= MASK_BUDGET:
+            used += size
+            continue
+        group_of[rows[1:]] = torch.arange(next_id, next_id + len(rows) - 1)
+        next_id += len(rows) - 1
+    return group_of
+
+
 def _plan(shared: SharedPrompts, device: torch.device) -> dict:
-    """Per group: the prompt's span, the gather index of its responses padded to the longest [n * longest], their
-    key mask [n (1 when all are equal), 1, longest, prompt + longest]; and the index that puts the concatenated
+    """The causal spans (each group's prompt; a single row's prompt and response), and per group of several rows the
+    gather index of its responses padded to the longest [n * longest] and their key mask [n (1 when all are equal),
+    1, longest, prompt + longest]; and the index that puts the concatenated
     outputs (prompts, then each group's padded responses) back in packed order."""
     gather, calls = [], []
     out_order = []  # for each output slot in concatenation order: its packed position, or -1 for padding
-    for start, plen, _ in shared.groups:
-        out_order.append(torch.arange(start, start + plen))
+    spans = []  # causal calls over [start, start + length): a group's prompt, or a single row's prompt and response
     for start, plen, responses in shared.groups:
+        length = plen + (responses[0][1] if len(responses) == 1 else 0)
+        spans.append((start, length))
+        out_order.append(torch.arange(start, start + length))
+    for start, plen, responses in shared.groups:
+        if len(responses) < 2:
+            continue
         lengths = torch.tensor([r for _, r in responses])
         longest = int(lengths.max()) if len(responses) else 0
         if longest == 0:
@@ -144,7 +181,7 @@ def _plan(shared: SharedPrompts, device: torch.device) -> dict:
     slot = torch.empty(shared.tokens, dtype=torch.long)
     kept = order >= 0
     slot[order[kept]] = torch.arange(order.numel())[kept]
-    return {"gather": torch.cat(gather).to(device) if gather else None,
+    return {"spans": spans, "gather": torch.cat(gather).to(device) if gather else None,
             "sizes": [n * longest for _, _, n, longest, _ in calls], "calls": calls, "slot": slot.to(device)}
 
 
@@ -156,9 +193,9 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     q, k, v = (t.squeeze(0) for t in (query, key, value))  # [heads, T, D]
     gqa = groups > 1
     pieces = []
-    for start, plen, _ in shared.groups:
-        prompt = [t[None, :, start:start + plen] for t in (q, k, v)]
-        pieces.append(F.scaled_dot_product_attention(*prompt, dropout_p=dropout, is_causal=True, scale=scaling,
+    for start, length in plan["spans"]:
+        span = [t[None, :, start:start + length] for t in (q, k, v)]
+        pieces.append(F.scaled_dot_product_attention(*span, dropout_p=dropout, is_causal=True, scale=scaling,
                                                      enable_gqa=gqa)[0])
     if plan["gather"] is not None:
         gathered = (t.index_select(1, plan["gather"]).split(plan["sizes"], dim=1) for t in (q, k, v))

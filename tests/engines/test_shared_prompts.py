@@ -10,7 +10,7 @@ import torch
 from e2e_helpers import make_batch
 from test_train_engine import engine, pg_loss
 
-from hybridflow.engines import packing
+from hybridflow.engines import packing, shared_prompts
 from hybridflow.engines.shared_prompts import shared_layout
 from hybridflow.engines.tiny import write_tiny_model
 from hybridflow.protocol import DataProto
@@ -123,3 +123,20 @@ def test_the_packed_attention_reads_the_groups(tiny_model_path, monkeypatch):
     eng.compute_log_prob(data, temperature=1.0)
     prompts = int(data.batch["attention_mask"][:, :-12].sum(-1)[[0, 4, 8, 12, 13]].sum())
     assert calls and all(shape[2] == prompts + int(data.batch["response_mask"].sum()) for shape in calls)
+
+
+def test_groups_past_the_mask_budget_keep_their_own_prompt_copies(tiny_model_path, monkeypatch):
+    data = grpo_batch()
+    b = data.batch
+    R = b["responses"].shape[1]
+    full = shared_layout(b["input_ids"], b["attention_mask"], b["position_ids"], R)
+    monkeypatch.setattr(shared_prompts, "MASK_BUDGET", 1)  # no group's mask fits: every row on its own
+    assert shared_layout(b["input_ids"], b["attention_mask"], b["position_ids"], R) is None
+    # room for the first group only
+    monkeypatch.setattr(shared_prompts, "MASK_BUDGET", 4 * R * (10 + R))
+    some = shared_layout(b["input_ids"], b["attention_mask"], b["position_ids"], R)
+    assert [len(g[2]) for g in some["shared"].groups] == [4] + [1] * 10
+    assert some["input_ids"].shape[1] > full["input_ids"].shape[1]
+    mask = b["response_mask"].bool()
+    _assert_equal_to_rounding(_passes(tiny_model_path, data, share_prompts=True),
+                              _passes(tiny_model_path, data, share_prompts=False), mask)
