@@ -73,9 +73,12 @@ def build_packed(
     stripped = build_bucket(input_ids, attention_mask, position_ids, response_length, True, pad_token_id)
     layout = shared_layout(input_ids, attention_mask, position_ids, response_length) if share_prompts else None
     if layout is not None:
+        # response token t is predicted from its prompt's last position (t = 0) or from its own token t - 1
+        rows, t = stripped.out_rows, stripped.out_cols
+        select = torch.where(t == 0, layout["prompt_last"][rows], layout["response_start"][rows] + t - 1)
         return PackedBucket(
             input_ids=layout["input_ids"], position_ids=layout["position_ids"], attention_mask=None,
-            select_rows=torch.zeros_like(stripped.select_rows), select_cols=layout["select_cols"],
+            select_rows=torch.zeros_like(stripped.select_rows), select_cols=select,
             target_ids=stripped.target_ids, out_rows=stripped.out_rows, out_cols=stripped.out_cols,
             cu_seq_lens=layout["cu_seq_lens"], max_length=layout["max_length"], shared=layout["shared"],
         )

@@ -55,9 +55,9 @@ def shared_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
                   response_length: int) -> dict | None:
     """The packed layout of padded rows ``[b, P+R]`` (rollout layout: left-padded prompts, right-padded responses)
     with rows of identical prompts (token ids and positions) grouped, or None when no two rows share a prompt or a
-    row has no prompt token. Returns ``input_ids`` / ``position_ids [1, T]``, ``select_cols [N]`` (the packed position
-    predicting each response token, in build_bucket's row-major order), ``cu_seq_lens`` (the groups' bounds, int32),
-    ``max_length`` and ``shared`` (SharedPrompts)."""
+    row has no prompt token. Returns ``input_ids`` / ``position_ids [1, T]``, per row ``prompt_last [b]`` (the packed
+    position of its prompt's last token) and ``response_start [b]`` (of its first response token), ``cu_seq_lens``
+    (the groups' bounds, int32), ``max_length`` and ``shared`` (SharedPrompts)."""
     b, seq = input_ids.shape
     prompt_len = seq - response_length
     starts, ends = real_token_spans(attention_mask)
@@ -93,11 +93,6 @@ def shared_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
     lead_prompt = torch.repeat_interleave(torch.where(leaders, prompt_lens, 0), span)
     col = torch.where(within < lead_prompt, starts[src_row] + within, prompt_len + within - lead_prompt)
     index = (src_row * seq + col).to(input_ids.device)
-    out_rows = torch.repeat_interleave(torch.arange(b), resp_lens)
-    out_cols = torch.arange(int(resp_lens.sum())) - torch.repeat_interleave(torch.cumsum(resp_lens, 0) - resp_lens,
-                                                                            resp_lens)
-    # response token t is predicted from the prompt's last position (t = 0) or from its own token t - 1
-    select = torch.where(out_cols == 0, prompt_last[out_rows], resp_start[out_rows] + out_cols - 1)
     groups, bounds = [], [0]
     lead_at = [*torch.nonzero(leaders).flatten().tolist(), b]
     starts_l, plens_l, rs_l, rl_l = (group_start.tolist(), prompt_lens.tolist(), resp_start_sorted.tolist(),
@@ -109,7 +104,8 @@ def shared_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
     return {
         "input_ids": input_ids.reshape(-1)[index][None, :],
         "position_ids": position_ids.reshape(-1)[index][None, :],
-        "select_cols": select.to(input_ids.device),
+        "prompt_last": prompt_last.to(input_ids.device),
+        "response_start": resp_start.to(input_ids.device),
         "cu_seq_lens": sizes.to(dtype=torch.int32, device=input_ids.device),
         "max_length": int((sizes[1:] - sizes[:-1]).max()),
         "shared": SharedPrompts(groups=groups, tokens=bounds[-1]),
