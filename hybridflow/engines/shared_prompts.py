@@ -13,11 +13,15 @@ the prompt's hidden states get the gradients of all the rows that read them (aut
 unshared computation up to float rounding (tests/engines/test_shared_prompts.py: log-probs, entropy, values and
 gradients to 1e-5 in fp32); the tokens computed drop by (n - 1) prompts per group.
 
-Attention per group is two SDPA calls: the prompt's causal self-attention, and its responses as a batch [n, heads,
-longest response, D] against keys [prompt; own response] under a boolean mask (lower-right causal, and the padding
-of a shorter response masked; a padded query still sees the prompt, so no softmax row is empty; its output is
-dropped and gets no gradient). A row alone with its prompt is one causal call over its prompt and response. One
-gather takes the responses' q/k/v for all groups, one index puts every output back in packed order. The masks live
+Attention takes one of two forms per group (only attention: the projections and MLPs still see each prompt token
+once). Where the prompt is no longer than the longest response (RL's usual case) or the row is alone, each row
+attends causally over ``[prompt; own response]``, padded to the group's longest response: the prompt's scores are
+computed once per row, no mask is needed (padding comes last, so causality hides it), and groups of one padded
+length go through one batched call. Where the prompt is longer, the group is two calls: the prompt's causal
+self-attention, and its responses as a batch [n, heads, longest response, D] against keys [prompt; own response]
+under a boolean mask (lower-right causal, and the padding of a shorter response masked; a padded query still sees
+the prompt, so no softmax row is empty). Padded queries' outputs are dropped and get no gradient. One gather per
+q/k/v takes every call's operands, one index puts every output back in packed order. The masked form's masks live
 as long as the micro-batch's forward and backward, so their size is bounded (MASK_BUDGET): past it, a group's rows
 keep a copy of the prompt each.
 """
@@ -112,7 +116,7 @@ def shared_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
     }
 
 
-# The response call of a group of n rows masks [n, longest response, prompt + longest response] query-key pairs (one
+# The response call of a masked-form group of n rows masks [n, longest response, prompt + longest response] query-key pairs (one
 # boolean each, kept for the whole forward and backward of the micro-batch). Groups are shared while the micro-batch's
 # masks stay within this many elements; the rows of a group past it keep their own copy of the prompt (one causal
 # call each, no mask), so long responses cost no large mask.
@@ -120,8 +124,8 @@ MASK_BUDGET = 1 << 26
 
 
 def _within_mask_budget(group_of: torch.Tensor, prompt_lens: torch.Tensor, resp_lens: torch.Tensor) -> torch.Tensor:
-    """`group_of` [b] with the groups whose masks would pass MASK_BUDGET (in order of their first row) split into
-    single rows."""
+    """`group_of` [b] with the masked-form groups whose masks would pass MASK_BUDGET (in order of their first row)
+    split into single rows."""
     group_of = group_of.clone()
     used, next_id = 0, int(group_of.max()) + 1
     for group in dict.fromkeys(group_of.tolist()):  # in order of their first row
@@ -130,6 +134,8 @@ def _within_mask_budget(group_of: torch.Tensor, prompt_lens: torch.Tensor, resp_
             continue
         lengths = resp_lens[rows]
         longest = int(lengths.max())
+        if longest == 0 or _repeat_form(int(prompt_lens[rows[0]]), len(rows), longest):
+            continue  # no mask
         size = (1 if bool((lengths == longest).all()) else len(rows)) * longest * (int(prompt_lens[rows[0]]) + longest)
         if used + size <= MASK_BUDGET:
             used += size
@@ -139,67 +145,86 @@ def _within_mask_budget(group_of: torch.Tensor, prompt_lens: torch.Tensor, resp_
     return group_of
 
 
+def _repeat_form(prompt_len: int, rows: int, longest: int) -> bool:
+    """Whether a group's rows attend as whole sequences ``[prompt; own response]`` (the prompt's attention computed
+    once per row, causal, no mask) rather than as a prompt call plus a masked response call: for a lone row, and
+    where the prompt is no longer than the longest response. The repeated prompt queries cost ``n * (p + r)^2 / 2``
+    scores against ``p^2 / 2 + n * r * (p + r)`` for the masked form (which computes its whole rectangle), so the
+    repeat form is the cheaper one exactly when ``p <= r``; it also needs no mask and no key concatenation."""
+    return rows == 1 or prompt_len <= longest
+
+
 def _plan(shared: SharedPrompts, device: torch.device) -> dict:
-    """The causal spans (each group's prompt; a single row's prompt and response), and per group of several rows the
-    gather index of its responses padded to the longest [n * longest] and their key mask [n (1 when all are equal),
-    1, longest, prompt + longest]; and the index that puts the concatenated
-    outputs (prompts, then each group's padded responses) back in packed order."""
-    gather, calls = [], []
-    out_order = []  # for each output slot in concatenation order: its packed position, or -1 for padding
-    spans = []  # causal calls over [start, start + length): a group's prompt, or a single row's prompt and response
+    """The attention calls of a packed row of groups, as gather indices into it and an index back.
+
+    Each call is ``(b, query length, key length, mask)``: a repeat-form group's rows are sequences of their prompt
+    and their response padded to the group's longest (batched with every other group of the same padded length,
+    causal); a masked-form group is its prompt's causal call and its responses' call against ``[prompt; own
+    response]`` keys under a boolean mask [n (1 when all are equal), 1, longest, prompt + longest]. ``q_index`` and
+    ``kv_index`` gather the calls' queries and keys from the packed row, in call order; ``slot`` picks each packed
+    position's output from the concatenated outputs (a prompt's from its group's first row). Padding slots read the
+    prompt's last token: under the causal mask no real query sees them, their outputs are dropped, and they get no
+    gradient."""
+    q_index, kv_index, out_order, calls = [], [], [], []
+    by_length: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # repeat form: padded length -> (seqs, outs)
     for start, plen, responses in shared.groups:
-        length = plen + (responses[0][1] if len(responses) == 1 else 0)
-        spans.append((start, length))
-        out_order.append(torch.arange(start, start + length))
-    for start, plen, responses in shared.groups:
-        if len(responses) < 2:
-            continue
+        n = len(responses)
         lengths = torch.tensor([r for _, r in responses])
-        longest = int(lengths.max()) if len(responses) else 0
-        if longest == 0:
-            continue
-        firsts = torch.tensor([s for s, _ in responses])
+        longest = int(lengths.max())
         cols = torch.arange(longest)
+        firsts = torch.tensor([s for s, _ in responses])
         valid = cols[None, :] < lengths[:, None]  # [n, longest]
-        # padding slots read the prompt's last token (any real token would do: their keys are masked, outputs dropped)
-        slots = torch.where(valid, firsts[:, None] + cols, torch.full_like(firsts[:, None], start + plen - 1))
-        gather.append(slots.reshape(-1))
-        out_order.append(torch.where(valid, firsts[:, None] + cols, -1).reshape(-1))
-        # a query sees the prompt and its own response causally (lower-right causal over [prompt; response]), and
-        # none of the padding keys of a shorter response
-        own = torch.arange(plen + longest)[None, None, :] - plen  # a key's index in the response; < 0: the prompt
-        mask = (own < 0) | ((own <= cols[None, :, None]) & (own < lengths[:, None, None]))
-        if bool(valid.all()):
-            mask = mask[:1]  # the same for every response
-        mask = mask[:, None].to(device)  # [n or 1, 1, longest, prompt + longest]
-        calls.append((start, plen, len(responses), longest, mask))
+        prompt = torch.arange(start, start + plen)
+        resp = torch.where(valid, firsts[:, None] + cols, start + plen - 1)
+        kept = torch.where(valid, firsts[:, None] + cols, -1)
+        if longest == 0:  # no response token in the group: its prompt alone
+            by_length.setdefault(plen, []).append((prompt[None], prompt[None]))
+        elif _repeat_form(plen, n, longest):
+            seqs = torch.cat((prompt.expand(n, plen), resp), dim=1)
+            prompt_out = torch.cat((prompt[None], torch.full((n - 1, plen), -1, dtype=torch.long)))
+            by_length.setdefault(plen + longest, []).append((seqs, torch.cat((prompt_out, kept), dim=1)))
+        else:
+            q_index += [prompt, resp.reshape(-1)]
+            kv_index += [prompt, torch.cat((prompt.expand(n, plen), resp), dim=1).reshape(-1)]
+            out_order += [prompt, kept.reshape(-1)]
+            # a response query sees the prompt and its own response causally (lower-right causal over [prompt;
+            # response]), and none of the padding keys of a shorter response
+            own = torch.arange(plen + longest)[None, None, :] - plen  # a key's index in the response; < 0: the prompt
+            mask = (own < 0) | ((own <= cols[None, :, None]) & (own < lengths[:, None, None]))
+            if bool(valid.all()):
+                mask = mask[:1]  # the same for every response
+            calls += [(1, plen, plen, None), (n, longest, plen + longest, mask[:, None].to(device))]
+    for length, items in by_length.items():
+        seqs, outs = torch.cat([s for s, _ in items]), torch.cat([o for _, o in items])
+        q_index.append(seqs.reshape(-1))
+        kv_index.append(seqs.reshape(-1))
+        out_order.append(outs.reshape(-1))
+        calls.append((seqs.shape[0], length, length, None))
     order = torch.cat(out_order)
     slot = torch.empty(shared.tokens, dtype=torch.long)
     kept = order >= 0
     slot[order[kept]] = torch.arange(order.numel())[kept]
-    return {"spans": spans, "gather": torch.cat(gather).to(device) if gather else None,
-            "sizes": [n * longest for _, _, n, longest, _ in calls], "calls": calls, "slot": slot.to(device)}
+    return {"q_index": torch.cat(q_index).to(device), "kv_index": torch.cat(kv_index).to(device), "calls": calls,
+            "q_sizes": [b * sq for b, sq, _, _ in calls], "kv_sizes": [b * skv for b, _, skv, _ in calls],
+            "slot": slot.to(device)}
 
 
 def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shared: SharedPrompts,
                             dropout: float, scaling: float | None, groups: int) -> torch.Tensor:
     """Attention of a packed row of shared-prompt groups: ``query [1, H, T, D]``, ``key/value [1, Hkv, T, D]`` ->
-    ``[1, T, H, D]`` (see the module docstring)."""
+    ``[1, T, H, D]`` (see the module docstring). Tokens are gathered whole ([T, heads, D] rows), so each call's
+    operands are views [b, heads, length, D] of one gather, and one index puts the outputs back in packed order."""
     plan = shared.plan(query.device)
-    q, k, v = (t.squeeze(0) for t in (query, key, value))  # [heads, T, D]
-    gqa = groups > 1
-    pieces = []
-    for start, length in plan["spans"]:
-        span = [t[None, :, start:start + length] for t in (q, k, v)]
-        pieces.append(F.scaled_dot_product_attention(*span, dropout_p=dropout, is_causal=True, scale=scaling,
-                                                     enable_gqa=gqa)[0])
-    if plan["gather"] is not None:
-        gathered = (t.index_select(1, plan["gather"]).split(plan["sizes"], dim=1) for t in (q, k, v))
-        for (start, plen, n, longest, mask), rq, rk, rv in zip(plan["calls"], *gathered):
-            rq, rk, rv = (t.unflatten(1, (n, longest)).transpose(0, 1) for t in (rq, rk, rv))  # [n, heads, longest, D]
-            pk, pv = (t[None, :, start:start + plen].expand(n, -1, -1, -1) for t in (k, v))
-            keys, values = torch.cat((pk, rk), dim=2), torch.cat((pv, rv), dim=2)
-            out = F.scaled_dot_product_attention(rq, keys, values, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                                                 enable_gqa=gqa)
-            pieces.append(out.transpose(0, 1).flatten(1, 2))  # [heads, n * longest, D]
-    return torch.cat(pieces, dim=1).index_select(1, plan["slot"]).transpose(0, 1)[None].contiguous()
+    heads, dim = query.shape[1], query.shape[3]
+    q = query[0].transpose(0, 1).index_select(0, plan["q_index"])  # [Nq, heads, D]
+    k, v = (t[0].transpose(0, 1).index_select(0, plan["kv_index"]) for t in (key, value))
+    outs = []
+    for (b, sq, skv, mask), rq, rk, rv in zip(plan["calls"], q.split(plan["q_sizes"]), k.split(plan["kv_sizes"]),
+                                              v.split(plan["kv_sizes"])):
+        rq = rq.view(b, sq, heads, dim).transpose(1, 2)
+        rk, rv = (t.view(b, skv, -1, dim).transpose(1, 2) for t in (rk, rv))
+        out = F.scaled_dot_product_attention(rq, rk, rv, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
+                                             scale=scaling, enable_gqa=groups > 1)
+        outs.append(out.transpose(1, 2).reshape(b * sq, heads, dim))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.index_select(0, plan["slot"])[None]

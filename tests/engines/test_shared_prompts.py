@@ -126,17 +126,61 @@ def test_the_packed_attention_reads_the_groups(tiny_model_path, monkeypatch):
 
 
 def test_groups_past_the_mask_budget_keep_their_own_prompt_copies(tiny_model_path, monkeypatch):
-    data = grpo_batch()
+    data = grpo_batch(prompt_len=20, response_len=5)  # prompts longer than the responses: the masked form
     b = data.batch
     R = b["responses"].shape[1]
     full = shared_layout(b["input_ids"], b["attention_mask"], b["position_ids"], R)
     monkeypatch.setattr(shared_prompts, "MASK_BUDGET", 1)  # no group's mask fits: every row on its own
     assert shared_layout(b["input_ids"], b["attention_mask"], b["position_ids"], R) is None
-    # room for the first group only
-    monkeypatch.setattr(shared_prompts, "MASK_BUDGET", 4 * R * (10 + R))
+    # room for the first group only (its responses differ in length: one mask per row)
+    first_prompt = int(b["attention_mask"][0, :-R].sum())
+    monkeypatch.setattr(shared_prompts, "MASK_BUDGET", 4 * R * (first_prompt + R))
     some = shared_layout(b["input_ids"], b["attention_mask"], b["position_ids"], R)
     assert [len(g[2]) for g in some["shared"].groups] == [4] + [1] * 10
     assert some["input_ids"].shape[1] > full["input_ids"].shape[1]
     mask = b["response_mask"].bool()
     _assert_equal_to_rounding(_passes(tiny_model_path, data, share_prompts=True),
                               _passes(tiny_model_path, data, share_prompts=False), mask)
+
+
+def test_a_group_with_short_prompts_needs_no_mask_and_no_budget(monkeypatch):
+    data = grpo_batch(prompt_len=6, response_len=12)
+    b = data.batch
+    monkeypatch.setattr(shared_prompts, "MASK_BUDGET", 1)
+    layout = shared_layout(b["input_ids"], b["attention_mask"], b["position_ids"], 12)
+    assert [len(g[2]) for g in layout["shared"].groups] == [4, 4, 4, 1, 1]
+    assert all(mask is None for *_, mask in layout["shared"].plan(torch.device("cpu"))["calls"])
+
+
+@pytest.mark.parametrize(("prompt_len", "response_len", "masked"), [(6, 9, False), (12, 4, True)])
+def test_both_attention_forms_equal_each_rows_own_attention(prompt_len, response_len, masked):
+    """Outputs and q/k/v gradients (fp64, GQA) equal each row's own causal attention over [prompt; response]:
+    groups with responses of different lengths and an empty one, two groups of one padded length, a lone row."""
+    spec = [(prompt_len, [response_len, 2, 0]), (prompt_len, [response_len, 1]), (prompt_len - 1, [3])]
+    groups, rows, pos = [], [], 0
+    for plen, lengths in spec:
+        start, responses = pos, []
+        pos += plen
+        for length in lengths:
+            responses.append((pos, length))
+            rows.append(torch.cat((torch.arange(start, start + plen), torch.arange(pos, pos + length))))
+            pos += length
+        groups.append((start, plen, responses))
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, pos, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, pos, 8, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2))
+    shared = shared_prompts.SharedPrompts(groups=groups, tokens=pos)
+    out = shared_prompts.shared_prompt_attention(q, k, v, shared, 0.0, None, 2)[0]
+    calls = shared.plan(torch.device("cpu"))["calls"]
+    assert any(mask is not None for *_, mask in calls) == masked
+    want = torch.zeros(pos, 4, 8, dtype=torch.float64)
+    for idx in rows:  # a prompt's outputs are the same in each of its rows: the last write stands
+        own = torch.nn.functional.scaled_dot_product_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx],
+                                                               is_causal=True, enable_gqa=True)
+        want = want.index_copy(0, idx, own[0].transpose(0, 1))
+    assert float((out - want).detach().abs().max()) <= 1e-12
+    weights = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    got = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    expected = torch.autograd.grad((want * weights).sum(), (q, k, v))
+    for a, e in zip(got, expected):
+        assert float(e.abs().max()) > 0 and float((a - e).abs().max()) <= 1e-12
