@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridflow.engines.causal_attention import causal_attention
 from hybridflow.engines.micro_batch import Bucket, build_bucket, real_token_spans
 from hybridflow.engines.shared_prompts import SharedPrompts, shared_layout, shared_prompt_attention
 
@@ -186,7 +187,7 @@ def varlen_attention(
 
 
 def _causal(q, k, v, p: float, scaling: float | None, groups: int) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scaling, enable_gqa=groups > 1)
+    return causal_attention(q, k, v, p, scaling, groups > 1)
 
 
 def _causal_by_length(query, key, value, starts_by_length: dict[int, list[int]], p: float, scaling: float | None,

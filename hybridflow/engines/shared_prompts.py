@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from hybridflow.engines.causal_attention import causal_attention
 from hybridflow.engines.micro_batch import real_token_spans
 
 __all__ = ["SharedPrompts", "shared_layout", "shared_prompt_attention"]
@@ -223,8 +224,11 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
                                               v.split(plan["kv_sizes"])):
         rq = rq.view(b, sq, heads, dim).transpose(1, 2)
         rk, rv = (t.view(b, skv, -1, dim).transpose(1, 2) for t in (rk, rv))
-        out = F.scaled_dot_product_attention(rq, rk, rv, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
-                                             scale=scaling, enable_gqa=groups > 1)
+        if mask is None:
+            out = causal_attention(rq, rk, rv, dropout, scaling, groups > 1)
+        else:
+            out = F.scaled_dot_product_attention(rq, rk, rv, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                                 enable_gqa=groups > 1)
         outs.append(out.transpose(1, 2).reshape(b * sq, heads, dim))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.index_select(0, plan["slot"])[None]
