@@ -47,8 +47,11 @@ def _sdpa_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
 
 
 def _fp32_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float) -> bool:
+    """Whether this call takes the fp32 backward: CPU, bf16, gradients, no dropout, and operands the flash kernel
+    takes (4-D, one head size for q, k and v; SDPA picks another kernel otherwise, and so is left to)."""
     return (query.device.type == "cpu" and _sdpa_dtype(query, key, value) == torch.bfloat16 and dropout == 0.0
-            and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
+            and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+            and query.dim() == key.dim() == value.dim() == 4 and query.shape[-1] == key.shape[-1] == value.shape[-1])
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float,

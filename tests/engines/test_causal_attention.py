@@ -44,6 +44,7 @@ def test_plain_sdpa_elsewhere():
     assert not ca._fp32_backward(*fp32, 0.0)
     bf16 = _inputs(torch.bfloat16)
     assert not ca._fp32_backward(*bf16, 0.1)  # dropout
+    assert not ca._fp32_backward(bf16[0], bf16[1], bf16[2][..., :8], 0.0)  # values of another head size
     with torch.no_grad():
         assert not ca._fp32_backward(*bf16, 0.0)
         out = ca.causal_attention(*bf16, 0.0, 0.3, True)
