@@ -117,10 +117,10 @@ def shared_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
     }
 
 
-# The response call of a masked-form group of n rows masks [n, longest response, prompt + longest response] query-key pairs (one
-# boolean each, kept for the whole forward and backward of the micro-batch). Groups are shared while the micro-batch's
-# masks stay within this many elements; the rows of a group past it keep their own copy of the prompt (one causal
-# call each, no mask), so long responses cost no large mask.
+# The response call of a masked-form group of n rows masks [n, longest response, prompt + longest response]
+# query-key pairs (one boolean each, kept for the whole forward and backward of the micro-batch). Groups are shared
+# while the micro-batch's masks stay within this many elements; the rows of a group past it keep their own copy of
+# the prompt (one causal call each, no mask), so long responses cost no large mask.
 MASK_BUDGET = 1 << 26
 
 
