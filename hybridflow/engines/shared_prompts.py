@@ -150,8 +150,9 @@ def _repeat_form(prompt_len: int, rows: int, longest: int) -> bool:
     """Whether a group's rows attend as whole sequences ``[prompt; own response]`` (the prompt's attention computed
     once per row, causal, no mask) rather than as a prompt call plus a masked response call: for a lone row, and
     where the prompt is no longer than the longest response. The repeated prompt queries cost ``n * (p + r)^2 / 2``
-    scores against ``p^2 / 2 + n * r * (p + r)`` for the masked form (which computes its whole rectangle), so the
-    repeat form is the cheaper one exactly when ``p <= r``; it also needs no mask and no key concatenation."""
+    scores against ``p^2 / 2 + n * r * (p + r)`` for the masked form (which computes its whole rectangle): the repeat
+    form costs no more whenever ``p <= r`` (and stays cheaper while ``n * (p^2 - r^2) <= p^2``, a little past it for
+    small n; the rule keeps the simple bound), and it needs no mask and no key concatenation."""
     return rows == 1 or prompt_len <= longest
 
 
