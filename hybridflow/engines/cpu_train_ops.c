@@ -1,7 +1,7 @@
-/* Backward passes of the training engine's fused fp32 CPU ops (cpu_train_ops.py): the RMSNorm's and the gated
- * MLP's (SwiGLU: silu(a) * b), each one pass over its rows. Their forwards are torch's arithmetic (the norm is the
- * native rollout's bit-exact C kernel, the SwiGLU torch's own ops), so only gradients come from here: fp32 sums,
- * not torch's order, which is rounding only.
+/* Backward passes of the training engine's fused CPU ops (cpu_train_ops.py): the RMSNorm's (fp32) and the gated
+ * MLP's (SwiGLU: silu(a) * b; fp32 and bf16), each one pass over its rows. Their forwards are torch's arithmetic
+ * (the norm is the native rollout's bit-exact C kernel, the SwiGLU torch's own ops), so only gradients come from
+ * here: fp32 sums, not torch's order, which is rounding only.
  *
  * Built with -ffast-math for the vectorised expf. Work is split over threads in fixed chunks, and the norm weight's
  * gradient sums per-thread partials in thread order, so a result depends on the thread count only.
@@ -50,21 +50,40 @@ void rms_norm_backward_f32(long R, long n, const float *x, long sx, const float 
     }
 }
 
+typedef unsigned short bf16;
+static inline float from_f32(float f) { return f; }
+static inline float to_f32(float f) { return f; }
+static inline float from_bf16(bf16 h) {
+    union { unsigned u; float f; } v = {(unsigned)h << 16};
+    return v.f;
+}
+static inline bf16 to_bf16(float f) { /* round to nearest even, NaN to torch's quiet NaN */
+    union { float f; unsigned u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16)0x7fc0;
+    return (bf16)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
 /* The gradients of y = silu(a) * b for R rows of C features: a, b with row strides sa, sb; gy contiguous [R, C];
  * da, db with row strides sda, sdb (the same buffer for a fused gate/up projection's output):
- *   db = gy * silu(a),  da = gy * b * s * (1 + a * (1 - s)),  s = sigmoid(a) */
-void silu_mul_backward_f32(long R, long C, const float *a, long sa, const float *b, long sb, const float *gy,
-                           float *da, long sda, float *db, long sdb, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (R * C >= PARALLEL_FROM)
-    for (long t = 0; t < R; t++) {
-        const float *at = a + t * sa, *bt = b + t * sb, *gt = gy + t * C;
-        float *dat = da + t * sda, *dbt = db + t * sdb;
-#pragma omp simd
-        for (long k = 0; k < C; k++) {
-            const float s = 1.0f / (1.0f + expf(-at[k]));
-            const float gs = gt[k] * s;
-            dbt[k] = gs * at[k];
-            dat[k] = gs * bt[k] * (1.0f + at[k] * (1.0f - s));
-        }
+ *   db = gy * silu(a),  da = gy * b * s * (1 + a * (1 - s)),  s = sigmoid(a)
+ * in fp32 arithmetic; the bf16 variant (a bf16 engine's gate/up outputs under autocast) reads bf16 and rounds each
+ * gradient to bf16 once (nearest even), where torch's backward rounds after each op. */
+#define SILU_MUL_BACKWARD(NAME, T, LOAD, STORE)                                                                     \
+    void NAME(long R, long C, const T *a, long sa, const T *b, long sb, const T *gy, T *da, long sda, T *db,        \
+              long sdb, int nthreads) {                                                                            \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static) if (R * C >= PARALLEL_FROM)")              \
+        for (long t = 0; t < R; t++) {                                                                             \
+            const T *at = a + t * sa, *bt = b + t * sb, *gt = gy + t * C;                                          \
+            T *dat = da + t * sda, *dbt = db + t * sdb;                                                            \
+            _Pragma("omp simd")                                                                                    \
+            for (long k = 0; k < C; k++) {                                                                         \
+                const float x = LOAD(at[k]);                                                                       \
+                const float s = 1.0f / (1.0f + expf(-x));                                                          \
+                const float gs = LOAD(gt[k]) * s;                                                                  \
+                dbt[k] = STORE(gs * x);                                                                            \
+                dat[k] = STORE(gs * LOAD(bt[k]) * (1.0f + x * (1.0f - s)));                                        \
+            }                                                                                                      \
+        }                                                                                                          \
     }
-}
+SILU_MUL_BACKWARD(silu_mul_backward_f32, float, from_f32, to_f32)
+SILU_MUL_BACKWARD(silu_mul_backward_bf16, bf16, from_bf16, to_bf16)

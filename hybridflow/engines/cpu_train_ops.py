@@ -1,4 +1,4 @@
-"""The training engine's RMSNorm, rotary embedding and SwiGLU on CPU in fp32 as one call each way.
+"""The training engine's RMSNorm, rotary embedding and SwiGLU on CPU, in fp32 and bf16, as one call each way.
 
 Why: transformers writes these as chains of small torch ops (the norm: pow, mean, add, rsqrt, two products; the
 rotation: two products, a negation, a concatenation and a sum per tensor, on transposed views; the MLP's gate:
@@ -11,19 +11,27 @@ time passing the same activations through memory again and again (docs/benchmark
               backward  the same kernel with the sine table rolled by half the rotary width (the rotation's
                         transpose), so the gradient is written in the projection's own layout
     SwiGLU    forward   torch's ``silu(gate) * up`` (its bits; silu's output is not kept)
-              backward  silu_mul_backward_f32 (cpu_train_ops.c): both gradients in one pass, written straight into
-                        a fused gate/up projection's gradient (Phi-3)
+              backward  silu_mul_backward_f32 / _bf16 (cpu_train_ops.c): both gradients in one pass, written
+                        straight into a fused gate/up projection's gradient (Phi-3)
+
+bf16: the engine's bf16 mode keeps fp32 parameters and computes under bf16 autocast. There the residual stream, and
+so every norm's input, stays fp32 (the fp32 kernels apply as they are); the projections give bf16 q/k, which
+transformers' products with the fp32 rotary tables promote to fp32 (the rotation of ``q.float()`` is the same
+arithmetic); the SwiGLU's gate/up are bf16, its forward torch's bf16 ops and its backward the bf16 kernel (fp32
+arithmetic, each gradient rounded to bf16 once where torch's ops round after each). A sharded bf16 engine's bf16
+parameters give bf16 norm inputs and bf16 tables: those calls keep transformers' ops.
 
 Forwards are bit for bit transformers', so log-probs, the rollout-vs-training mismatch and the batch-invariant mode
-do not move; gradients differ by rounding only (fp32 sums in another order).
+do not move; gradients differ by rounding only (fp32 sums in another order; in bf16 fewer roundings).
 
 `use_fused_ops(model)` installs them on the model's modules in place (a norm or MLP module's class is swapped for a
 subclass with the fused forward; parameters and state dict are unchanged, so checkpoints, FSDP2, PEFT and export
 are too), and the rotary function of the model's transformers module is wrapped: the wrapper takes the fused path for
-plain fp32 CPU tensors and calls transformers' function for anything else (bf16, another device, a DTensor, autocast,
-torch.compile). Architectures: the RMSNorm of Qwen2/3, Qwen3-MoE, Llama, Mistral, Phi-3 and Gemma 2/3 (1 + w), the
-SiLU-gated MLP of Qwen2/3, Qwen3-MoE's shared/dense MLP, Llama, Mistral and Phi-3, and transformers' rotary function
-of any of them. `fused_ops_here` says whether the kernels build and the engine wants them (EngineConfig.fused_cpu_ops).
+plain CPU tensors of the dtypes above and calls transformers' function for anything else (bf16 tables, another
+device, a DTensor, torch.compile). Architectures: the RMSNorm of Qwen2/3, Qwen3-MoE, Llama, Mistral, Phi-3 and
+Gemma 2/3 (1 + w), the SiLU-gated MLP of Qwen2/3, Qwen3-MoE's shared/dense MLP, Llama, Mistral and Phi-3, and
+transformers' rotary function of any of them. `fused_ops_here` says whether the kernels build and the engine wants
+them (EngineConfig.fused_cpu_ops).
 """
 
 from __future__ import annotations
@@ -71,6 +79,9 @@ class FusedOpsKernel:
         # R, C, a, sa, b, sb, gy, da, sda, db, sdb, threads
         self._silu_mul_backward.argtypes = [long, long, ptr, long, ptr, long, ptr, ptr, long, ptr, long, i]
         self._silu_mul_backward.restype = None
+        self._silu_mul_backward_bf16 = lib.silu_mul_backward_bf16
+        self._silu_mul_backward_bf16.argtypes = self._silu_mul_backward.argtypes
+        self._silu_mul_backward_bf16.restype = None
 
     def rms_norm_backward(self, x: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, eps: float,
                           weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -88,9 +99,10 @@ class FusedOpsKernel:
     def silu_mul_backward(self, a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, da: torch.Tensor,
                           db: torch.Tensor) -> None:
         """a, b, da, db [R, C] (last dimension contiguous; da and db may be halves of one buffer), grad [R, C]
-        contiguous: da, db = the gradients of silu(a) * b."""
+        contiguous, all fp32 or all bf16: da, db = the gradients of silu(a) * b."""
         R, C = a.shape
-        self._silu_mul_backward(R, C, a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), grad.data_ptr(),
+        function = self._silu_mul_backward_bf16 if a.dtype == torch.bfloat16 else self._silu_mul_backward
+        function(R, C, a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), grad.data_ptr(),
                                 da.data_ptr(), da.stride(0), db.data_ptr(), db.stride(0), torch.get_num_threads())
 
 
@@ -108,12 +120,14 @@ def load() -> FusedOpsKernel | None:
 def fused_ops_here(device: torch.device, compute_dtype: torch.dtype, setting: bool | None = None) -> bool:
     """Whether the engine fuses its norm, rotary and SwiGLU ops: `setting` when given (True where the kernels cannot
     run is an error), else on CPU in fp32 where they build."""
-    possible = torch.device(device).type == "cpu" and compute_dtype == torch.float32
+    # bf16: the engine computes under autocast; the ops take the fused path where their operands are fp32 (see
+    # _fused) and transformers' elsewhere (bf16 parameters of a sharded bf16 engine)
+    possible = torch.device(device).type == "cpu" and compute_dtype in (torch.float32, torch.bfloat16)
     if setting is None:
         return possible and load() is not None
     if setting and not (possible and load() is not None):
-        raise ValueError(f"fused_cpu_ops=True needs fp32 on a CPU where the C kernels build (device {device}, dtype "
-                         f"{compute_dtype}; see the log for the build's error); leave it unset (None) to choose")
+        raise ValueError(f"fused_cpu_ops=True needs fp32 or bf16 on a CPU where the C kernels build (device "
+                         f"{device}, dtype {compute_dtype}; see the log for the build's error); leave it unset (None) to choose")
     return bool(setting)
 
 
@@ -123,7 +137,9 @@ def _plain_fp32_cpu(*tensors: torch.Tensor) -> bool:
 
 
 def _fused(*tensors: torch.Tensor) -> bool:
-    return (not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu") and _plain_fp32_cpu(*tensors))
+    # Under bf16 autocast too: the fused ops are not autocast ops, so where their operands are fp32 (the norms of
+    # a model kept in fp32, whose residual stream stays fp32) transformers' ops compute in fp32 as well.
+    return not torch.compiler.is_compiling() and _plain_fp32_cpu(*tensors)
 
 
 # --- RMSNorm -------------------------------------------------------------------------------------------------------
@@ -160,6 +176,15 @@ class _FusedRMSNorm(nn.Module):
 
 # --- SwiGLU --------------------------------------------------------------------------------------------------------
 
+def _fused_swiglu(*tensors: torch.Tensor) -> bool:
+    """fp32 operands (as `_fused`), or bf16 ones: the gate/up projections' outputs under bf16 autocast, whose
+    forward stays torch's bf16 ops and whose backward is the bf16 kernel."""
+    if all(t.dtype == torch.bfloat16 for t in tensors):
+        return not torch.compiler.is_compiling() and all(
+            t.device.type == "cpu" and type(t.data) is torch.Tensor and t.stride(-1) == 1 for t in tensors)
+    return _fused(*tensors)
+
+
 def _rows2d(t: torch.Tensor) -> torch.Tensor:
     """t [..., C] as rows [R, C] (a view where the strides allow, else a copy), last dimension contiguous."""
     rows = t.reshape(-1, t.shape[-1])
@@ -178,7 +203,8 @@ class _SiluMulFn(torch.autograd.Function):
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
         grad = grad.reshape(-1, grad.shape[-1]).contiguous()
-        da, db = torch.empty(a.shape), torch.empty(b.shape)
+        grad = grad.to(a.dtype)
+        da, db = torch.empty(a.shape, dtype=a.dtype), torch.empty(b.shape, dtype=b.dtype)
         load().silu_mul_backward(_rows2d(a), _rows2d(b), grad, da.view(-1, a.shape[-1]), db.view(-1, b.shape[-1]))
         return da, db
 
@@ -196,9 +222,9 @@ class _SiluMulPackedFn(torch.autograd.Function):
     def backward(ctx, grad):
         (gu,) = ctx.saved_tensors
         C = gu.shape[-1] // 2
-        grad = grad.reshape(-1, C).contiguous()
+        grad = grad.reshape(-1, C).to(gu.dtype).contiguous()
         rows = _rows2d(gu)
-        d = torch.empty(rows.shape)
+        d = torch.empty(rows.shape, dtype=gu.dtype)
         load().silu_mul_backward(rows[:, :C], rows[:, C:], grad, d[:, :C], d[:, C:])
         return d.view(gu.shape)
 
@@ -206,7 +232,7 @@ class _SiluMulPackedFn(torch.autograd.Function):
 class _FusedGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if not _fused(gate, up):
+        if not _fused_swiglu(gate, up):
             return self.down_proj(self.act_fn(gate) * up)
         return self.down_proj(_SiluMulFn.apply(gate, up))
 
@@ -214,7 +240,7 @@ class _FusedGatedMLP(nn.Module):
 class _FusedGateUpMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)
-        if not _fused(gu) or gu.shape[-1] % 2:
+        if not _fused_swiglu(gu) or gu.shape[-1] % 2:
             gate, up = gu.chunk(2, dim=-1)
             return self.down_proj(up * self.activation_fn(gate))
         return self.down_proj(_SiluMulPackedFn.apply(gu))
@@ -245,20 +271,31 @@ class _RotaryFn(torch.autograd.Function):
         return d.view(B, T, H, D).transpose(1, 2), None, None, None, None
 
 
+def _rotary_operands(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """q and k the fused rotation takes with fp32 tables: fp32, or bf16/fp16 (under autocast the projections give
+    bf16; transformers' ``q * cos`` then promotes to fp32, which the rotation of ``q.float()`` reproduces)."""
+    if q.dtype != k.dtype or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    return all(t.device.type == "cpu" and type(t.data) is torch.Tensor and t.stride(-1) == 1 for t in (q, k))
+
+
 def _fused_rotary(original):
     """transformers' apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1), fused where `_fused` holds."""
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
-        if (not _IN_FUSED_ATTENTION.get() or unsqueeze_dim != 1 or len(args) > 1 or set(kwargs) - {"unsqueeze_dim"} or q.dim() != 4 or k.dim() != 4
+        if (not _IN_FUSED_ATTENTION.get() or unsqueeze_dim != 1 or len(args) > 1 or set(kwargs) - {"unsqueeze_dim"}
+                or q.dim() != 4 or k.dim() != 4
                 or cos.dim() != 3 or cos.shape != sin.shape or cos.requires_grad or sin.requires_grad
                 or cos.shape[0] not in (1, q.shape[0]) or cos.shape[1] != q.shape[2] or k.shape[2] != q.shape[2]
                 or cos.shape[-1] % 2 or cos.shape[-1] > min(q.shape[-1], k.shape[-1])
-                or not _fused(q, k, cos, sin)):
+                or not _fused(cos, sin) or not _rotary_operands(q, k)):
             return original(q, k, cos, sin, *args, **kwargs)
         B, T, dim = cos.shape
         half = dim // 2
+        if q.dtype != torch.float32:  # bf16 q/k under autocast, fp32 tables: transformers' products promote to fp32
+            q, k = q.float(), k.float()
         cos_rows = cos.reshape(B * T, dim).contiguous()
         sin_rows = sin.reshape(B * T, dim)
         # the rotation folds rotate_half's sign into the table; its transpose reads the table rolled by half

@@ -105,8 +105,8 @@ class EngineConfig:
     # fp32 linears on CPU through oneDNN, forward and backward (onednn_train.py); None: where torch has oneDNN and
     # the model is wide enough to gain (onednn_train.MIN_HIDDEN_SIZE)
     onednn_linears: bool | None = None
-    # RMSNorm, rotary and SwiGLU as one C call each way on CPU in fp32, with transformers' forward bits
-    # (cpu_train_ops.py); None: on CPU in fp32 where the kernels build
+    # RMSNorm, rotary and SwiGLU as one C call each way on CPU in fp32 and bf16 (autocast), with transformers'
+    # forward bits (cpu_train_ops.py); None: on CPU in fp32 or bf16 where the kernels build
     fused_cpu_ops: bool | None = None
     entropy_chunk_size: int = 2048  # tokens whose [chunk, vocab] logits are held at once
     # veRL's entropy_checkpointing: training forwards recompute each chunk's entropy in backward (hf_model.py)
