@@ -3,7 +3,7 @@
 Why: transformers writes these as chains of small torch ops (the norm: pow, mean, add, rsqrt, two products; the
 rotation: two products, a negation, a concatenation and a sum per tensor, on transposed views; the MLP's gate:
 silu, then a product), and autograd runs a backward op for each, so a training step spends much of its non-matmul
-time passing the same activations through memory again and again (docs/benchmarks.md, fourteenth session). Here:
+time passing the same activations through memory again and again (docs/benchmarks-history.md, fourteenth session). Here:
 
     RMSNorm   forward   the native rollout's fp32 norm kernel (cpu_step_ops.c: torch's bits, one pass)
               backward  rms_norm_backward_f32 (cpu_train_ops.c): dx and the weight's gradient in one pass

@@ -2,8 +2,8 @@
 
 Why: torch's CPU wheel multiplies fp32 matrices with MKL (``F.linear``, ``torch.mm``), and on some CPUs MKL takes a
 slow code path (AMD EPYC: about half of what oneDNN, also inside torch, reaches on the same cores;
-docs/benchmarks.md, "The matmul peak"). An `OneDNNLinear` computes the same three products of a linear layer with
-oneDNN instead:
+docs/benchmarks-history.md, "The matmul peak"). An `OneDNNLinear` computes the same three products of a linear layer
+with oneDNN instead:
 
     forward       y      = x W^T + b      mkldnn::_linear_pointwise(x, W, b)
     backward      dL/dx  = g W            mkldnn::_linear_pointwise(g, W^T)       (W^T passed as a view)
@@ -12,7 +12,7 @@ oneDNN instead:
 
 dL/dW contracts over the rows, so both of its operands are transposed views. oneDNN's inner product copies such a
 view into a contiguous layout first (torch's transpose copy, on one thread: about 7% of a mid training step); the BLAS
-``mm`` reads them in place, and its weight gradient was 3-4% faster per training step (docs/benchmarks.md, ninth
+``mm`` reads them in place, and its weight gradient was 3-4% faster per training step (docs/benchmarks-history.md, ninth
 session).
 
 It is fp32 arithmetic with fp32 accumulation, as MKL's: results differ from ``F.linear`` by rounding only. Anything
@@ -73,7 +73,7 @@ class OneDNNLinear(nn.Linear):
         return _OneDNNLinearFn.apply(x, self.weight, self.bias)
 
 
-# Below this hidden size the autograd function's per-call cost outweighs the faster kernel (docs/benchmarks.md,
+# Below this hidden size the autograd function's per-call cost outweighs the faster kernel (docs/benchmarks-history.md,
 # "The matmul peak, and oneDNN in the training engine"); the rollout packs its weights from the same width up.
 MIN_HIDDEN_SIZE = 256
 

@@ -3,7 +3,7 @@
 Why: torch's decode attention (kv_cache.decode_attention) is two batched matmuls over strided slices of the cache
 plus a softmax; in bf16 oneDNN copies each strided slice before multiplying, and either way the rows' keys and
 values make several passes through memory. The kernel reads each (row, KV head)'s keys and values once, straight
-from the cache, and does scores, softmax and the weighted sum in fp32 (docs/benchmarks.md, "A decode-attention
+from the cache, and does scores, softmax and the weighted sum in fp32 (docs/benchmarks-history.md, "A decode-attention
 kernel"): in bf16 a 64-row generate call took 0-15% less time with it (shape and run dependent). In fp32 it measured
 level with torch's matmuls at first, and 3-14% faster once the projections ran on cpu_linear.py's kernel, so the
 engine uses it by default in both (native_rollout.py, ``attention_kernel``). The arithmetic is the same up to fp32

@@ -7,7 +7,7 @@ FLOPs take about the same time at this machine's bandwidth and matmul peak, and 
 output columns ([ceil(N / 16), K, 16], zero past N), and per task of 32 columns (16 with AVX2) keeps every
 (row, column) sum of a block of up to 12 rows (6 with AVX2) in registers over the whole K loop: one load of the
 weights per k, one broadcast and one FMA per row. The AVX-512 build beat the oneDNN-packed product at every row count
-from 1 to 64 on the mid model's shapes, most at few rows (docs/benchmarks.md, "A panel kernel for the decode's
+from 1 to 64 on the mid model's shapes, most at few rows (docs/benchmarks-history.md, "A panel kernel for the decode's
 projections").
 
 Exactness: fp32 products with fp32 FMA accumulation over k in order, bias added last; results differ from
