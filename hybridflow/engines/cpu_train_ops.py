@@ -127,7 +127,8 @@ def fused_ops_here(device: torch.device, compute_dtype: torch.dtype, setting: bo
         return possible and load() is not None
     if setting and not (possible and load() is not None):
         raise ValueError(f"fused_cpu_ops=True needs fp32 or bf16 on a CPU where the C kernels build (device "
-                         f"{device}, dtype {compute_dtype}; see the log for the build's error); leave it unset (None) to choose")
+                         f"{device}, dtype {compute_dtype}; see the log for the build's error); leave it unset (None) "
+                         "to choose")
     return bool(setting)
 
 
