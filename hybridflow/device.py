@@ -6,9 +6,21 @@ CPU + gloo (laptops, CI) and on CUDA + nccl (GPU clusters).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import logging
 import os
+import platform
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on 64-bit (HEAP_MAX_SIZE / 2)
+_TOP_PAD = 64 << 20
 
 
 def is_cuda_available() -> bool:
@@ -60,3 +72,36 @@ def synchronize() -> None:
 def empty_cache() -> None:
     if is_cuda_available():
         torch.cuda.empty_cache()
+
+
+@functools.cache
+def keep_freed_host_memory() -> bool:
+    """Where this process computes on the CPU under Linux/glibc: keep the host memory that freed tensors leave for
+    the next ones instead of returning it to the kernel and faulting it in again; returns whether the settings
+    took. The engines call it at start; ``HYBRIDFLOW_KEEP_FREED_MEMORY=0`` leaves glibc's defaults.
+
+    Why: a training step allocates its activations and gradients afresh (hundreds of MB on the ~21M "mid" model) and
+    frees them at its end. With glibc's defaults the blocks above its dynamic mmap threshold are mmap'd and unmapped
+    each time, and the top of the heap above its trim threshold is given back: every step then takes tens of
+    thousands of page faults (the kernel zeroes each new page) in the middle of its matmuls
+    (docs/benchmarks.md). Here blocks up to 32 MiB come from the heap and up to min(1 GiB, RAM / 16) of free heap
+    top is kept (the resident memory of a process stays near its peak, as with jemalloc or tcmalloc, which PyTorch's
+    CPU tuning guides preload for the same reason); larger blocks are still mmap'd.
+    """
+    if (is_cuda_available() or os.environ.get("HYBRIDFLOW_KEEP_FREED_MEMORY", "1") == "0"
+            or platform.libc_ver()[0] != "glibc"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    trim = min(1 << 30, ram // 16)
+    # the mmap threshold first: setting any of these fixes glibc's otherwise dynamic thresholds
+    done = all(mallopt(param, value) == 1 for param, value in
+               ((_M_MMAP_THRESHOLD, _MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, trim), (_M_TOP_PAD, _TOP_PAD)))
+    logger.debug("glibc malloc: mmap threshold %d, trim threshold %d, top pad %d: %s", _MMAP_THRESHOLD, trim,
+                 _TOP_PAD, "set" if done else "refused")
+    return done

@@ -197,6 +197,7 @@ class FSDPEngine:
         config.validate()
         self.config = config
         hf_device.set_num_threads(config.num_threads)
+        hf_device.keep_freed_host_memory()
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.rank = dist.get_rank() if self.distributed else 0

@@ -43,6 +43,7 @@ class HFRollout(RolloutEngine):
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         hf_device.set_num_threads(num_threads)
+        hf_device.keep_freed_host_memory()
         self.device = hf_device.current_device()
         warn_if_slow_bf16(resolve_dtype(dtype), self.device)
         self.model = from_pretrained(  # sdpa, or eager where the model has no sdpa path

@@ -161,6 +161,7 @@ class NativeRollout(RolloutEngine):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
         hf_device.set_num_threads(num_threads)
+        hf_device.keep_freed_host_memory()
         self.model_path = model_path
         self.device = hf_device.current_device()
         # 'int8': int8 weights in the layer matmuls, everything else in fp32 (see int8_linear.py)
