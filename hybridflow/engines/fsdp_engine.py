@@ -661,10 +661,14 @@ class FSDPEngine:
             from hybridflow.engines.train_mesh import clip_grads_
 
             return clip_grads_(params, max_norm, self.device)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, error_if_nonfinite=False, foreach=True)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False, foreach=True)
+        full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # sharded gradients: a DTensor
+        # clip_grad_norm_'s coefficient, computed as it does; at 1 (a norm under max_norm, RL's usual case) its
+        # multiply changes no bit and only passes every gradient through memory, so it is skipped
+        if not bool(torch.clamp(max_norm / (full + 1e-6), max=1.0) == 1.0):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        return float(full)
 
     def lr_scheduler_step(self) -> float:
         """Advance the LR schedule by one training step; returns the new learning rate."""

@@ -128,6 +128,30 @@ def test_train_step_updates_and_reports(tiny_model_path):
     assert all(p.grad is None for p in eng.model.parameters())
 
 
+@pytest.mark.parametrize("scale", [1e-3, 1e3], ids=["under-max-norm", "over-max-norm"])
+def test_gradient_clipping_is_torchs_bit_for_bit(tiny_model_path, scale):
+    """The engine's clip (which skips the multiply by a coefficient of 1) against torch's clip_grad_norm_."""
+    eng = engine(tiny_model_path, micro_batch_size_per_gpu=8)
+    data = make_batch(rows=8, prompt_len=8, response_len=10, seed=3)
+
+    def scaled_loss(micro, outputs):
+        loss, metrics = pg_loss(micro, outputs)
+        return loss * scale, metrics
+
+    eng.forward_backward(data, scaled_loss)
+    params = [p for p in eng.model.parameters() if p.grad is not None]
+    want = [p.grad.clone() for p in params]
+    # clip_grad_norm_ scales the .grad of the parameters it is given: give it copies
+    copies = [torch.nn.Parameter(torch.empty_like(g)) for g in want]
+    for c, g in zip(copies, [p.grad.clone() for p in params], strict=True):
+        c.grad = g
+    want_norm = torch.nn.utils.clip_grad_norm_(copies, 1.0, foreach=True)
+    norm = eng._clip_grad_norm()
+    assert norm == float(want_norm) and (norm > 1.0) == (scale > 1)
+    assert all(torch.equal(p.grad, c.grad) for p, c in zip(params, copies, strict=True))
+    assert (scale < 1) == all(torch.equal(p.grad, g) for p, g in zip(params, want, strict=True))
+
+
 def test_nonfinite_loss_skips_the_step_and_says_so(tiny_model_path):
     eng = engine(tiny_model_path)
     data = make_batch(rows=4, prompt_len=6, response_len=8, seed=4)
