@@ -2,8 +2,10 @@
 
 Reports training tokens/s (real tokens: prompt + response, no padding), model FLOPs utilisation
 MFU = 6 * params * tokens / time / peak, where the peak is measured here on large square matrices (same dtype, same
-thread count; common/metrics.matmul_peaks: the better of torch.matmul and, on CPU, oneDNN), and the padding waste of
-the micro-batches on a batch whose response lengths vary 4x.
+thread count; common/metrics.matmul_peaks: the better of torch.matmul and, on CPU, oneDNN), the minor page faults
+and kernel CPU seconds per timed step (fresh host pages; ``HYBRIDFLOW_KEEP_FREED_MEMORY=0`` runs it with glibc's
+defaults, device.keep_freed_host_memory), and the padding waste of the micro-batches on a batch whose response
+lengths vary 4x.
 
     .venv/bin/python benchmarks/train_throughput.py [--quick] [--threads N] [--dtypes fp32,bf16]
     .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --linears onednn,torch   # onednn_train.py A/B
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -108,10 +111,12 @@ def bench_training(path: str, dtype: str, data: DataProto, steps: int, max_token
     real_tokens = int(data.batch["attention_mask"].sum())
     engine.train_step(data, pg_loss)  # warm-up: allocator, autograd graph shapes
     times = []
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     for _ in range(steps):
         start = time.perf_counter()
         engine.train_step(data, pg_loss)
         times.append(time.perf_counter() - start)
+    after = resource.getrusage(resource.RUSAGE_SELF)
     best = min(times)
     return {
         "params": params,
@@ -119,6 +124,9 @@ def bench_training(path: str, dtype: str, data: DataProto, steps: int, max_token
         "micro_batches": len(engine._plan(data)),
         "tokens_per_step": real_tokens,
         "step_seconds": times,
+        # fresh pages the process faulted in, and kernel CPU seconds, per timed step (device.keep_freed_host_memory)
+        "minor_page_faults_per_step": (after.ru_minflt - usage.ru_minflt) / steps,
+        "system_cpu_seconds_per_step": (after.ru_stime - usage.ru_stime) / steps,
         "tokens_per_s": real_tokens / best,
         "model_flops_per_s": 6.0 * params * real_tokens / best,
     }
