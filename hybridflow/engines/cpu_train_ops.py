@@ -102,8 +102,8 @@ class FusedOpsKernel:
         contiguous, all fp32 or all bf16: da, db = the gradients of silu(a) * b."""
         R, C = a.shape
         function = self._silu_mul_backward_bf16 if a.dtype == torch.bfloat16 else self._silu_mul_backward
-        function(R, C, a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), grad.data_ptr(),
-                                da.data_ptr(), da.stride(0), db.data_ptr(), db.stride(0), torch.get_num_threads())
+        function(R, C, a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), grad.data_ptr(), da.data_ptr(),
+                 da.stride(0), db.data_ptr(), db.stride(0), torch.get_num_threads())
 
 
 @functools.cache
@@ -203,8 +203,7 @@ class _SiluMulFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.saved_tensors
-        grad = grad.reshape(-1, grad.shape[-1]).contiguous()
-        grad = grad.to(a.dtype)
+        grad = grad.reshape(-1, grad.shape[-1]).to(a.dtype).contiguous()
         da, db = torch.empty(a.shape, dtype=a.dtype), torch.empty(b.shape, dtype=b.dtype)
         load().silu_mul_backward(_rows2d(a), _rows2d(b), grad, da.view(-1, a.shape[-1]), db.view(-1, b.shape[-1]))
         return da, db
