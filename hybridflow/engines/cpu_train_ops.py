@@ -119,7 +119,7 @@ def load() -> FusedOpsKernel | None:
 
 def fused_ops_here(device: torch.device, compute_dtype: torch.dtype, setting: bool | None = None) -> bool:
     """Whether the engine fuses its norm, rotary and SwiGLU ops: `setting` when given (True where the kernels cannot
-    run is an error), else on CPU in fp32 where they build."""
+    run is an error), else on CPU in fp32 or bf16 where they build."""
     # bf16: the engine computes under autocast; the ops take the fused path where their operands are fp32 (see
     # _fused) and transformers' elsewhere (bf16 parameters of a sharded bf16 engine)
     possible = torch.device(device).type == "cpu" and compute_dtype in (torch.float32, torch.bfloat16)
