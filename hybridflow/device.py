@@ -80,11 +80,10 @@ def keep_freed_host_memory() -> bool:
     the next ones instead of returning it to the kernel and faulting it in again; returns whether the settings
     took. The engines call it at start; ``HYBRIDFLOW_KEEP_FREED_MEMORY=0`` leaves glibc's defaults.
 
-    Why: a training step allocates its activations and gradients afresh (hundreds of MB on the ~21M "mid" model) and
-    frees them at its end. With glibc's defaults the blocks above its dynamic mmap threshold are mmap'd and unmapped
-    each time, and the top of the heap above its trim threshold is given back: every step then takes tens of
-    thousands of page faults (the kernel zeroes each new page) in the middle of its matmuls
-    (docs/benchmarks.md). Here blocks up to 32 MiB come from the heap and up to min(1 GiB, RAM / 16) of free heap
+    Why: a training step allocates its activations and gradients afresh and frees them at its end. With glibc's
+    defaults the blocks above its dynamic mmap threshold are mmap'd and unmapped each time, and the top of the heap
+    above its trim threshold is given back: the next step faults those pages in again (the kernel zeroes each one)
+    in the middle of its matmuls (docs/benchmarks.md, sixteenth session). Here blocks up to 32 MiB come from the heap and up to min(1 GiB, RAM / 16) of free heap
     top is kept (the resident memory of a process stays near its peak, as with jemalloc or tcmalloc, which PyTorch's
     CPU tuning guides preload for the same reason); larger blocks are still mmap'd.
     """

@@ -1,10 +1,8 @@
 """Causal SDPA for the training engine's packed attention, with the CPU bf16 backward computed in fp32.
 
 Why: under bf16 autocast on CPU, torch's flash-attention kernel is fast in the forward but its bf16 backward makes
-many small bf16 products whose per-call cost dominates at RL's sequence lengths. On an Intel host with AMX, at one
-mid-model layer's shape in a GRPO micro-batch ([16 rows, 8 heads, 87 tokens, 64], GQA) the forward and backward took
-19.4 ms in bf16 against 7.6 ms with the backward in fp32, level at 300 tokens (53.8 against 55.4 ms), and 0.87
-against 0.27 ms for one row of 37 (docs/benchmarks.md, fifteenth session).
+many small bf16 products whose per-call cost dominates at RL's sequence lengths (short rows: a GRPO micro-batch's);
+the same kernel's fp32 backward is faster there and level at long rows (docs/benchmarks.md, fifteenth session).
 
 So on CPU, for bf16 inputs that need gradients (no dropout), the forward is the same kernel call as SDPA's (the same
 bits) and keeps its log-sum-exp; the backward is the same kernel's fp32 backward on the inputs and output cast up,
