@@ -3,7 +3,8 @@
     python benchmarks/sampling_cost.py [--vocab 288,49152,151936] [--rows 16,64] [--threads 2]
 
 Per (vocabulary, rows): milliseconds per ``sample_tokens`` call on random logits (temperature 1; then top-p 0.9;
-then top-k 50),
+then top-k 50; plain sampling at temperature 1 and 0.7 and greedy also on torch's ops, ``kernel=False``, against the
+C kernel of cpu_sampling.py, which they take by default on CPU),
 with the draws from a ``StepUniforms`` table as the native engine takes them, and the per-step hashing alone
 (``uniform_from_keys``), which the table replaces. The vocabularies are the tiny models' (288), SmolLM2's (49,152)
 and Qwen3's (151,936). Medians of --repeats timings of --calls calls each.
@@ -21,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import StdoutToStderr, document, log, median
+from hybridflow import device
 from hybridflow.engines.rollout.sampling import StepUniforms, row_keys, sample_tokens, uniform_from_keys
 
 
@@ -42,14 +44,24 @@ def measure(vocab: int, rows: int, calls: int, repeats: int) -> dict:
     draws = StepUniforms(keys, steps=1 << 20)
     step = [0]
 
-    def sample(top_p: float, top_k: int = -1):
+    def sample(top_p: float, top_k: int = -1, kernel: bool = True, temperature: float = 1.0, greedy: bool = False):
         def call():
             step[0] += 1
-            sample_tokens(logits, greedy=False, temperature=1.0, top_k=top_k, top_p=top_p, keys=None, step=step[0],
-                          uniforms=draws.at(step[0]))
+            sample_tokens(logits, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, keys=None,
+                          step=step[0], uniforms=draws.at(step[0]), kernel=kernel)
         return call
 
+    # plain sampling (temperature 1 and 0.7) and greedy on the C kernel (cpu_sampling.py) and on torch's ops,
+    # alternated over two rounds, the better of the two kept
+    paths = {}
+    for _ in range(2):
+        for name, kw in (("sample", {}), ("sample_t0.7", {"temperature": 0.7}), ("greedy", {"greedy": True})):
+            for path in ("kernel", "torch"):
+                ms = _ms_per_call(sample(1.0, kernel=path == "kernel", **kw), calls, repeats)
+                key = f"{name}_{path}_ms"
+                paths[key] = min(ms, paths.get(key, ms))
     return {
+        **paths,
         "sample_ms": _ms_per_call(sample(1.0), calls, repeats),
         "sample_top_p_0.9_ms": _ms_per_call(sample(0.9), max(1, calls // 4), repeats),
         "sample_top_k_50_ms": _ms_per_call(sample(1.0, 50), max(1, calls // 4), repeats),
@@ -66,6 +78,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    device.keep_freed_host_memory()  # as the engines run
     with StdoutToStderr() as out:
         results = {}
         for vocab in [int(v) for v in args.vocab.split(",") if v]:

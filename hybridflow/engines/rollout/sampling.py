@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.engines.hf_model import log_probs_from_logits
+from hybridflow.engines.rollout import cpu_sampling
 
 __all__ = ["StepUniforms", "row_keys", "sample_tokens", "uniform_from_keys", "uniform_table"]
 
@@ -82,6 +83,11 @@ _CHUNK_ELEMENTS = 1 << 20
 # A top-p draw first sorts this many candidates (a `topk`), not the whole vocabulary: a stable sort of Qwen3's
 # 151,936 tokens took 0.5 s a step at 64 rows.
 _CANDIDATES = 1024
+
+
+_NOT_A_DISTRIBUTION = ("sampling: a row of the model's logits holds a NaN or +inf, or only -inf, so it is no distribution "
+                       "to sample from; the weights have likely diverged (check the actor's grad_norm and learning "
+                       "rate in the run's metrics, and resume from the last good checkpoint)")
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -180,17 +186,26 @@ def sample_tokens(
     keys: torch.Tensor | None,
     step: int | torch.Tensor,
     uniforms: torch.Tensor | None = None,
+    kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose one token per row. logits [rows, V] (any float dtype) -> (tokens [rows] int64, log_probs [rows] fp32).
 
     Greedy: argmax, log-prob under the temperature-1 distribution. Sampling: temperature, then top-k, then top-p,
     with the draws ``uniform_from_keys(keys, step)``, or ``uniforms`` [rows] float64 when given (taken from a
     ``uniform_table`` of the same keys). Each row's result depends on that row alone, so rows go in chunks.
+    On CPU without top-k/top-p, one C call chooses (cpu_sampling.py: the same distribution, rounded differently);
+    ``kernel=False`` keeps torch's ops, whose log-probs are the training engine's formula bit for bit.
     """
     if keys is None and uniforms is None and not greedy:
         raise ValueError("sampling needs per-row random keys; pass keys=row_keys(...)")
     u = None if greedy else uniform_from_keys(keys, step) if uniforms is None else uniforms
     rows, vocab = logits.shape
+    filtered = (0 < top_k < vocab) or top_p < 1.0
+    if kernel and not (filtered and not greedy) and logits.device.type == "cpu" and (fast := cpu_sampling.load()):
+        chosen = fast.choose(logits, u, 1.0 if greedy else temperature)
+        if chosen is None:
+            raise ValueError(_NOT_A_DISTRIBUTION)
+        return chosen
     chunks = -(-rows * vocab // _CHUNK_ELEMENTS)
     if chunks <= 1 or rows == 1:
         return _sample_rows(logits, u, greedy, temperature, top_k, top_p)
@@ -207,12 +222,17 @@ def _sample_rows(
     logits = logits.float()
     if greedy:
         tokens = logits.argmax(-1)
-        return tokens, log_probs_from_logits(logits, tokens)
+        log_probs = log_probs_from_logits(logits, tokens)  # finite for the argmax of any distribution
+        if not bool(torch.isfinite(log_probs).all()):
+            raise ValueError(_NOT_A_DISTRIBUTION)
+        return tokens, log_probs
     scaled = logits if temperature == 1.0 else logits / temperature  # x / 1.0 == x: skip a pass over [rows, V]
     # one logsumexp for the draw and the reported log-prob (log_probs_from_logits' formula, the same bits); the
     # draw's probabilities are exp'd in fp32 and summed in fp64 (an fp64 exp over 49,152 tokens cost 3x as much);
     # fp32 values order as their fp64 copies do, so candidates are chosen and sorted in fp32
     lse = torch.logsumexp(scaled, -1, keepdim=True)
+    if not bool(torch.isfinite(lse).all()):
+        raise ValueError(_NOT_A_DISTRIBUTION)
     probs = (scaled - lse).exp_()
     if (top_k > 0 and top_k < logits.shape[-1]) or top_p < 1.0:
         tokens = _draw_filtered(probs, u, top_k, top_p)

@@ -1,0 +1,74 @@
+"""A decode step's token choice on CPU as one C call (cpu_sampling.c) where no top-k or top-p filters: built on first use.
+
+Why: sampling.py's torch path is a dozen ops over [rows, vocabulary] per step (logsumexp's own eight, the
+probabilities, an fp64 cumulative sum, two searches, a gather), each a pass over memory with a fresh buffer: at
+64 rows of a real vocabulary it costs milliseconds a step, at the tiny models' 16 rows of 288 tokens its per-op
+overhead is a large part of a step (``benchmarks/sampling_cost.py``; docs/benchmarks.md). The C call reads each row
+twice (its max; its exps summed in fp64 per block) and one block of it a third time (the inverse CDF).
+
+Semantics are sampling.py's: log-probs are log_softmax(logits / temperature) at the chosen token (greedy: argmax,
+first index of the max, temperature-1 log-prob); draws are the inverse CDF at the given uniforms. Arithmetic differs
+by rounding only: the normaliser is summed in fp64 (the reported log-prob is closer to the fp64 value than torch's
+fp32 logsumexp), and the CDF is summed per block, so a draw sitting within rounding of a token boundary may pick its
+neighbour. The batch-invariant mode, whose log-probs equal the training engine's bit for bit, keeps torch's path
+(``sample_tokens(..., kernel=False)``).
+
+Build: on first use, for this CPU, cached per machine (c_kernels.py). Without a compiler, or when the build fails,
+`load` logs why once and returns None: sampling keeps torch's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from hybridflow.engines.rollout.c_kernels import load_library
+
+__all__ = ["SamplingKernel", "load"]
+
+_SOURCE = Path(__file__).with_name("cpu_sampling.c")
+_BLOCK = 64  # the C file's BLOCK
+
+
+@functools.cache
+def load() -> SamplingKernel | None:
+    """The kernel, built on first use (c_kernels.py); None where it cannot be built here."""
+    # no fast math: infinities are checked (masked logits are -inf) and the temperature divides, as torch's
+    # `logits / temperature`; the C file declares glibc's vector expf itself, which needs no errno
+    lib = load_library(_SOURCE, "sampling", "sampling", "sampling keeps torch's ops", fast_math=False,
+                       extra_flags=("-fno-math-errno",))
+    return None if lib is None else SamplingKernel(lib)
+
+
+class SamplingKernel:
+    """``choose(logits, uniforms, temperature)``: (tokens [R] int64, log_probs [R] fp32), or None where a row holds a
+    NaN, a +inf or only -inf (torch's path decides those) or the vocabulary is empty."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._sample = lib.sample_rows_f32
+        p, long_, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+        self._sample.argtypes = [long_, long_, p, long_, ctypes.c_float, int_, p, p, p, p, int_]
+        self._sample.restype = long_
+
+    def choose(self, logits: torch.Tensor, uniforms: torch.Tensor | None,
+               temperature: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """logits [R, V] on CPU (fp32, or converted); uniforms [R] float64 in [0, 1), or None for greedy."""
+        logits = logits.float()
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        R, V = logits.shape
+        if V == 0:
+            return None
+        greedy = uniforms is None
+        if not greedy:
+            uniforms = uniforms.to(torch.float64).contiguous()
+        tokens = torch.empty(R, dtype=torch.int64)
+        log_probs = torch.empty(R, dtype=torch.float32)
+        sums = torch.empty(R, -(-V // _BLOCK), dtype=torch.float64)
+        undecided = self._sample(R, V, logits.data_ptr(), logits.stride(0), float(temperature), int(greedy),
+                                 None if greedy else uniforms.data_ptr(), tokens.data_ptr(), log_probs.data_ptr(),
+                                 sums.data_ptr(), torch.get_num_threads())
+        return None if undecided else (tokens, log_probs)
