@@ -111,6 +111,9 @@ class EngineConfig:
     entropy_chunk_size: int = 2048  # tokens whose [chunk, vocab] logits are held at once
     # veRL's entropy_checkpointing: training forwards recompute each chunk's entropy in backward (hf_model.py)
     entropy_checkpointing: bool = False
+    # veRL's model.use_fused_kernels: training forwards recompute each chunk's logits in backward (hf_model.py):
+    # backward holds one chunk's [chunk, vocab] logits instead of every chunk's, for one more head matmul per chunk
+    logits_checkpointing: bool = False
     num_threads: int | None = None  # torch intra-op threads for this rank (None: leave as is)
     # Forward-only passes (compute_log_prob, compute_values) hold no activations for backward, so they may use
     # larger micro-batches than training (veRL's log_prob_* keys); None: the training setting above.
@@ -245,6 +248,7 @@ class FSDPEngine:
             use_fused_ops(hf_model)
         self.model: nn.Module = self._wrap(hf_model)
         self.model.entropy_checkpointing = config.entropy_checkpointing
+        self.model.logits_checkpointing = config.logits_checkpointing
         self.model.row_multiple = ROW_MULTIPLE if config.batch_invariant else 1
         self.sharded = self.distributed and self.world_size > 1
         offload = self.device.type != "cpu"

@@ -106,6 +106,14 @@ def log_probs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor) -> tup
     return log_p.gather(-1, target_ids[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(dim=-1)
 
 
+# Chunks of at most this many logits (32 MB in fp32; rows a multiple of 16, as the batch-invariant mode's row groups
+# need), on CPU and under logits_checkpointing. On CPU a chunk's [chunk, V] temporaries then stay below glibc's
+# largest mmap threshold and are reused, not faulted in afresh each time (device.keep_freed_host_memory); with
+# logits_checkpointing, backward's one chunk of logits, probabilities and their gradient stays small next to the
+# decoder's activations. docs/benchmarks.md, seventeenth session.
+_CHUNK_LOGITS = 1 << 23
+
+
 class HeadOnPositions(nn.Module):
     """A transformers model whose head runs only at selected positions.
 
@@ -120,6 +128,10 @@ class HeadOnPositions(nn.Module):
     # veRL's actor.entropy_checkpointing: in training, each chunk's entropy is recomputed from its logits in backward
     # (torch.utils.checkpoint) instead of keeping the softmax's [chunk, V] activations; the engine sets it
     entropy_checkpointing: bool = False
+    # veRL's model.use_fused_kernels: in training, each chunk's logits (and what the log-prob and entropy keep of
+    # them) are recomputed from its hidden states in backward, so backward holds one chunk's [chunk, V] at a time
+    # instead of every chunk's; the engine sets it
+    logits_checkpointing: bool = False
     # batch_invariant.py: the head's matmul gets whole groups of this many rows (zeros appended), so that a token's
     # logits round as in the native rollout's decode step; the engine sets it
     row_multiple: int = 1
@@ -177,27 +189,48 @@ class HeadOnPositions(nn.Module):
         log_probs, entropies, sum_pi_squared = [], [], []
         # the CausalLM forward we bypass soft-caps its logits (Gemma 2/3): cap * tanh(logits / cap)
         cap = getattr(self.hf.config, "final_logit_softcapping", None)
-        # Chunks bound the [chunk, V] logits held at once (V is ~150k for real vocabularies).
-        for lo in range(0, selected.shape[0], max(1, chunk_size)):
-            chunk = selected[lo : lo + chunk_size]
+
+        def scaled_logits(chunk: torch.Tensor) -> torch.Tensor:
             logits = head(pad_rows(chunk, self.row_multiple))[: chunk.shape[0]]
             if cap:
                 logits = torch.tanh(logits / cap) * cap
-            logits = logits.float() / temperature
-            if calculate_entropy and self.entropy_checkpointing and torch.is_grad_enabled():
-                # only the logits (which the log-prob keeps anyway) are saved; the entropy's log-softmax and
-                # probabilities [chunk, V] are recomputed in backward
-                log_probs.append(log_probs_from_logits(logits, target_ids[lo : lo + chunk_size]))
-                entropies.append(torch.utils.checkpoint.checkpoint(entropy_from_logits, logits, use_reentrant=False))
-            elif calculate_entropy:
-                lp, ent = log_probs_and_entropy(logits, target_ids[lo : lo + chunk_size])
+            return logits.float() / temperature
+
+        def chunk_outputs(chunk: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            logits = scaled_logits(chunk)
+            if calculate_entropy:
+                return log_probs_and_entropy(logits, targets)
+            return (log_probs_from_logits(logits, targets),)
+
+        recompute = self.logits_checkpointing and torch.is_grad_enabled()
+        if recompute or selected.device.type == "cpu":
+            vocab = self.hf.config.get_text_config().vocab_size
+            chunk_size = min(chunk_size, max(16, _CHUNK_LOGITS // max(1, vocab) // 16 * 16))
+        # Chunks bound the [chunk, V] logits held at once (V is ~150k for real vocabularies).
+        for lo in range(0, selected.shape[0], max(1, chunk_size)):
+            chunk, targets = selected[lo : lo + chunk_size], target_ids[lo : lo + chunk_size]
+            if recompute:  # the same ops run again in backward (the same bits), one chunk's logits at a time
+                lp, *ent = torch.utils.checkpoint.checkpoint(chunk_outputs, chunk, targets, use_reentrant=False)
                 log_probs.append(lp)
-                entropies.append(ent)
+                entropies += ent
             else:
-                log_probs.append(log_probs_from_logits(logits, target_ids[lo : lo + chunk_size]))
+                logits = scaled_logits(chunk)
+                if calculate_entropy and self.entropy_checkpointing and torch.is_grad_enabled():
+                    # only the logits (which the log-prob keeps anyway) are saved; the entropy's log-softmax and
+                    # probabilities [chunk, V] are recomputed in backward
+                    log_probs.append(log_probs_from_logits(logits, targets))
+                    entropies.append(torch.utils.checkpoint.checkpoint(entropy_from_logits, logits,
+                                                                       use_reentrant=False))
+                elif calculate_entropy:
+                    lp, ent = log_probs_and_entropy(logits, targets)
+                    log_probs.append(lp)
+                    entropies.append(ent)
+                else:
+                    log_probs.append(log_probs_from_logits(logits, targets))
             if calculate_sum_pi_squared:  # one more softmax of this chunk only: [chunk, V] at a time, as above
                 with torch.no_grad():
-                    sum_pi_squared.append(torch.softmax(logits.detach(), dim=-1).square().sum(dim=-1))
+                    pi = torch.softmax((scaled_logits(chunk) if recompute else logits).detach(), dim=-1)
+                    sum_pi_squared.append(pi.square().sum(dim=-1))
         out = {"log_probs": torch.cat(log_probs) if log_probs else empty}
         if calculate_sum_pi_squared:
             out["sum_pi_squared"] = torch.cat(sum_pi_squared) if sum_pi_squared else empty.detach()

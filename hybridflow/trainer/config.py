@@ -70,7 +70,7 @@ class DataConfig:
 class FusedKernelOptions:
     """veRL's ``model.fused_kernel_options``: which implementation computes the fused log-probs / entropy."""
 
-    impl_backend: str = "torch"  # hybridflow's chunked path is torch code; veRL's triton kernels are refused
+    impl_backend: Any = "torch"  # torch (or veRL's None): hybridflow's path is torch code; triton is refused
 
 
 @dataclass
@@ -92,7 +92,10 @@ class PolicyModelConfig(ModelConfig):
     exclude_modules: Any = None  # None, a list of module names, or a regex
     # veRL's keys (trainer/verl_model_keys.py): attributes set on the actor's, ref's and rollout's transformers config
     override_config: dict = field(default_factory=dict)
-    use_fused_kernels: bool = True  # always: log-probs from the response positions' hidden states, in chunks
+    # veRL's key. Log-probs and entropy always come from the response positions' hidden states in chunks of rows;
+    # true: the actor's backward recomputes each chunk's [chunk, vocab] logits instead of keeping every chunk's
+    # (engines/hf_model.py logits_checkpointing: memory for one more head matmul; docs/benchmarks.md)
+    use_fused_kernels: bool = False
     fused_kernel_options: FusedKernelOptions = field(default_factory=FusedKernelOptions)
     # true: actor and ref pack each micro-batch's rows into one row with per-row attention (engines/packing.py)
     # instead of bucketing them by length; no padding is computed at all. null (default): packed wherever it applies

@@ -14,11 +14,15 @@
   offered.
 * Switches whose one value is what hybridflow always does (the other value is refused with the reason):
   ``rollout.layered_summon=true`` (weight sync gathers one tensor at a time, less than one layer),
-  ``model.use_fused_kernels=true`` with ``model.fused_kernel_options.impl_backend=torch``, and ``*.entropy_from_logits_with_chunking=true`` (log-probs and entropy come from
-  the hidden states of the response positions only, in chunks of rows: no [tokens, vocab] logits),
+  ``model.fused_kernel_options.impl_backend=torch`` (or veRL's None) and ``*.entropy_from_logits_with_chunking=true``
+  (log-probs and entropy come from the hidden states of the response positions only, in chunks of rows: no [tokens,
+  vocab] logits at once in a forward),
   ``*.use_torch_compile=false`` (the training forward is eager), ``rollout.mode=sync`` (veRL's ``async`` serves vLLM
   behind an agent loop; the step's samples are the same either way), ``trainer.use_legacy_worker_impl=auto|disable``
   (hybridflow's one worker implementation is veRL's new-style one; ``enable`` is refused).
+* ``actor_rollout_ref.model.use_fused_kernels``: veRL's fused log-prob / entropy kernels, whose point is memory;
+  ``true`` makes the actor's backward recompute each chunk's logits from its hidden states instead of keeping every
+  chunk's (engines/hf_model.py ``logits_checkpointing``), ``false`` (veRL's default) keeps them.
 * ``actor_rollout_ref.actor.checkpoint.save_contents`` / ``load_contents`` (checked here, honoured by the actor's
   engine): what a checkpoint holds and what a resume restores; see engines/checkpoint_io.py.
 * ``*.fsdp_config.model_dtype`` and ``actor_rollout_ref.model.torch_dtype``: the dtype an engine loads and keeps its
@@ -47,9 +51,6 @@ def switch_errors(cfg: Any) -> list[str]:
     fixed = [
         ("actor_rollout_ref.rollout.layered_summon", arr.rollout.layered_summon, True,
          "weight sync always gathers the actor's parameters one full tensor at a time (less memory than a layer)"),
-        ("actor_rollout_ref.model.use_fused_kernels", arr.model.use_fused_kernels, True,
-         "log-probs and entropy always come from the response positions' hidden states in chunks of rows, never "
-         "from whole [tokens, vocab] logits; there is no unfused path"),
         ("actor_rollout_ref.actor.entropy_from_logits_with_chunking", arr.actor.entropy_from_logits_with_chunking,
          True, "entropy is always computed in chunks of rows"),
         ("actor_rollout_ref.ref.entropy_from_logits_with_chunking", arr.ref.entropy_from_logits_with_chunking, True,
@@ -74,10 +75,10 @@ def switch_errors(cfg: Any) -> list[str]:
             "trainer.rollout_mode=one_step_off or async"
         )
     backend = arr.model.fused_kernel_options.impl_backend
-    if backend != "torch":
+    if backend not in ("torch", None, "None"):
         errors.append(f"actor_rollout_ref.model.fused_kernel_options.impl_backend={backend}: hybridflow's fused "
-                      "log-prob / entropy path (chunked rows from the hidden states) is torch code, with no triton "
-                      "kernels; set torch or remove the key")
+                      "log-prob / entropy path (chunked rows from the hidden states, logits recomputed in backward) "
+                      "is torch code, with no triton kernels; set torch or remove the key")
     legacy = cfg.trainer.use_legacy_worker_impl
     if legacy == "enable":
         errors.append("trainer.use_legacy_worker_impl=enable: veRL's legacy workers are not in hybridflow, which has "

@@ -115,6 +115,8 @@ def engine_config(
         kwargs["use_sequence_packing"] = model.use_sequence_packing
     if role in ("actor", "ref") and getattr(model, "batch_invariant", False):
         kwargs["batch_invariant"] = True
+    if role == "actor" and getattr(model, "use_fused_kernels", False):  # veRL's key: hf_model.py recomputes logits
+        kwargs["logits_checkpointing"] = True
     if role == "actor" and hasattr(model, "lora_rank"):
         kwargs["lora"] = lora_settings(model)
     return EngineConfig(**kwargs)

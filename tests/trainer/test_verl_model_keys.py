@@ -15,7 +15,6 @@ from hybridflow.trainer.preflight import preflight_errors
 
 @pytest.mark.parametrize("override, match", [
     ("actor_rollout_ref.rollout.layered_summon=false", r"layered_summon=false: weight sync always gathers"),
-    ("actor_rollout_ref.model.use_fused_kernels=false", r"use_fused_kernels=false: .*there is no unfused path"),
     ("actor_rollout_ref.actor.entropy_from_logits_with_chunking=false", r"always computed in chunks"),
     ("actor_rollout_ref.ref.entropy_from_logits_with_chunking=false", r"always computed in chunks"),
     ("actor_rollout_ref.actor.use_torch_compile=true", r"use_torch_compile=true: the training forward runs eagerly"),
@@ -39,6 +38,19 @@ def test_the_values_hybridflow_has_are_taken():
                        "critic.model.trust_remote_code=True",
                        "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch"])
     assert cfg.actor_rollout_ref.rollout.load_format == "safetensors" and cfg.actor_rollout_ref.model.trust_remote_code
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_use_fused_kernels_sets_the_actors_logit_recomputation(fused, tiny_model_path):
+    from hybridflow.workers.engine_config import engine_config
+
+    cfg = load_config([f"actor_rollout_ref.model.use_fused_kernels={fused}",
+                       "actor_rollout_ref.model.fused_kernel_options.impl_backend=null"])
+    arr = cfg.actor_rollout_ref
+    for role, fsdp in (("actor", arr.actor.fsdp_config), ("ref", arr.ref.fsdp_config)):
+        engine = engine_config(model_path=tiny_model_path, role=role, model=arr.model, fsdp=fsdp, seed=0,
+                               micro_batch_size=2, use_dynamic_bsz=False, max_token_len=256)
+        assert engine.logits_checkpointing is (fused and role == "actor")  # the reference has no backward
 
 
 def _cfg(model_path, *extra):
