@@ -22,17 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "engines")]
 from test_train_distributed import make_batch  # noqa: E402
 
+from benchmarks.activation_memory import pg_loss  # noqa: E402
 from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine, OptimConfig  # noqa: E402
-
-
-def pg_loss(micro, outputs: dict):
-    """A policy-gradient loss over the response tokens, with an entropy bonus where the forward computed it."""
-    mask = micro.batch["response_mask"].float()
-    total = micro.meta_info["global_num_tokens"]
-    loss = -(micro.batch["advantages"] * outputs["log_probs"] * mask).sum() / total
-    if "entropy" in outputs:
-        loss = loss - 0.01 * (outputs["entropy"] * mask).sum() / total
-    return loss, {}
 
 
 def main() -> None:
