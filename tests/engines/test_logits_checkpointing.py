@@ -72,3 +72,21 @@ def test_backward_keeps_no_chunk_of_logits(tiny_model_path, entropy):
     on_bytes, on_largest = kept_bytes(head, selected, targets, entropy)
     assert off_largest >= 32 * vocab and off_bytes >= 4 * 32 * vocab * 4  # every chunk's [32, V] logits, fp32
     assert on_largest < 32 * vocab and on_bytes < 32 * vocab * 4  # not one chunk's logits
+
+
+def test_on_cpu_a_chunk_holds_at_most_2_23_logits(tmp_path):
+    # a vocabulary of 2^17 tokens: chunks of 2^23 / 2^17 = 64 rows, not the 2,048 asked for
+    from hybridflow.engines.tiny import TinyModelSpec, write_tiny_model
+
+    path = write_tiny_model(str(tmp_path / "wide"), TinyModelSpec(hidden_size=32, num_heads=2, num_kv_heads=1,
+                                                                   vocab_size=1 << 17), seed=0)
+    head = HeadOnPositions(load_model(path, "actor"), is_critic=False)
+    rows = []
+    head.hf.get_output_embeddings().register_forward_hook(lambda module, args, out: rows.append(out.shape[0]))
+    selected = torch.randn(200, 32)
+    targets = torch.randint(0, 1 << 17, (200,))
+    with torch.no_grad():
+        out = head.head_outputs(selected, targets, 1.0, False, 2048, selected[:0, 0])
+    assert rows == [64, 64, 64, 8]
+    whole = torch.log_softmax(head.hf.get_output_embeddings()(selected).double(), -1).gather(-1, targets[:, None])
+    torch.testing.assert_close(out["log_probs"].double(), whole.squeeze(-1), atol=2e-6, rtol=0)

@@ -40,7 +40,7 @@ import torch
 
 from hybridflow import device as hf_device
 from hybridflow.engines.batch_invariant import onednn_matmuls
-from hybridflow.engines.rollout import cpu_attention, cpu_decode_layer, cpu_step_ops
+from hybridflow.engines.rollout import cpu_attention, cpu_decode_layer, cpu_sampling, cpu_step_ops
 from hybridflow.engines.rollout.arch_specs import resolve
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
 from hybridflow.engines.rollout.chunked_prefill import chunked_prefill
@@ -217,6 +217,7 @@ class NativeRollout(RolloutEngine):
             # and in fp32, where those kernels all run, each layer as two C calls (cpu_decode_layer.py)
             if self.dtype == torch.float32 and self.tensor_parallel is None:
                 self.model.layer_kernel = cpu_decode_layer.load()
+            cpu_sampling.load()  # built now, not inside the first generate call (sampling.py takes it from there)
         if self.model.max_positions < self.max_model_len:  # longrope: its short factors only (rope.py)
             logger.warning("native rollout: %s's rope switches factors past %d positions; generating within "
                            "max_model_len=%d instead of %d", self.config.model_type, self.model.max_positions,
