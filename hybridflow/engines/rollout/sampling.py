@@ -90,6 +90,11 @@ _NOT_A_DISTRIBUTION = ("sampling: a row of the model's logits holds a NaN or +in
                        "rate in the run's metrics, and resume from the last good checkpoint)")
 
 
+def _filters(top_k: int, top_p: float, vocab: int) -> bool:
+    """Whether top-k or top-p restricts what can be drawn from a vocabulary of `vocab` tokens."""
+    return 0 < top_k < vocab or top_p < 1.0
+
+
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index [rows] of the first position whose cumulative probability exceeds u * total; never a zero-prob one.
 
@@ -200,8 +205,8 @@ def sample_tokens(
         raise ValueError("sampling needs per-row random keys; pass keys=row_keys(...)")
     u = None if greedy else uniform_from_keys(keys, step) if uniforms is None else uniforms
     rows, vocab = logits.shape
-    filtered = (0 < top_k < vocab) or top_p < 1.0
-    if kernel and not (filtered and not greedy) and logits.device.type == "cpu" and (fast := cpu_sampling.load()):
+    if kernel and (greedy or not _filters(top_k, top_p, vocab)) and logits.device.type == "cpu" and (
+            fast := cpu_sampling.load()):
         chosen = fast.choose(logits, u, 1.0 if greedy else temperature)
         if chosen is None:
             raise ValueError(_NOT_A_DISTRIBUTION)
@@ -234,7 +239,7 @@ def _sample_rows(
     if not bool(torch.isfinite(lse).all()):
         raise ValueError(_NOT_A_DISTRIBUTION)
     probs = (scaled - lse).exp_()
-    if (top_k > 0 and top_k < logits.shape[-1]) or top_p < 1.0:
+    if _filters(top_k, top_p, logits.shape[-1]):
         tokens = _draw_filtered(probs, u, top_k, top_p)
     else:
         tokens = _inverse_cdf(probs, u)
