@@ -2,9 +2,9 @@
 
     python benchmarks/sampling_cost.py [--vocab 288,49152,151936] [--rows 16,64] [--threads 2]
 
-Per (vocabulary, rows): milliseconds per ``sample_tokens`` call on random logits (temperature 1; then top-p 0.9;
-then top-k 50; plain sampling at temperature 1 and 0.7 and greedy also on torch's ops, ``kernel=False``, against the
-C kernel of cpu_sampling.py, which they take by default on CPU),
+Per (vocabulary, rows): milliseconds per ``sample_tokens`` call on random logits: plain sampling at temperature 1
+and 0.7, greedy, top-p 0.9 and top-k 50, each on the C kernel of cpu_sampling.py (the default on CPU) and on torch's
+ops (``kernel=False``); top-p and top-k also on logits shaped like a language model's (``zipf_logits``),
 with the draws from a ``StepUniforms`` table as the native engine takes them, and the per-step hashing alone
 (``uniform_from_keys``), which the table replaces. The vocabularies are the tiny models' (288), SmolLM2's (49,152)
 and Qwen3's (151,936). Medians of --repeats timings of --calls calls each.
@@ -37,17 +37,27 @@ def _ms_per_call(fn, calls: int, repeats: int) -> float:
     return round(1e3 * median(times), 4)
 
 
+def zipf_logits(rows: int, vocab: int, g: torch.Generator) -> torch.Tensor:
+    """Logits shaped like a language model's: the token of rank r (a random order per row) has probability
+    proportional to r^-1.65, so a few tokens hold most of the mass and a long tail the rest."""
+    ranks = torch.stack([torch.randperm(vocab, generator=g) for _ in range(rows)]) + 1
+    return -1.65 * ranks.float().log()
+
+
 def measure(vocab: int, rows: int, calls: int, repeats: int) -> dict:
     g = torch.Generator().manual_seed(vocab + rows)
-    logits = torch.randn(rows, vocab, generator=g) * 3
+    flat = torch.randn(rows, vocab, generator=g) * 3
+    peaked = zipf_logits(rows, vocab, g)
+    logits = flat
     keys = row_keys(0, torch.arange(rows) // 4, torch.arange(rows) % 4)
     draws = StepUniforms(keys, steps=1 << 20)
     step = [0]
 
-    def sample(top_p: float, top_k: int = -1, kernel: bool = True, temperature: float = 1.0, greedy: bool = False):
+    def sample(top_p: float, top_k: int = -1, kernel: bool = True, temperature: float = 1.0, greedy: bool = False,
+               rows_of=None):
         def call():
             step[0] += 1
-            sample_tokens(logits, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, keys=None,
+            sample_tokens(logits if rows_of is None else rows_of, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p, keys=None,
                           step=step[0], uniforms=draws.at(step[0]), kernel=kernel)
         return call
 
@@ -60,11 +70,20 @@ def measure(vocab: int, rows: int, calls: int, repeats: int) -> dict:
                 ms = _ms_per_call(sample(1.0, kernel=path == "kernel", **kw), calls, repeats)
                 key = f"{name}_{path}_ms"
                 paths[key] = min(ms, paths.get(key, ms))
+    # top-p 0.9 and top-k 50, C against torch's ops, on the random logits (standard deviation 3: flat, top-p keeps
+    # thousands of tokens) and on language-model-shaped ones (zipf_logits), alternated, the better of two rounds
+    few = max(1, calls // 4)
+    for _ in range(2):
+        for name, kw in (("top_p_0.9", {"top_p": 0.9}), ("top_k_50", {"top_p": 1.0, "top_k": 50}),
+                         ("zipf_top_p_0.9", {"top_p": 0.9, "rows_of": peaked}),
+                         ("zipf_top_k_50", {"top_p": 1.0, "top_k": 50, "rows_of": peaked})):
+            for path in ("kernel", "torch"):
+                ms = _ms_per_call(sample(kernel=path == "kernel", **kw), few, repeats)
+                key = f"{name}_{path}_ms"
+                paths[key] = min(ms, paths.get(key, ms))
     return {
         **paths,
         "sample_ms": _ms_per_call(sample(1.0), calls, repeats),
-        "sample_top_p_0.9_ms": _ms_per_call(sample(0.9), max(1, calls // 4), repeats),
-        "sample_top_k_50_ms": _ms_per_call(sample(1.0, 50), max(1, calls // 4), repeats),
         "per_step_hashing_ms": _ms_per_call(lambda: uniform_from_keys(keys, 7), calls, repeats),
     }
 

@@ -1,6 +1,6 @@
-/* One decode step's token choice per row of fp32 logits, without top-k or top-p: the native rollout's cpu_sampling.py.
+/* One decode step's token choice per row of fp32 logits: the native rollout's cpu_sampling.py.
  *
- * Per row, two passes over the vocabulary and a third over one block of it:
+ * Without top-k or top-p (sample_rows_f32), per row two passes over the vocabulary and a third over one block of it:
  *   1. m = max of the scaled logits s = z / temperature (and, greedy, the first index holding it);
  *   2. the exp(s - m) summed in fp64 per block of BLOCK tokens (kept) and over the row: lse = m + log(total);
  *   3. sampling: the inverse CDF in block order: the first block whose running sum passes u * total, then the first
@@ -8,8 +8,8 @@
  * The reported log-prob is s[token] - lse in fp64, rounded once to fp32.
  *
  * The exp of a block is always the one function below (not inlined, every call BLOCK elements, a short block padded
- * with -inf), so passes 2 and 3 see the same bits whatever the compiler vectorised. A row holding a NaN or a +inf, or
- * only -inf, is flagged (bad[row] = 1) and left to torch's path by the caller.
+ * with -inf), so passes 2 and 3 see the same bits whatever the compiler vectorised. Rows holding a NaN or a +inf, or
+ * only -inf, are counted and left undecided; the caller reports them (sampling.py).
  *
  * Rows are independent: a row's result does not depend on the other rows or on the thread count.
  */
@@ -137,4 +137,250 @@ long sample_rows_f32(long R, long V, const float *logits, long ld, float tempera
         log_probs[r] = (float)((double)s - lse);
     }
     return bad;
+}
+
+/* ---- Top-k and top-p: the same tokens as sorting the row, without sorting it ----
+ *
+ * sampling.py's filtered draw sorts the probabilities in descending order (equal values in index order), keeps the
+ * first top_k, then the shortest prefix of those whose mass reaches top_p of theirs (of the whole row's without top-k),
+ * and draws by inverse CDF in that order. Each of the three steps finds the first position, in that order, where a
+ * running weight (a count for top-k, a mass for top-p and the draw) passes a target, among the positions up to the
+ * previous step's cut. Here that position is found without a sort: e = exp(s - m) is in [0, 1], where a float's bits
+ * order as its value, so
+ *   1. one pass computes every e and a histogram of count and fp64 mass over its top bits (NB bins);
+ *   2. the bins are walked from the top to the one where the running weight passes the target;
+ *   3. that bin's elements (gathered once from the candidates, in index order) are walked the same way by their
+ *      next bits, then their last bits; elements of equal value (all bits equal) are walked in index order.
+ * Only the elements of the first step's bin and above are gathered (the candidates); later steps stay among them.
+ * The masses are summed in a different order from the sorted cumulative sum, so a cut or a draw within rounding of
+ * a boundary may land on the neighbouring token, as in the unfiltered kernel. */
+#include <stdlib.h>
+#include <string.h>
+
+#define NB 2048        /* bins of e's bits 30..19 (e <= 1 has bits <= 0x3F800000: bin <= 2032) */
+#define SHIFT1 19
+#define NB2 2048       /* bits 18..8 */
+#define NB3 256        /* bits 7..0 */
+
+static inline uint32_t fbits(float x) {
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    return b;
+}
+static inline float bitsf(uint32_t b) {
+    float x;
+    memcpy(&x, &b, 4);
+    return x;
+}
+
+typedef struct {
+    const uint64_t *cand; /* (bits << 32 | index), index order */
+    long n;
+} Cands;
+
+/* a cut: the element (bits, index) at which a step stopped; the set up to it is every element preceding it in
+ * (value descending, index ascending) order and itself */
+typedef struct {
+    int set;
+    uint32_t bits;
+    long idx;
+} Cut;
+
+static inline int within(uint32_t bits, long idx, Cut lim) {
+    return !lim.set || bits > lim.bits || (bits == lim.bits && idx <= lim.idx);
+}
+
+/* Among list[0..n) (one bin's elements, index order, all inside the limit), the first element in sorted order whose
+ * running weight (cum + its own) exceeds X; the list's bits agree above bit `hi`. Returns 1 and the element, or 0
+ * and cum advanced by the whole list (rounding: the bin's sum said it crosses, its elements summed otherwise). */
+static int walk_list(uint64_t *list, long n, uint64_t *tmp, int level, double X, int by_count, double *cum,
+                     Cut *out, double *wsum, long *count) {
+    if (level == 3) { /* equal values: index order */
+        for (long i = 0; i < n; i++) {
+            const uint32_t b = (uint32_t)(list[i] >> 32);
+            const double w = by_count ? 1.0 : (double)bitsf(b);
+            if (*cum + w > X) {
+                *cum += w;
+                *out = (Cut){1, b, (long)(list[i] & 0xffffffffu)};
+                return 1;
+            }
+            *cum += w;
+        }
+        return 0;
+    }
+    /* wsum, count: this level's histogram, then the next level's (NB2 + NB3 entries from the row's scratch) */
+    const int nb = level == 1 ? NB2 : NB3, shift = level == 1 ? 8 : 0, mask = nb - 1;
+    for (int b = 0; b < nb; b++) wsum[b] = 0.0, count[b] = 0;
+    for (long i = 0; i < n; i++) {
+        const uint32_t bits = (uint32_t)(list[i] >> 32);
+        const int b = (int)((bits >> shift) & mask);
+        count[b]++;
+        wsum[b] += (double)bitsf(bits);
+    }
+    for (int b = nb - 1; b >= 0; b--) {
+        if (!count[b]) continue;
+        const double w = by_count ? (double)count[b] : wsum[b];
+        if (!(*cum + w > X)) {
+            *cum += w;
+            continue;
+        }
+        long m = 0;
+        for (long i = 0; i < n; i++)
+            if ((int)(((uint32_t)(list[i] >> 32) >> shift) & mask) == b) tmp[m++] = list[i];
+        const double before = *cum;
+        if (walk_list(tmp, m, tmp + m, level + 1, X, by_count, cum, out, wsum + nb, count + nb)) return 1;
+        *cum = before + w; /* not crossed in rounding: on with the bin's own sum */
+    }
+    return 0;
+}
+
+typedef struct {
+    const float *e;
+    long V;
+    const double *mass;
+    const long *count;
+    uint64_t *cand, *work;
+    double *level_mass; /* walk_list's histograms */
+    long *level_count;
+    long ncand;
+    int cand_bin; /* candidates: every element of bin >= cand_bin */
+} RowState;
+
+/* the first element, in sorted order among those within `lim`, whose running weight exceeds X: 1 and *out, or 0 */
+static int find(RowState *st, Cut lim, double X, int by_count, Cut *out) {
+    const int lbin = lim.set ? (int)(lim.bits >> SHIFT1) : 0;
+    double cum = 0.0;
+    for (int b = NB - 1; b >= lbin; b--) {
+        if (!st->count[b]) continue;
+        const int partial = lim.set && b == lbin;
+        if (!partial) {
+            const double w = by_count ? (double)st->count[b] : st->mass[b];
+            if (!(cum + w > X)) {
+                cum += w;
+                continue;
+            }
+        }
+        if (st->cand_bin < 0 || b < st->cand_bin) { /* gather this bin and every bin above it, once a row (a
+                                                        * bin that does not cross in rounding may send a walk lower) */
+            long n = 0;
+            for (long i = 0; i < st->V; i++) {
+                const uint32_t bits = fbits(st->e[i]);
+                if ((int)(bits >> SHIFT1) >= b) st->cand[n++] = ((uint64_t)bits << 32) | (uint64_t)i;
+            }
+            st->ncand = n;
+            st->cand_bin = b;
+        }
+        long m = 0;
+        for (long i = 0; i < st->ncand; i++) {
+            const uint32_t bits = (uint32_t)(st->cand[i] >> 32);
+            const long idx = (long)(st->cand[i] & 0xffffffffu);
+            if ((int)(bits >> SHIFT1) == b && within(bits, idx, lim)) st->work[m++] = st->cand[i];
+        }
+        const double before = cum;
+        if (walk_list(st->work, m, st->work + m, 1, X, by_count, &cum, out, st->level_mass, st->level_count))
+            return 1;
+        if (!partial) cum = before + (by_count ? (double)st->count[b] : st->mass[b]);
+    }
+    return 0;
+}
+
+/* the mass of the elements up to `cut`, in the walk's order: the bins above its bin, then its bin's elements */
+static double set_mass(const RowState *st, Cut cut) {
+    const int lbin = (int)(cut.bits >> SHIFT1);
+    double s = 0.0;
+    for (int b = NB - 1; b > lbin; b--) s += st->mass[b];
+    for (long i = 0; i < st->ncand; i++) {
+        const uint32_t bits = (uint32_t)(st->cand[i] >> 32);
+        if ((int)(bits >> SHIFT1) == lbin && within(bits, (long)(st->cand[i] & 0xffffffffu), cut))
+            s += (double)bitsf(bits);
+    }
+    return s;
+}
+
+/* the last element in sorted order with a positive e: the smallest positive value, its largest index */
+static long last_positive(const float *e, long V) {
+    uint32_t low = 0xffffffffu;
+    long idx = 0;
+    for (long i = 0; i < V; i++) {
+        const uint32_t bits = fbits(e[i]);
+        if (bits != 0 && bits <= low) low = bits, idx = i;
+    }
+    return idx;
+}
+
+/* logits [R, V] (row stride ld); top_k (<= 0 or >= V: none); top_p (>= 1: none); u [R] in [0, 1). As
+ * sample_rows_f32 for the draw sampling.py's _draw_filtered makes; the log-prob is the unfiltered distribution's, as
+ * there. Returns the number of rows left undecided (NaN, +inf, only -inf), or -1 when its scratch (~36 bytes per
+ * token and thread) could not be allocated. */
+long sample_filtered_rows_f32(long R, long V, const float *logits, long ld, float temperature, long top_k,
+                              double top_p, const double *u, int64_t *tokens, float *log_probs, int nthreads) {
+    const int scaled = temperature != 1.0f;
+    const int by_k = top_k > 0 && top_k < V;
+    long bad = 0, no_memory = 0;
+#pragma omp parallel num_threads(nthreads) if (R > 1 && R * V >= PARALLEL_FROM) reduction(+ : bad, no_memory)
+    {
+        float *e = malloc(sizeof(float) * (size_t)(V + BLOCK));
+        uint64_t *cand = malloc(sizeof(uint64_t) * (size_t)V), *work = malloc(sizeof(uint64_t) * (size_t)V * 3);
+        double *mass = malloc(sizeof(double) * (NB + NB2 + NB3));
+        long *count = malloc(sizeof(long) * (NB + NB2 + NB3));
+        const int ready = e && cand && work && mass && count;
+#pragma omp for schedule(static)
+        for (long r = 0; r < R; r++) {
+            if (!ready) {
+                no_memory++;
+                continue;
+            }
+            const float *z = logits + r * ld;
+            const float m = row_max(z, V, temperature, scaled);
+            for (int b = 0; b < NB; b++) mass[b] = 0.0, count[b] = 0;
+            /* the exps, their total (per block, as sample_rows_f32) and the histogram of count and mass */
+            const long blocks = (V + BLOCK - 1) / BLOCK;
+            double total = 0.0;
+            for (long b = 0; b < blocks; b++) {
+                float *eb = e + b * BLOCK;
+                row_block_exp(z, V, b, temperature, scaled, m, eb);
+                double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+                for (int i = 0; i < BLOCK; i++) acc += (double)eb[i];
+                total += acc;
+                const long n = V - b * BLOCK < BLOCK ? V - b * BLOCK : BLOCK;
+                for (long i = 0; i < n; i++) {
+                    const int bin = (int)(fbits(eb[i]) >> SHIFT1);
+                    if (bin < NB) { /* a NaN's bits land past the bins: the total flags its row */
+                        count[bin]++;
+                        mass[bin] += (double)eb[i];
+                    }
+                }
+            }
+            if (isnan(total) || isnan(m) || isinf(m)) {
+                bad++;
+                continue;
+            }
+            RowState st = {e, V, mass, count, cand, work, mass + NB, count + NB, 0, -1};
+            Cut cut = {0, 0, 0}, next;
+            double kept = total;
+            if (by_k) { /* the top_k-th element in sorted order ends the set */
+                find(&st, cut, (double)(top_k - 1), 1, &cut);
+                kept = set_mass(&st, cut);
+            }
+            /* top-p: the first element whose running mass reaches top_p of the set's is the last one kept (the
+             * first element always is); a target past the set's mass in rounding keeps the set */
+            if (top_p < 1.0 && find(&st, cut, nextafter(top_p * kept, -INFINITY), 0, &next)) {
+                cut = next;
+                kept = set_mass(&st, cut);
+            }
+            long token;
+            if (find(&st, cut, u[r] * kept, 0, &next))
+                token = next.idx;
+            else if (cut.set && cut.bits != 0) /* u * kept reached the set's mass in rounding: its last element */
+                token = cut.idx;
+            else /* the same, where the set is the row or runs into tokens of probability 0 */
+                token = last_positive(e, V);
+            const float s = scaled ? z[token] / temperature : z[token];
+            tokens[r] = token;
+            log_probs[r] = (float)((double)s - ((double)m + log(total)));
+        }
+        free(e), free(cand), free(work), free(mass), free(count);
+    }
+    return no_memory ? -1 : bad;
 }

@@ -1,4 +1,4 @@
-"""A decode step's token choice on CPU as one C call (cpu_sampling.c) where no top-k or top-p filters: built on first use.
+"""A decode step's token choice on CPU as one C call (cpu_sampling.c), with or without top-k and top-p: built on first use.
 
 Why: sampling.py's torch path is a dozen ops over [rows, vocabulary] per step (logsumexp's own eight, the
 probabilities, an fp64 cumulative sum, two searches, a gather), each a pass over memory with a fresh buffer: at
@@ -10,7 +10,16 @@ Semantics are sampling.py's: log-probs are log_softmax(logits / temperature) at 
 first index of the max, temperature-1 log-prob); draws are the inverse CDF at the given uniforms. Arithmetic differs
 by rounding only: the normaliser is summed in fp64 (the reported log-prob is closer to the fp64 value than torch's
 fp32 logsumexp), and the CDF is summed per block, so a draw sitting within rounding of a token boundary may pick its
-neighbour. The batch-invariant mode, whose log-probs equal the training engine's bit for bit, keeps torch's path
+neighbour.
+
+Top-k and top-p keep sampling.py's tokens: the probabilities in descending order (equal ones in index order), the
+first top_k, then the shortest prefix whose mass reaches top_p of theirs, drawn by inverse CDF in that order. torch's
+path sorts candidates (a `topk` of 1,024, more when the prefix is longer); the C call finds each cut, and the draw,
+by walking a histogram of the exps' bits from the top, then the elements of the one bin where the running count or
+mass passes its target (cpu_sampling.c). At 64 rows of SmolLM2's 49,152 tokens torch's top-p 0.9 took 26-89 ms a
+step, depending on how flat the logits are (``benchmarks/sampling_cost.py``). As there, masses are summed in another
+order than the sorted cumulative sum, and exp() may round two neighbours to one fp32 value in one path and not the
+other, so a cut or a draw within rounding of a boundary may pick the neighbouring token. The batch-invariant mode, whose log-probs equal the training engine's bit for bit, keeps torch's path
 (``sample_tokens(..., kernel=False)``).
 
 Build: on first use, for this CPU, cached per machine (c_kernels.py). Without a compiler, or when the build fails,
@@ -44,18 +53,22 @@ def load() -> SamplingKernel | None:
 
 
 class SamplingKernel:
-    """``choose(logits, uniforms, temperature)``: (tokens [R] int64, log_probs [R] fp32), or None where a row holds a
-    NaN, a +inf or only -inf (torch's path decides those) or the vocabulary is empty."""
+    """``choose(logits, uniforms, temperature, top_k, top_p)``: (tokens [R] int64, log_probs [R] fp32), or None where
+    a row holds a NaN, a +inf or only -inf (the caller reports those) or the vocabulary is empty."""
 
     def __init__(self, lib: ctypes.CDLL):
         self._sample = lib.sample_rows_f32
         p, long_, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
         self._sample.argtypes = [long_, long_, p, long_, ctypes.c_float, int_, p, p, p, p, int_]
         self._sample.restype = long_
+        self._filtered = lib.sample_filtered_rows_f32
+        self._filtered.argtypes = [long_, long_, p, long_, ctypes.c_float, long_, ctypes.c_double, p, p, p, int_]
+        self._filtered.restype = long_
 
-    def choose(self, logits: torch.Tensor, uniforms: torch.Tensor | None,
-               temperature: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """logits [R, V] on CPU (fp32, or converted); uniforms [R] float64 in [0, 1), or None for greedy."""
+    def choose(self, logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float, top_k: int = 0,
+               top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """logits [R, V] on CPU (fp32, or converted); uniforms [R] float64 in [0, 1), or None for greedy (which
+        ignores top_k and top_p). top_k <= 0 or >= V, and top_p >= 1, do not filter."""
         logits = logits.float()
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
@@ -67,6 +80,14 @@ class SamplingKernel:
             uniforms = uniforms.to(torch.float64).contiguous()
         tokens = torch.empty(R, dtype=torch.int64)
         log_probs = torch.empty(R, dtype=torch.float32)
+        if not greedy and (0 < top_k < V or top_p < 1.0):
+            undecided = self._filtered(R, V, logits.data_ptr(), logits.stride(0), float(temperature), int(top_k),
+                                       float(top_p), uniforms.data_ptr(), tokens.data_ptr(), log_probs.data_ptr(),
+                                       torch.get_num_threads())
+            if undecided < 0:
+                raise MemoryError(f"sampling: no memory for the top-k/top-p scratch of {R} rows x {V} tokens "
+                                  f"(~{36 * V * min(R, torch.get_num_threads()) >> 20} MiB)")
+            return None if undecided else (tokens, log_probs)
         sums = torch.empty(R, -(-V // _BLOCK), dtype=torch.float64)
         undecided = self._sample(R, V, logits.data_ptr(), logits.stride(0), float(temperature), int(greedy),
                                  None if greedy else uniforms.data_ptr(), tokens.data_ptr(), log_probs.data_ptr(),

@@ -198,16 +198,16 @@ def sample_tokens(
     Greedy: argmax, log-prob under the temperature-1 distribution. Sampling: temperature, then top-k, then top-p,
     with the draws ``uniform_from_keys(keys, step)``, or ``uniforms`` [rows] float64 when given (taken from a
     ``uniform_table`` of the same keys). Each row's result depends on that row alone, so rows go in chunks.
-    On CPU without top-k/top-p, one C call chooses (cpu_sampling.py: the same distribution, rounded differently);
+    On CPU one C call chooses, top-k and top-p included (cpu_sampling.py: the same distribution and the same tokens,
+    rounded differently);
     ``kernel=False`` keeps torch's ops, whose log-probs are the training engine's formula bit for bit.
     """
     if keys is None and uniforms is None and not greedy:
         raise ValueError("sampling needs per-row random keys; pass keys=row_keys(...)")
     u = None if greedy else uniform_from_keys(keys, step) if uniforms is None else uniforms
     rows, vocab = logits.shape
-    if kernel and (greedy or not _filters(top_k, top_p, vocab)) and logits.device.type == "cpu" and (
-            fast := cpu_sampling.load()):
-        chosen = fast.choose(logits, u, 1.0 if greedy else temperature)
+    if kernel and logits.device.type == "cpu" and (fast := cpu_sampling.load()):
+        chosen = fast.choose(logits, u, 1.0 if greedy else temperature, top_k, top_p)
         if chosen is None:
             raise ValueError(_NOT_A_DISTRIBUTION)
         return chosen
