@@ -61,6 +61,14 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kernel):
     wide = torch.randn(40, 96, generator=g)
     wide[:, :48] = x
     assert torch.equal(kernel.linear(wide[:, :48], packed, b), full)
+    # past 64 inputs, a call of two row blocks (13-23 rows with AVX-512, 7-11 with AVX2) takes the K loop in chunks:
+    # the same sums in the same order, so the same bits as one row alone
+    w, b = torch.randn(70, 200, generator=g), torch.randn(70, generator=g)
+    packed = kernel.pack(w)
+    x = torch.randn(24, 200, generator=g)
+    alone = torch.cat([kernel.linear(x[i:i + 1], packed, b) for i in range(24)])
+    for rows in (7, 11, 13, 16, 23, 24):
+        assert torch.equal(kernel.linear(x[:rows], packed, b), alone[:rows]), rows
 
 
 def test_bad_input_is_refused_with_the_shapes(kernel):

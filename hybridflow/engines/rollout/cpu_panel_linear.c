@@ -3,8 +3,9 @@
    W is packed once into panels of 16 output columns: packed[p][k][c] = W[16 p + c, k] (columns past N are zero), so
    one panel is a contiguous stream of K rows of 16 floats. A task takes one or two panels and all M rows; in blocks
    of up to MR rows it keeps every (row, column) sum in a register over the whole K loop: per k, one load of each
-   panel's 16 weights, one broadcast per row, one FMA per row and panel. Each weight is read from memory once per
-   call, which is what a decode step with few rows is bound by. Each thread runs a contiguous range of tasks and
+   panel's 16 weights, one broadcast per row, one FMA per row and panel (with two blocks, chunk by chunk of K: see
+   the task loop). Each weight is read from memory once per call, which is what a decode step with few rows is bound
+   by. Each thread runs a contiguous range of tasks and
    prefetches the next task's panels into L2 while the current task's row blocks run, so that streaming the weights
    from memory overlaps the FMAs instead of stalling the first row block of every task.
 
@@ -38,6 +39,7 @@ typedef __m256 vec;
 #endif
 
 #define PANEL 16
+#define KC 64 /* k per chunk when a task has two row blocks */
 /* two registers a row: with AVX-512 a task is two panels (32 columns), with AVX2 one panel (16 columns) */
 #define REGS 2
 #define TASK_PANELS (LANES_PER_PANEL == 1 ? 2 : 1)
@@ -48,27 +50,34 @@ typedef __m256 vec;
 #define vstore(p, a) _mm256_storeu_ps(p, a)
 #endif
 
-/* rows [0, mr) of x (stride ldx) times the task's columns; lane[j] is the weight stream of the j-th register of
-   each row (16 columns with AVX-512, 8 with AVX2) */
+/* rows [0, mr) of x (stride ldx) times the task's columns, over k in [k0, k1); lane[j] is the weight stream of the
+   j-th register of each row (16 columns with AVX-512, 8 with AVX2). The sums start at 0 when k0 = 0, else from
+   sums[mr][TASK_COLS]; they go back there when k1 < K, else, with the bias, to y. */
 static inline __attribute__((always_inline)) void
 block(const int mr, const float *x, long ldx, const float *const *lane, long K, float *y, long ldy,
-      const float *bias, int cols, const float *pf, long pf_lines) {
+      const float *bias, int cols, const float *pf, long pf_lines, long k0, long k1, float *sums) {
     vec acc[MR][REGS];
     for (int m = 0; m < mr; m++)
-        for (int j = 0; j < REGS; j++) acc[m][j] = vzero();
-    for (long k = 0; k < K; k++) {
+        for (int j = 0; j < REGS; j++) acc[m][j] = k0 ? vload(sums + m * TASK_COLS + j * VEC) : vzero();
+    for (long k = k0; k < k1; k++) {
         vec w[REGS];
         for (int j = 0; j < REGS; j++) {
             w[j] = vload(lane[j] + k * PANEL);
             _mm_prefetch((const char *)(lane[j] + k * PANEL + 256), _MM_HINT_T0);
         }
         /* the next task's weights into L2, two lines per k while this block's share lasts */
-        if (2 * k < pf_lines) _mm_prefetch((const char *)(pf + 2 * k * PANEL), _MM_HINT_T1);
-        if (2 * k + 1 < pf_lines) _mm_prefetch((const char *)(pf + (2 * k + 1) * PANEL), _MM_HINT_T1);
+        const long i = k - k0;
+        if (2 * i < pf_lines) _mm_prefetch((const char *)(pf + 2 * i * PANEL), _MM_HINT_T1);
+        if (2 * i + 1 < pf_lines) _mm_prefetch((const char *)(pf + (2 * i + 1) * PANEL), _MM_HINT_T1);
         for (int m = 0; m < mr; m++) {
             vec xv = vbroadcast(x + m * ldx + k);
             for (int j = 0; j < REGS; j++) acc[m][j] = vfma(xv, w[j], acc[m][j]);
         }
+    }
+    if (k1 < K) {
+        for (int m = 0; m < mr; m++)
+            for (int j = 0; j < REGS; j++) vstore(sums + m * TASK_COLS + j * VEC, acc[m][j]);
+        return;
     }
     vec b[REGS];
     for (int j = 0; j < REGS; j++) {
@@ -90,11 +99,12 @@ block(const int mr, const float *x, long ldx, const float *const *lane, long K, 
 
 #define BLOCK(R)                                                                                                   \
     static void block##R(const float *x, long ldx, const float *const *lane, long K, float *y, long ldy,          \
-                         const float *bias, int cols, const float *pf, long pf_lines) {                           \
-        block(R, x, ldx, lane, K, y, ldy, bias, cols, pf, pf_lines);                                              \
+                         const float *bias, int cols, const float *pf, long pf_lines, long k0, long k1,           \
+                         float *sums) {                                                                           \
+        block(R, x, ldx, lane, K, y, ldy, bias, cols, pf, pf_lines, k0, k1, sums);                                \
     }
 typedef void (*block_fn)(const float *, long, const float *const *, long, float *, long, const float *, int,
-                         const float *, long);
+                         const float *, long, long, long, float *);
 #if MR == 12
 BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8) BLOCK(9) BLOCK(10) BLOCK(11) BLOCK(12)
 static const block_fn BLOCKS[MR + 1] = {0, block1, block2, block3, block4, block5, block6,
@@ -116,6 +126,7 @@ void panel_linear_f32(const float *x, long M, long K, const float *packed, long 
     const long tasks = (panels + TASK_PANELS - 1) / TASK_PANELS;
 #pragma omp parallel
     {
+        float sums[2 * MR * TASK_COLS] __attribute__((aligned(64))); /* a chunked task's running sums */
         /* contiguous ranges of tasks per thread, so that a task knows the next one this thread runs */
         const long threads = omp_get_num_threads(), me = omp_get_thread_num();
         const long t_begin = tasks * me / threads, t_end = tasks * (me + 1) / threads;
@@ -140,18 +151,27 @@ void panel_linear_f32(const float *x, long M, long K, const float *packed, long 
             const float *next = first + TASK_PANELS * K * PANEL;
             const long next_panels = t + 1 < t_end ? (panels - (t + 1) * TASK_PANELS < TASK_PANELS
                                                       ? panels - (t + 1) * TASK_PANELS : TASK_PANELS) : 0;
+            /* Two row blocks (MR < M < 2 MR: 16 rows of a GRPO decode step) take the K loop in chunks of KC, both
+               blocks per chunk: the second reads the chunk's weights from L1 right after the first streamed them
+               in, instead of from L2 after the whole task's. The sums over k stay in order (kept in `sums` between
+               chunks), so the bits are the same. Fewer or more blocks: one chunk, as before. */
+            const long kc = M > MR && M < 2 * MR ? KC : K;
             long blocks = 0;
             for (long m0 = 0; m0 < M; m0 += block_rows(M - m0)) blocks++;
+            blocks *= (K + kc - 1) / kc;
             long pf_left = next_panels * K, pf_share = blocks ? (pf_left + blocks - 1) / blocks : 0;
-            if (pf_share > 2 * K) pf_share = 2 * K;
-            for (long m0 = 0; m0 < M;) {
-                const int mr = block_rows(M - m0);
-                const long pf_lines = pf_left < pf_share ? pf_left : pf_share;
-                BLOCKS[mr](x + m0 * K, K, lane, K, y + m0 * N + col0, N, bias ? bias + col0 : 0, cols, next,
-                           pf_lines);
-                next += pf_lines * PANEL;
-                pf_left -= pf_lines;
-                m0 += mr;
+            if (pf_share > 2 * kc) pf_share = 2 * kc;
+            for (long k0 = 0; k0 < K; k0 += kc) {
+                const long k1 = k0 + kc < K ? k0 + kc : K;
+                for (long m0 = 0; m0 < M;) {
+                    const int mr = block_rows(M - m0);
+                    const long pf_lines = pf_left < pf_share ? pf_left : pf_share;
+                    BLOCKS[mr](x + m0 * K, K, lane, K, y + m0 * N + col0, N, bias ? bias + col0 : 0, cols, next,
+                               pf_lines, k0, k1, sums + m0 * TASK_COLS);
+                    next += pf_lines * PANEL;
+                    pf_left -= pf_lines;
+                    m0 += mr;
+                }
             }
         }
     }
