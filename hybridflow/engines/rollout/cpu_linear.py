@@ -6,7 +6,9 @@ FLOPs take about the same time at this machine's bandwidth and matmul peak, and 
 (onednn_linear.py) took about twice the larger of the two. The kernel packs each weight [N, K] once into panels of 16
 output columns ([ceil(N / 16), K, 16], zero past N), and per task of 32 columns (16 with AVX2) keeps every
 (row, column) sum of a block of up to 12 rows (6 with AVX2) in registers over the whole K loop: one load of the
-weights per k, one broadcast and one FMA per row. The AVX-512 build beat the oneDNN-packed product at every row count
+weights per k, one broadcast and one FMA per row. A call of two blocks (13-23 rows, 16 being a GRPO decode step's)
+runs both per chunk of 64 k, so the second reads the weights from L1 (docs/benchmarks.md, eighteenth session). The
+AVX-512 build beat the oneDNN-packed product at every row count
 from 1 to 64 on the mid model's shapes, most at few rows (docs/benchmarks-history.md, "A panel kernel for the decode's
 projections").
 
