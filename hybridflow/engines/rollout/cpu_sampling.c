@@ -173,11 +173,6 @@ static inline float bitsf(uint32_t b) {
     return x;
 }
 
-typedef struct {
-    const uint64_t *cand; /* (bits << 32 | index), index order */
-    long n;
-} Cands;
-
 /* a cut: the element (bits, index) at which a step stopped; the set up to it is every element preceding it in
  * (value descending, index ascending) order and itself */
 typedef struct {
@@ -190,9 +185,10 @@ static inline int within(uint32_t bits, long idx, Cut lim) {
     return !lim.set || bits > lim.bits || (bits == lim.bits && idx <= lim.idx);
 }
 
-/* Among list[0..n) (one bin's elements, index order, all inside the limit), the first element in sorted order whose
- * running weight (cum + its own) exceeds X; the list's bits agree above bit `hi`. Returns 1 and the element, or 0
- * and cum advanced by the whole list (rounding: the bin's sum said it crosses, its elements summed otherwise). */
+/* Among list[0..n) (elements as (bits << 32 | index), index order, all inside the limit, their bits equal above
+ * the ones this level reads: 18..8 at level 1, 7..0 at level 2, none at level 3), the first element in sorted order
+ * whose running weight (cum + its own) exceeds X. Returns 1 and the element, or 0 and cum advanced by the whole list
+ * (rounding: the bin's sum said it crosses, its elements summed otherwise). */
 static int walk_list(uint64_t *list, long n, uint64_t *tmp, int level, double X, int by_count, double *cum,
                      Cut *out, double *wsum, long *count) {
     if (level == 3) { /* equal values: index order */
