@@ -1,5 +1,6 @@
 """What this machine's processor is, as text: the key of the caches built or measured for one processor (the CPU
-decode-attention kernel's build, the MFU's matmul peak)."""
+decode-attention kernel's build, the MFU's matmul peak), and its vendor (which fp32 matmul library the training engine
+takes)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,16 @@ def cpu_description() -> str:
     except OSError:
         lines = [platform.processor()]
     return "\n".join([*lines, platform.machine()])
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The processor's vendor as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD", ...); "" where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""

@@ -1,9 +1,10 @@
 """The training engine's fp32 projections on CPU through oneDNN, forward and backward.
 
-Why: torch's CPU wheel multiplies fp32 matrices with MKL (``F.linear``, ``torch.mm``), and on some CPUs MKL takes a
-slow code path (AMD EPYC: about half of what oneDNN, also inside torch, reaches on the same cores;
-docs/benchmarks-history.md, "The matmul peak"). An `OneDNNLinear` computes the same three products of a linear layer
-with oneDNN instead:
+Why: torch's CPU wheel multiplies fp32 matrices with MKL (``F.linear``, ``torch.mm``), and on processors other than
+Intel's MKL takes a slow code path (AMD EPYC: about half of what oneDNN, also inside torch, reaches on the same cores;
+docs/benchmarks-history.md, "The matmul peak"). On Intel's it is the faster of the two (an Intel Xeon with AVX-512:
+MKL 8-14% ahead of oneDNN at the mid model's training shapes; docs/benchmarks.md, nineteenth session). An `OneDNNLinear`
+computes the same three products of a linear layer with oneDNN instead:
 
     forward       y      = x W^T + b      mkldnn::_linear_pointwise(x, W, b)
     backward      dL/dx  = g W            mkldnn::_linear_pointwise(g, W^T)       (W^T passed as a view)
@@ -21,7 +22,8 @@ else (bf16 weights or inputs, autocast, a DTensor weight, another device) takes 
 The engine turns its model's ``nn.Linear`` layers into `OneDNNLinear` in place (`use_onednn_linears`; same
 parameters and state dict, so checkpoints, FSDP2 sharding, PEFT adapters and export are unchanged) when
 `onednn_training` says oneDNN runs here: `EngineConfig.onednn_linears` (None: on CPU in fp32 where torch has
-oneDNN, from hidden size MIN_HIDDEN_SIZE up). The batch-invariant mode relies on the same forward, which is the
+oneDNN, from hidden size MIN_HIDDEN_SIZE up, unless MKL is on its own fast path: `mkl_fast_path`). The choice depends
+on the processor only, never on a timing, so a run and its resumption on one machine compute the same bits. The batch-invariant mode relies on the same forward, which is the
 native rollout's kernel (batch_invariant.py).
 """
 
@@ -30,9 +32,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridflow.common.machine import cpu_vendor
 from hybridflow.engines.rollout.onednn_linear import onednn_available, onednn_linear
 
-__all__ = ["MIN_HIDDEN_SIZE", "OneDNNLinear", "onednn_training", "use_onednn_linears"]
+__all__ = ["MIN_HIDDEN_SIZE", "OneDNNLinear", "mkl_fast_path", "onednn_training", "use_onednn_linears"]
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,15 +81,21 @@ class OneDNNLinear(nn.Linear):
 MIN_HIDDEN_SIZE = 256
 
 
+def mkl_fast_path() -> bool:
+    """True when torch's fp32 matmuls are MKL's on an Intel processor, where MKL takes its own fast code path (module
+    docstring): there the engine keeps torch's matmuls."""
+    return torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel"
+
+
 def onednn_training(device: torch.device, compute_dtype: torch.dtype, setting: bool | None = None,
                     hidden_size: int | None = None) -> bool:
     """Whether the training engine's linears run on oneDNN: `setting` when given (True where it cannot run is an
-    error), else on CPU in fp32 where torch's oneDNN passes onednn_available's check, for models of hidden size
-    MIN_HIDDEN_SIZE and up (None: any)."""
+    error), else on CPU in fp32 where torch's oneDNN passes onednn_available's check and MKL is not on its fast path
+    (`mkl_fast_path`), for models of hidden size MIN_HIDDEN_SIZE and up (None: any)."""
     possible = torch.device(device).type == "cpu" and onednn_available(torch.float32)
     if setting is None:
         wide = hidden_size is None or hidden_size >= MIN_HIDDEN_SIZE
-        return possible and compute_dtype == torch.float32 and wide
+        return possible and compute_dtype == torch.float32 and wide and not mkl_fast_path()
     if setting and not possible:
         raise ValueError(f"onednn_linears=True needs a CPU whose torch has oneDNN (device {device}); leave it unset "
                          "(None) to choose by device")

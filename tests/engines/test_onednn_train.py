@@ -8,7 +8,14 @@ import torch
 from e2e_helpers import make_batch
 from test_train_engine import engine, max_diff, params, pg_loss
 
-from hybridflow.engines.onednn_train import MIN_HIDDEN_SIZE, OneDNNLinear, onednn_training, use_onednn_linears
+from hybridflow.engines import onednn_train
+from hybridflow.engines.onednn_train import (
+    MIN_HIDDEN_SIZE,
+    OneDNNLinear,
+    mkl_fast_path,
+    onednn_training,
+    use_onednn_linears,
+)
 from hybridflow.engines.rollout.onednn_linear import onednn_available
 
 pytestmark = pytest.mark.skipif(not onednn_available(torch.float32),
@@ -67,8 +74,22 @@ def test_other_dtypes_and_autocast_take_nn_linears_own_path():
     assert torch.equal(ours16(x.bfloat16()), plain16(x.bfloat16()))
 
 
-def test_onednn_training_choice_and_its_error():
+def on_vendor(monkeypatch, vendor: str) -> None:
+    monkeypatch.setattr(onednn_train, "cpu_vendor", lambda: vendor)
+
+
+def test_mkl_fast_path_is_mkl_on_intel_processors(monkeypatch):
+    on_vendor(monkeypatch, "GenuineIntel")
+    assert mkl_fast_path() is torch.backends.mkl.is_available()
+    on_vendor(monkeypatch, "AuthenticAMD")
+    assert mkl_fast_path() is False
+    assert onednn_training(torch.device("cpu"), torch.float32) is True  # MKL's slow path there: oneDNN
+
+
+def test_onednn_training_choice_and_its_error(monkeypatch):
     cpu = torch.device("cpu")
+    assert onednn_training(cpu, torch.float32) is not mkl_fast_path()  # by the processor
+    on_vendor(monkeypatch, "AuthenticAMD")
     assert onednn_training(cpu, torch.float32) is True
     assert onednn_training(cpu, torch.bfloat16) is False  # bf16 compute already runs on oneDNN inside torch
     assert onednn_training(cpu, torch.float32, False) is False
@@ -90,7 +111,12 @@ def wide_model_path(tmp_path_factory) -> str:
     return write_tiny_model(tmp_path_factory.mktemp("small_qwen2"), spec="small", seed=0)
 
 
-def test_the_engine_takes_it_by_default_in_fp32_for_wide_models(tiny_model_path, wide_model_path):
+def test_the_engine_takes_it_by_default_in_fp32_for_wide_models(tiny_model_path, wide_model_path, monkeypatch):
+    assert (count(engine(wide_model_path)) > 0) is not mkl_fast_path()  # this machine's processor decides
+    if torch.backends.mkl.is_available():
+        on_vendor(monkeypatch, "GenuineIntel")
+        assert count(engine(wide_model_path)) == 0  # torch's matmuls: MKL on its fast path
+    on_vendor(monkeypatch, "AuthenticAMD")
     assert count(engine(wide_model_path)) > 0
     assert count(engine(wide_model_path, onednn_linears=False)) == 0
     assert count(engine(wide_model_path, param_dtype="bf16")) == 0
