@@ -9,6 +9,8 @@ all layers in turn, so each is read from memory as in a real step). Kernels alte
 rounds of --steps steps each; reported is each kernel's best round in milliseconds per step. Floors: the step's
 FLOPs over the measured matmul peak (metrics.measure_peak_flops), and its fp32 weight bytes over the measured read
 bandwidth (profile_step.read_bandwidth: a sum over a 256 MB tensor); a decode step cannot take less than the larger.
+Also the time to re-pack all the weights into panels after a weight update (``repack_ms``), into new tensors and into
+the old ones.
 """
 
 from __future__ import annotations
@@ -80,10 +82,27 @@ def main() -> None:
                                                                       row["weight_read_floor_ms"]), 2)
         results[str(rows)] = row
         log(f"rows {rows}: {row}")
+    doc_results = {"peak_flops_per_s": peak, "read_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
+                   "by_rows": results}
+    if kernel is not None:
+        doc_results["repack_ms"] = repack_times(kernel, weights, packed["panel"][0], args.repeats)
+        log(f"re-pack after a weight update: {doc_results['repack_ms']}")
     emit(document("decode_matmuls", {"size": args.size, "threads": args.threads, "steps": args.steps,
                                      "repeats": args.repeats, "vector_width": kernel and kernel.vector_width},
-                  {"peak_flops_per_s": peak, "read_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
-                   "by_rows": results}))
+                  doc_results))
+
+
+def repack_times(kernel, weights: list[torch.Tensor], panels: list, repeats: int) -> dict:
+    """Milliseconds to re-pack every weight into panels, as the rollout does after each weight update: into new
+    tensors, and into the old panels (cpu_linear.pack's `out`); alternated, each one's best of 2 * repeats rounds."""
+    best = {"new_tensors": float("inf"), "in_place": float("inf")}
+    for _ in range(2 * repeats):
+        for name in best:
+            start = time.perf_counter()
+            fresh = [kernel.pack(w, out=p if name == "in_place" else None) for w, p in zip(weights, panels)]
+            best[name] = min(best[name], time.perf_counter() - start)
+            del fresh
+    return {name: round(s * 1e3, 2) for name, s in best.items()}
 
 
 if __name__ == "__main__":

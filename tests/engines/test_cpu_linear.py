@@ -1,7 +1,7 @@
 """The native rollout's fp32 panel kernel (cpu_linear.py): F.linear up to fp32 rounding at every shape the decoder
 meets (tails of panels and row blocks, bias or not, strided input), a row's result independent of the other rows,
-the AVX2 variant as well as the AVX-512 one, and the engine on it: the oneDNN engine's tokens, weight updates
-re-packed, oneDNN kept for batch-invariant decoding, and a fallback that says why."""
+the AVX2 variant as well as the AVX-512 one, a re-pack into old panels, and the engine on it: the oneDNN engine's
+tokens, weight updates re-packed (in place), oneDNN kept for batch-invariant decoding, and a fallback that says why."""
 
 from __future__ import annotations
 
@@ -71,6 +71,20 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kernel):
         assert torch.equal(kernel.linear(x[:rows], packed, b), alone[:rows]), rows
 
 
+def test_a_re_pack_into_old_panels_is_a_fresh_pack(kernel):
+    g = torch.Generator().manual_seed(2)
+    old = kernel.pack(torch.randn(64, 40, generator=g))
+    w = torch.randn(64, 40, generator=g)
+    again = kernel.pack(w, out=old)
+    assert again is old and torch.equal(again.panels, kernel.pack(w).panels)
+    # another shape, or a width that is not whole panels, packs anew and leaves `out` alone
+    before = old.panels.clone()
+    for other in (torch.randn(32, 40, generator=g), torch.randn(60, 40, generator=g)):
+        packed = kernel.pack(other, out=old)
+        assert packed is not old and torch.equal(packed.panels, kernel.pack(other).panels)
+    assert torch.equal(old.panels, before)
+
+
 def test_bad_input_is_refused_with_the_shapes(kernel):
     packed = kernel.pack(torch.randn(32, 16))
     with pytest.raises(ValueError, match=r"x \(3, 8\).*32 x 16"):
@@ -112,8 +126,10 @@ def test_a_weight_update_is_re_packed(model_path, tmp_path):
     prompts = make_prompts(engine.tokenizer)
     params = SamplingParams(greedy=True, max_new_tokens=12)
     before = engine.generate(prompts, params)  # packs the first weights
+    panels = engine.model.packed_weights()["layers"][0]["qkv"].panels
     engine.update_weights(AutoModelForCausalLM.from_pretrained(other_path).state_dict().items())
     after, want = engine.generate(prompts, params), fresh.generate(prompts, params)
+    assert engine.model.packed_weights()["layers"][0]["qkv"].panels is panels  # re-packed in place
     assert not torch.equal(before.batch["rollout_log_probs"], want.batch["rollout_log_probs"])
     assert torch.equal(after.batch["responses"], want.batch["responses"])
     assert torch.equal(after.batch["rollout_log_probs"], want.batch["rollout_log_probs"])

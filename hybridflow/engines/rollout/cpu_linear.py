@@ -91,14 +91,21 @@ class PanelLinearKernel:
 
     @staticmethod
     @torch.no_grad()
-    def pack(weight: torch.Tensor) -> PanelWeight:
-        """A CPU weight [N, K] (any float dtype; computed in fp32) -> its panels."""
+    def pack(weight: torch.Tensor, out: PanelWeight | None = None) -> PanelWeight:
+        """A CPU weight [N, K] (any float dtype; computed in fp32) -> its panels; written into `out` (returned) when
+        it holds panels of this shape: a re-pack after a weight update then reuses their memory, where a new tensor
+        of the whole model's size would first fault in its pages (about twice the time of the copy alone)."""
         weight = weight.detach().float()
         n, k = weight.shape
         padded = -(-n // PANEL) * PANEL
-        if padded != n:
+        panels = weight.reshape(n // PANEL, PANEL, k).transpose(1, 2) if padded == n else None
+        if panels is not None and out is not None and out.out_features == n and out.panels.shape == panels.shape:
+            out.panels.copy_(panels)
+            return out
+        if panels is None:
             weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
-        return PanelWeight(weight.reshape(padded // PANEL, PANEL, k).transpose(1, 2).contiguous(), n)
+            panels = weight.reshape(padded // PANEL, PANEL, k).transpose(1, 2)
+        return PanelWeight(panels.contiguous(), n)
 
     def linear(self, x: torch.Tensor, packed: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] fp32 -> [..., N]."""

@@ -127,6 +127,7 @@ class NativeDecoder:
                              "leave linear_kernel unset to choose by device")
         self.prepacked = self.matmul in ("panel", "onednn")
         self._packed: dict | None = None  # packed weights; None = (re)build before the next forward
+        self._stale: dict | None = None  # the packed weights a weight update dropped: the panel re-pack writes into them
         self.dtype, self.device = dtype, device
         self.q_size = s.num_heads * s.head_dim
         self.kv_size = s.num_kv_heads * s.head_dim
@@ -280,27 +281,38 @@ class NativeDecoder:
         if self.offset_norm and name.endswith("norm.weight"):
             tensor = tensor.detach().float() + self.spec.norm_offset  # Gemma: HF computes 1.0 + weight.float()
         slot.copy_(tensor.detach())
-        self._packed = None
+        if self._packed is not None:
+            self._stale, self._packed = self._packed, None
         return True
 
     def _pack_all(self) -> dict:
         # the projections; with int8 the routed experts stay in dtype and run as plain matmuls (moe.py)
         names = ("qkv", "o", "gate_up", "down")
+        stale, self._stale = self._stale, None
         if self.matmul == "int8":  # the output head stays in fp32
             layers = [{n: pack_int8(layer[f"w_{n}"], layer[f"b_{n}"]) for n in names if f"w_{n}" in layer}
                       for layer in self.layers]
             return {"layers": layers, "lm_head": None}
-        pack = self.panel_kernel.pack if self.matmul == "panel" else pack_onednn
-        layers = [{n: pack(layer[f"w_{n}"]) for n in names if f"w_{n}" in layer} for layer in self.layers]
-        for packed, layer in zip(layers, self.layers):
+        if self.matmul == "panel":  # into the stale panels' memory where their shapes match (cpu_linear.pack)
+            pack = self.panel_kernel.pack
+        else:
+            def pack(weight: torch.Tensor, out=None):
+                return pack_onednn(weight)
+        old_layers = stale["layers"] if stale is not None else [{} for _ in self.layers]
+        layers = [{n: pack(layer[f"w_{n}"], old.get(n)) for n in names if f"w_{n}" in layer}
+                  for layer, old in zip(self.layers, old_layers)]
+        for packed, layer, old in zip(layers, self.layers, old_layers):
             if "router" in layer:  # each routed expert's pair, packed like a dense MLP
-                packed["experts"] = [(pack(gate_up), pack(down))
-                                     for gate_up, down in zip(layer["experts_gate_up"], layer["experts_down"])]
-        return {"layers": layers, "lm_head": pack(self.lm_head)}
+                old_experts = old.get("experts") or [(None, None)] * len(layer["experts_gate_up"])
+                packed["experts"] = [(pack(gate_up, old_gate_up), pack(down, old_down))
+                                     for gate_up, down, (old_gate_up, old_down)
+                                     in zip(layer["experts_gate_up"], layer["experts_down"], old_experts)]
+        return {"layers": layers, "lm_head": pack(self.lm_head, stale["lm_head"] if stale is not None else None)}
 
     def packed_weights(self) -> dict:
         """The packed projections ({"layers": [{name: packed}], "lm_head": packed}), packed now if a weight update
-        dropped them: a re-pack makes new tensors, so holders of their addresses must check (cpu_decode_layer.py)."""
+        dropped them. A re-pack writes the panel kernel's panels into the old ones where their shapes match, and makes
+        new tensors otherwise (oneDNN's, int8's): holders of their addresses must check (cpu_decode_layer.py)."""
         if self._packed is None:
             self._packed = self._pack_all()
         return self._packed
