@@ -8,13 +8,14 @@ defaults, device.keep_freed_host_memory), and the padding waste of the micro-bat
 lengths vary 4x.
 
     .venv/bin/python benchmarks/train_throughput.py [--quick] [--threads N] [--dtypes fp32,bf16]
-    .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --linears onednn,torch   # onednn_train.py A/B
-    .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --linears onednn,torch --size tiny
+    .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --linears onednn,torch   # one after the other
+    .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --linears-ab 6   # onednn_train.py A/B, alternated
     .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --fused-ops-ab 4   # cpu_train_ops.py A/B
 
 --fused-ops-ab K builds two engines on the same model, with and without the fused norm/rotary/SwiGLU ops
 (EngineConfig.fused_cpu_ops), and alternates their train steps K rounds (A B, B A, ...): median step seconds and
-their ratio, and whether both engines' weights are still equal to rounding.
+their ratio, and whether both engines' weights are still equal to rounding. --linears-ab K does the same for the fp32
+linears on oneDNN and on torch's matmuls (EngineConfig.onednn_linears).
 """
 
 from __future__ import annotations
@@ -132,13 +133,14 @@ def bench_training(path: str, dtype: str, data: DataProto, steps: int, max_token
     }
 
 
-def ab_fused_ops(path: str, data: DataProto, rounds: int, max_tokens: int) -> dict:
-    """Train steps of an engine with the fused ops and one without, alternated; see the module docstring."""
+def alternate(path: str, data: DataProto, rounds: int, max_tokens: int, option: str, labels: tuple[str, str]) -> dict:
+    """Train steps of two engines that differ in EngineConfig.`option` (True for the first label, False for the
+    second), alternated A B B A ...; their medians, and how far their weights drifted apart."""
     import statistics
 
     engines = {on: FSDPEngine(EngineConfig(model_path=path, param_dtype="fp32", use_dynamic_bsz=True,
-                                           max_tokens_per_micro_batch=max_tokens, fused_cpu_ops=on,
-                                           optim=OptimConfig(lr=1e-5)))
+                                           max_tokens_per_micro_batch=max_tokens, optim=OptimConfig(lr=1e-5),
+                                           **{option: on}))
                for on in (True, False)}
     for eng in engines.values():
         eng.train_step(data, pg_loss)  # warm-up
@@ -150,9 +152,10 @@ def ab_fused_ops(path: str, data: DataProto, rounds: int, max_tokens: int) -> di
             times[on].append(time.perf_counter() - start)
     weights = [eng.full_state_dict() for eng in engines.values()]
     drift = max(float((weights[0][k] - weights[1][k]).abs().max()) for k in weights[0])
-    on, off = statistics.median(times[True]), statistics.median(times[False])
-    return {"rounds": rounds, "step_seconds_fused": times[True], "step_seconds_unfused": times[False],
-            "median_fused_s": on, "median_unfused_s": off, "fused_over_unfused": on / off,
+    first, second = statistics.median(times[True]), statistics.median(times[False])
+    a, b = labels
+    return {"rounds": rounds, f"step_seconds_{a}": times[True], f"step_seconds_{b}": times[False],
+            f"median_{a}_s": first, f"median_{b}_s": second, f"{a}_over_{b}": first / second,
             "max_weight_difference_after": drift}
 
 
@@ -182,6 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="comma-separated: auto (the engine's choice), onednn (onednn_train.py), torch (F.linear)")
     parser.add_argument("--fused-ops-ab", type=int, default=0, metavar="K",
                         help="also alternate K train steps with and without the fused CPU ops (cpu_train_ops.py)")
+    parser.add_argument("--linears-ab", type=int, default=0, metavar="K",
+                        help="also alternate K train steps with oneDNN's and torch's fp32 linears (onednn_train.py)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -206,7 +211,11 @@ def main(argv: list[str] | None = None) -> dict:
                 run["mfu"] = run["model_flops_per_s"] / peak
                 results[name if choice == "auto" else f"{name}:{choice}"] = run
         if args.fused_ops_ab:
-            results["fused_ops_ab"] = ab_fused_ops(path, data, args.fused_ops_ab, args.max_tokens)
+            results["fused_ops_ab"] = alternate(path, data, args.fused_ops_ab, args.max_tokens, "fused_cpu_ops",
+                                                ("fused", "unfused"))
+        if args.linears_ab:
+            results["linears_ab"] = alternate(path, data, args.linears_ab, args.max_tokens, "onednn_linears",
+                                              ("onednn", "torch"))
 
     import transformers
 
@@ -239,6 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
             "matmul_size": mm_size,
             "quick": args.quick,
             "fused_ops_ab_rounds": args.fused_ops_ab,
+            "linears_ab_rounds": args.linears_ab,
         },
         "results": results,
         "goal": "mfu >= 0.70 of the measured matmul peak on mid at 2 threads (issue #22); token-budget padding_waste <= 0.10",
