@@ -23,8 +23,8 @@ The engine turns its model's ``nn.Linear`` layers into `OneDNNLinear` in place (
 parameters and state dict, so checkpoints, FSDP2 sharding, PEFT adapters and export are unchanged) when
 `onednn_training` says oneDNN runs here: `EngineConfig.onednn_linears` (None: on CPU in fp32 where torch has
 oneDNN, from hidden size MIN_HIDDEN_SIZE up, unless MKL is on its own fast path: `mkl_fast_path`). The choice depends
-on the processor only, never on a timing, so a run and its resumption on one machine compute the same bits. The batch-invariant mode relies on the same forward, which is the
-native rollout's kernel (batch_invariant.py).
+on the processor only, never on a timing, so a run and its resumption on one machine compute the same bits. The
+batch-invariant mode relies on the same forward, which is the native rollout's kernel (batch_invariant.py).
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ class NativeDecoder:
                              "leave linear_kernel unset to choose by device")
         self.prepacked = self.matmul in ("panel", "onednn")
         self._packed: dict | None = None  # packed weights; None = (re)build before the next forward
-        self._stale: dict | None = None  # the packed weights a weight update dropped: the panel re-pack writes into them
+        self._stale: dict | None = None  # the packed weights an update dropped: the panel re-pack writes into them
         self.dtype, self.device = dtype, device
         self.q_size = s.num_heads * s.head_dim
         self.kv_size = s.num_kv_heads * s.head_dim
