@@ -13,6 +13,10 @@
  * Layouts and strides are in elements. q and out: [rows, kv, G, D] contiguous. scratch: per thread
  * (2 * G * D + G * ldsc) floats, ldsc = (lenA + lenB) rounded up to 16.
  *
+ * Each task first asks for the next task's keys and values (software prefetch): a decode step's projections stream
+ * the weights through the caches between two layers' attention calls, so the cache lines come from memory, and the
+ * hardware prefetchers do not follow the keys' strided rows from one task to the next.
+ *
  * kN, vN (or NULL): this step's keys and values [rows, kv, D], written into the last column (of B, or of A when
  * lenB = 0) by the task that reads it next. The key column is strided by the cache length: written alone (torch's
  * copy, one thread) each element is a cache line fetched for one store; here the task reads that line anyway.
@@ -94,6 +98,15 @@ static inline vf vld_part_bf16(const bf16 *p, int n) {
     return vld_bf16(part);
 }
 #endif
+
+/* Ask for the lines of `rows` rows of `bytes` bytes each, `stride` bytes apart, to be brought into cache. A task's
+ * keys and values are prefetched only up to this size, a small share of L2: a long context's rows are long, and the
+ * hardware prefetchers follow them. */
+#define PREFETCH_MAX_BYTES (128L * 1024)
+static inline void prefetch_rows(const char *p, int rows, long stride, long bytes) {
+    for (int i = 0; i < rows; i++)
+        for (long off = 0; off < bytes; off += 64) __builtin_prefetch(p + i * stride + off, 0, 3);
+}
 
 /* Scores of GB (1, 2 or 4) query heads at once, so each key vector is loaded once for all of them: blocks of two
  * vectors of key columns, then one vector (the last one partial). Each score is the sum over d in order, FMA by
@@ -196,6 +209,18 @@ static inline vf vld_part_bf16(const bf16 *p, int n) {
                 }                                                                                                   \
             }                                                                                                       \
             int a0 = s0 < lenA ? s0 : lenA, b0 = s0 > lenA ? s0 - lenA : 0;                                         \
+            if (task + 1 < (long)R * KV) { /* the next task's keys and values, on their way while this one runs */  \
+                long r1 = (task + 1) / KV, h1 = (task + 1) % KV, ra1 = pa ? pa[r1] : r1;                            \
+                int s1 = start[r1], a1 = s1 < lenA ? s1 : lenA, b1 = s1 > lenA ? s1 - lenA : 0;                     \
+                if ((long)(L - a1 - b1) * 2 * D * sizeof(T) <= PREFETCH_MAX_BYTES) {                                \
+                    const T *ka = kA + ra1 * kAr + h1 * kAh + a1, *va = vA + ra1 * vAr + h1 * vAh + (long)a1 * D;   \
+                    const T *kb = kB + r1 * kBr + h1 * kBh + b1, *vb = vB + r1 * vBr + h1 * vBh + (long)b1 * D;     \
+                    prefetch_rows((const char *)ka, D, kAd * sizeof(T), (lenA - a1) * sizeof(T));                   \
+                    prefetch_rows((const char *)va, 1, 0, (long)(lenA - a1) * D * sizeof(T));                       \
+                    prefetch_rows((const char *)kb, D, kBd * sizeof(T), (lenB - b1) * sizeof(T));                   \
+                    prefetch_rows((const char *)vb, 1, 0, (long)(lenB - b1) * D * sizeof(T));                       \
+                }                                                                                                   \
+            }                                                                                                       \
             int g = 0;                                                                                              \
             for (; g + 4 <= G; g += 4) {                                                                            \
                 NAME##_scores(4, D, qf, g, KA, kAd, a0, lenA, sc, ldsc);                                            \
