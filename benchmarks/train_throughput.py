@@ -11,11 +11,13 @@ lengths vary 4x.
     .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --linears onednn,torch   # one after the other
     .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --linears-ab 6   # onednn_train.py A/B, alternated
     .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --fused-ops-ab 4   # cpu_train_ops.py A/B
+    .venv/bin/python benchmarks/train_throughput.py --dtypes fp32 --attention-ab 4   # cpu_flash_attention.py A/B
 
 --fused-ops-ab K builds two engines on the same model, with and without the fused norm/rotary/SwiGLU ops
 (EngineConfig.fused_cpu_ops), and alternates their train steps K rounds (A B, B A, ...): median step seconds and
 their ratio, and whether both engines' weights are still equal to rounding. --linears-ab K does the same for the fp32
-linears on oneDNN and on torch's matmuls (EngineConfig.onednn_linears).
+linears on oneDNN and on torch's matmuls (EngineConfig.onednn_linears), --attention-ab K for the packed attention as
+the CPU kernel and as torch's SDPA per row (EngineConfig.cpu_flash_attention).
 """
 
 from __future__ import annotations
@@ -187,6 +189,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="also alternate K train steps with and without the fused CPU ops (cpu_train_ops.py)")
     parser.add_argument("--linears-ab", type=int, default=0, metavar="K",
                         help="also alternate K train steps with oneDNN's and torch's fp32 linears (onednn_train.py)")
+    parser.add_argument("--attention-ab", type=int, default=0, metavar="K",
+                        help="also alternate K train steps with the CPU attention kernel and with torch's SDPA "
+                             "(cpu_flash_attention.py)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -216,6 +221,9 @@ def main(argv: list[str] | None = None) -> dict:
         if args.linears_ab:
             results["linears_ab"] = alternate(path, data, args.linears_ab, args.max_tokens, "onednn_linears",
                                               ("onednn", "torch"))
+        if args.attention_ab:
+            results["attention_ab"] = alternate(path, data, args.attention_ab, args.max_tokens,
+                                                "cpu_flash_attention", ("kernel", "sdpa"))
 
     import transformers
 
@@ -249,6 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
             "quick": args.quick,
             "fused_ops_ab_rounds": args.fused_ops_ab,
             "linears_ab_rounds": args.linears_ab,
+            "attention_ab_rounds": args.attention_ab,
         },
         "results": results,
         "goal": "mfu >= 0.70 of the measured matmul peak on mid at 2 threads (issue #22); token-budget padding_waste <= 0.10",

@@ -47,6 +47,7 @@ from hybridflow.engines.batch_invariant import (
     onednn_matmuls,
 )
 from hybridflow.engines.checkpoint_io import load_engine_state, save_engine_state
+from hybridflow.engines.cpu_flash_attention import flash_attention_here, use_flash_attention
 from hybridflow.engines.cpu_train_ops import fused_ops_here, use_fused_ops
 from hybridflow.engines.hf_model import HeadOnPositions, hf_name, load_model, load_tokenizer
 from hybridflow.engines.lora import LoraSettings, adapter_disabled, apply_lora, base_name, merged_parameters
@@ -108,6 +109,9 @@ class EngineConfig:
     # RMSNorm, rotary and SwiGLU as one C call each way on CPU in fp32 and bf16 (autocast), with transformers'
     # forward bits (cpu_train_ops.py); None: on CPU in fp32 or bf16 where the kernels build
     fused_cpu_ops: bool | None = None
+    # a packed micro-batch's fp32 attention on CPU as one C call each way for all its rows (cpu_flash_attention.py);
+    # None: wherever the engine packs on CPU and the kernel builds; not in the batch-invariant mode
+    cpu_flash_attention: bool | None = None
     entropy_chunk_size: int = 2048  # tokens whose [chunk, vocab] logits are held at once
     # veRL's entropy_checkpointing: training forwards recompute each chunk's entropy in backward (hf_model.py)
     entropy_checkpointing: bool = False
@@ -246,6 +250,9 @@ class FSDPEngine:
         if (config.tensor_parallel_size == 1 and not config.batch_invariant
                 and fused_ops_here(self.device, self.compute_dtype, config.fused_cpu_ops)):
             use_fused_ops(hf_model)
+        if (self.packing and not config.batch_invariant
+                and flash_attention_here(self.device, config.cpu_flash_attention)):
+            use_flash_attention(hf_model)
         self.model: nn.Module = self._wrap(hf_model)
         self.model.entropy_checkpointing = config.entropy_checkpointing
         self.model.logits_checkpointing = config.logits_checkpointing

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridflow.engines import cpu_flash_attention
 from hybridflow.engines.causal_attention import causal_attention
 from hybridflow.engines.micro_batch import Bucket, build_bucket, real_token_spans
 from hybridflow.engines.shared_prompts import SharedPrompts, shared_layout, shared_prompt_attention
@@ -164,6 +165,10 @@ def varlen_attention(
     if query.shape[0] != 1:
         raise ValueError(f"{VARLEN_ATTENTION}: packed input must be one row [1, T], got batch {query.shape[0]}")
     shared = kwargs.get("hybridflow_shared_prompts")
+    if getattr(module, "hybridflow_flash_attention", False) and cpu_flash_attention.takes(query, key, value, p):
+        layout = cpu_flash_attention.rows_layout(cu_seq_lens_q) if shared is None else shared.flash_layout()
+        if layout is not None:
+            return cpu_flash_attention.packed_causal_attention(query, key, value, layout, scaling), None
     if shared is not None:
         return shared_prompt_attention(query, key, value, shared, p, scaling, groups), None
     flash = _flash_varlen() if query.is_cuda else None

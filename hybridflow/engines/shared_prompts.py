@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from hybridflow.engines import cpu_flash_attention
 from hybridflow.engines.causal_attention import causal_attention
 from hybridflow.engines.micro_batch import real_token_spans
 
@@ -49,6 +50,12 @@ class SharedPrompts:
     groups: list[tuple[int, int, list[tuple[int, int]]]]
     tokens: int
     _plan: dict = field(default_factory=dict, repr=False)
+
+    def flash_layout(self):
+        """cpu_flash_attention's layout of these groups (None where they do not cover the row), built once."""
+        if "flash" not in self._plan:
+            self._plan["flash"] = cpu_flash_attention.shared_layout(self.groups, self.tokens)
+        return self._plan["flash"]
 
     def plan(self, device: torch.device) -> dict:
         if device not in self._plan:

@@ -119,7 +119,8 @@ def test_the_packed_attention_reads_the_groups(tiny_model_path, monkeypatch):
 
     monkeypatch.setattr(packing, "shared_prompt_attention", counted)
     data = grpo_batch()
-    eng = engine(tiny_model_path, use_dynamic_bsz=True, max_tokens_per_micro_batch=4096)  # one micro-batch
+    # one micro-batch; torch's attention (the CPU kernel reads the groups itself: test_cpu_flash_attention.py)
+    eng = engine(tiny_model_path, use_dynamic_bsz=True, max_tokens_per_micro_batch=4096, cpu_flash_attention=False)
     eng.compute_log_prob(data, temperature=1.0)
     prompts = int(data.batch["attention_mask"][:, :-12].sum(-1)[[0, 4, 8, 12, 13]].sum())
     assert calls and all(shape[2] == prompts + int(data.batch["response_mask"].sum()) for shape in calls)
