@@ -9,10 +9,13 @@ register-blocked products; its backward recomputes the probabilities from the fo
 length squared is kept between the passes).
 
 The result is the same attention up to fp32 rounding (sums in another order, its own exp): the tests hold it to
-torch's SDPA, and the gradients to autograd's through SDPA. A packing engine on CPU marks its attention modules
-(`use_flash_attention`, EngineConfig.cpu_flash_attention); their packed calls take the kernel for fp32 tensors
-without dropout whose head size is a multiple of the vector width. bf16 autocast, dropout, other devices, rows that
-share a prompt (shared_prompts.py) and the batch-invariant mode keep their own attention.
+fp64 SDPA, and the gradients to autograd's through fp64 SDPA. A packing engine on CPU marks its attention modules
+(`use_flash_attention`, EngineConfig.cpu_flash_attention); their packed calls, rows of their own or shared-prompt
+groups (shared_prompts.py), take the kernel without dropout where the head size is a multiple of the vector width.
+In bf16 (the engine's autocast) the operands are rounded to bf16 as SDPA's would be and the attention is computed in
+fp32 from them, its output rounded to bf16: where SDPA's bf16 kernel rounds the probabilities to bf16 as well, this
+is closer to the exact result (the backward was fp32 already: causal_attention.py). Dropout, other devices and the
+batch-invariant mode keep their own attention.
 """
 
 from __future__ import annotations
@@ -146,16 +149,27 @@ def use_flash_attention(model: torch.nn.Module) -> int:
     return count
 
 
+def _compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype | None:
+    """The dtype SDPA would compute this call in: CPU autocast's (it casts SDPA's operands to it; under the engine's
+    bf16 autocast q and k are fp32 after the rotary embedding and v is bf16), else the operands' own when they
+    agree."""
+    if torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu")
+    return query.dtype if key.dtype == value.dtype == query.dtype else None
+
+
 def _plain(t: torch.Tensor) -> bool:
-    return t.dtype == torch.float32 and t.device.type == "cpu" and type(t.data) is torch.Tensor and t.stride(-1) == 1
+    return (t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu" and type(t.data) is torch.Tensor
+            and t.stride(-1) == 1)
 
 
 def takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float) -> bool:
-    """Whether `packed_causal_attention` computes this call: packed fp32 CPU operands [1, heads, T, D] (no autocast to
-    another dtype), no dropout, query heads a multiple of the key/value heads, D a multiple of the vector width."""
+    """Whether `packed_causal_attention` computes this call: packed CPU operands [1, heads, T, D] that SDPA would
+    compute in fp32 or bf16 (under bf16 autocast too), no dropout, query heads a multiple of the key/value heads, D a
+    multiple of the vector width."""
     if dropout or torch.compiler.is_compiling() or not all(_plain(t) for t in (query, key, value)):
         return False
-    if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") != torch.float32:
+    if _compute_dtype(query, key, value) not in (torch.float32, torch.bfloat16):
         return False
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.shape[0] != 1:
         return False
@@ -215,4 +229,10 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     [1, T, H, D] (contiguous), where `takes` holds."""
     if scale is None:
         scale = query.shape[-1] ** -0.5
-    return _PackedCausal.apply(query, key, value, layout, float(scale))
+    if _compute_dtype(query, key, value) == torch.float32:
+        return _PackedCausal.apply(query, key, value, layout, float(scale))
+    # bf16: the operands rounded to bf16 as SDPA's (autocast's casts), the attention computed in fp32 from them, the
+    # output rounded to bf16; the gradients pass back through the same casts (rounded to bf16, as SDPA's are)
+    query, key, value = (t.to(torch.bfloat16).float() for t in (query, key, value))
+    with torch.autocast("cpu", enabled=False):
+        return _PackedCausal.apply(query, key, value, layout, float(scale)).to(torch.bfloat16)
