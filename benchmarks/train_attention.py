@@ -76,9 +76,12 @@ def bench_case(case: dict, rounds: int) -> dict:
     q = torch.randn(1, T, HEADS, DIM, generator=g).transpose(1, 2).requires_grad_()
     k, v = (torch.randn(1, T, KV_HEADS, DIM, generator=g).transpose(1, 2).requires_grad_() for _ in range(2))
     grad = torch.randn(1, T, HEADS, DIM, generator=g)
-    calls = {name: (lambda m=_Attention(name == "kernel"): packing.varlen_attention(m, q, k, v, None,
-                                                                                     **case["kwargs"])[0])
-             for name in ("kernel", "sdpa")}
+    modules = {name: _Attention(name == "kernel") for name in ("kernel", "sdpa")}
+
+    def call(name: str):
+        return lambda: packing.varlen_attention(modules[name], q, k, v, None, **case["kwargs"])[0]
+
+    calls = {name: call(name) for name in modules}
     with torch.no_grad():
         outs = {name: fn() for name, fn in calls.items()}
     result = {"tokens": T, "attended_pairs": case["pairs"],
@@ -86,7 +89,7 @@ def bench_case(case: dict, rounds: int) -> dict:
     flops = 2 * 2 * DIM * HEADS * case["pairs"]
     for backward in (False, True):
         times = {"kernel": [], "sdpa": []}
-        for name, fn in calls.items():
+        for fn in calls.values():
             _time(fn, backward, grad)  # warm-up
         for r in range(rounds):
             for name in (("kernel", "sdpa") if r % 2 == 0 else ("sdpa", "kernel")):

@@ -109,8 +109,9 @@ class EngineConfig:
     # RMSNorm, rotary and SwiGLU as one C call each way on CPU in fp32 and bf16 (autocast), with transformers'
     # forward bits (cpu_train_ops.py); None: on CPU in fp32 or bf16 where the kernels build
     fused_cpu_ops: bool | None = None
-    # a packed micro-batch's fp32 attention on CPU as one C call each way for all its rows (cpu_flash_attention.py);
-    # None: wherever the engine packs on CPU and the kernel builds; not in the batch-invariant mode
+    # a packed micro-batch's attention on CPU as one C call each way for all its rows, fp32 and bf16 (autocast;
+    # computed in fp32) (cpu_flash_attention.py); None: wherever the engine packs on CPU and the kernel builds; not in
+    # the batch-invariant mode
     cpu_flash_attention: bool | None = None
     entropy_chunk_size: int = 2048  # tokens whose [chunk, vocab] logits are held at once
     # veRL's entropy_checkpointing: training forwards recompute each chunk's entropy in backward (hf_model.py)
