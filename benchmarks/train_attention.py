@@ -7,7 +7,11 @@ range), and for GRPO's shared-prompt groups (a prompt, then n responses that att
 (A B, B A, ...) and the median of each is reported, with the useful causal FLOPs per second (2 * 2 * D * H per
 (query, key) pair a query sees; a backward counts 2.5 forwards) and the largest output difference between them.
 
-    .venv/bin/python benchmarks/train_attention.py [--threads 2] [--rounds 8]
+    .venv/bin/python benchmarks/train_attention.py [--threads 2] [--rounds 8] [--dtype bf16]
+
+--dtype bf16 runs both under bf16 autocast with the operands the engine's bf16 mode gives (q and k fp32, v bf16):
+torch's bf16 kernel forward and fp32 backward (causal_attention.py) against the kernel computing in fp32 from the
+bf16-rounded operands.
 """
 
 from __future__ import annotations
@@ -70,22 +74,30 @@ def _time(fn, backward: bool, grad: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def bench_case(case: dict, rounds: int) -> dict:
+def bench_case(case: dict, rounds: int, bf16: bool = False) -> dict:
+    """bf16: as the engine's bf16 autocast gives the operands (q and k fp32 after the rotary embedding, v bf16),
+    under bf16 autocast."""
     g = torch.Generator().manual_seed(0)
     T = case["tokens"]
     q = torch.randn(1, T, HEADS, DIM, generator=g).transpose(1, 2).requires_grad_()
     k, v = (torch.randn(1, T, KV_HEADS, DIM, generator=g).transpose(1, 2).requires_grad_() for _ in range(2))
-    grad = torch.randn(1, T, HEADS, DIM, generator=g)
+    if bf16:
+        v = v.detach().bfloat16().requires_grad_()
+    grad = torch.randn(1, T, HEADS, DIM, generator=g, dtype=torch.bfloat16 if bf16 else torch.float32)
     modules = {name: _Attention(name == "kernel") for name in ("kernel", "sdpa")}
 
     def call(name: str):
-        return lambda: packing.varlen_attention(modules[name], q, k, v, None, **case["kwargs"])[0]
+        def attend():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                return packing.varlen_attention(modules[name], q, k, v, None, **case["kwargs"])[0]
+
+        return attend
 
     calls = {name: call(name) for name in modules}
     with torch.no_grad():
         outs = {name: fn() for name, fn in calls.items()}
     result = {"tokens": T, "attended_pairs": case["pairs"],
-              "max_output_difference": float((outs["kernel"] - outs["sdpa"]).abs().max())}
+              "max_output_difference": float((outs["kernel"].float() - outs["sdpa"].float()).abs().max())}
     flops = 2 * 2 * DIM * HEADS * case["pairs"]
     for backward in (False, True):
         times = {"kernel": [], "sdpa": []}
@@ -108,6 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                        help="bf16: under bf16 autocast, the operands as the engine's bf16 mode gives them")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if cpu_flash_attention.load() is None:
@@ -129,8 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
         # long prompts, short responses: 4 groups of a 200-token prompt and 8 responses of 8..32 tokens
         "shared_200_by_8": _shared([200] * 4, [lengths(8, 8, 32) for _ in range(4)]),
     }
-    results = {name: bench_case(case, args.rounds) for name, case in cases.items()}
-    doc = document("train_attention", {"threads": args.threads, "rounds": args.rounds, "heads": HEADS,
+    results = {name: bench_case(case, args.rounds, args.dtype == "bf16") for name, case in cases.items()}
+    doc = document("train_attention", {"threads": args.threads, "rounds": args.rounds, "dtype": args.dtype,
+                                       "heads": HEADS,
                                        "kv_heads": KV_HEADS, "head_dim": DIM,
                                        "query_block": cpu_flash_attention.QUERY_BLOCK,
                                        "vector_width": cpu_flash_attention.load().vector_width}, results)
