@@ -1,8 +1,10 @@
 """The training engine's packed CPU attention (engines/cpu_flash_attention.py, cpu_flash_attention.c): it builds here;
 its output and gradients equal fp64 SDPA's to fp32 rounding for packed rows (lengths around its blocks and vector
-widths, GQA group sizes, head sizes) and for shared-prompt groups, in every vector width this CPU runs; what it takes
-and refuses; an engine takes it by default for packed fp32 micro-batches, shared or not, with the log-probs and the
-update of an engine without it to rounding; asking for it where it cannot run is an error."""
+widths, GQA group sizes, head sizes) and for shared-prompt groups, in every vector width this CPU runs; bf16 rounds
+the operands and computes in fp32, no farther from fp64 than autocast SDPA; the bits do not depend on the thread
+count; what it takes and refuses; an engine takes it by default for packed micro-batches, shared or not, with the
+log-probs and gradients of an engine without it to rounding (fp32) or to bf16's resolution; asking for it where it
+cannot run is an error."""
 
 from __future__ import annotations
 
@@ -224,3 +226,25 @@ def test_the_engine_default_and_its_error(tiny_model_path):
                    for m in engine(tiny_model_path, use_sequence_packing=False).model.modules())
     with pytest.raises(ValueError, match="cpu_flash_attention=True needs a CPU"):
         fa.flash_attention_here(torch.device("meta"), True)
+
+
+def test_the_result_does_not_depend_on_the_thread_count():
+    """Each output and each gradient is one task's, in a fixed order: the bits are the same on 1 thread and on 2."""
+    kernel = fa.load()
+    lengths = [33, 1, 70, 12]
+    base = _inputs(sum(lengths), 4, 2, 2 * kernel.vector_width, seed=5)
+    q, k, v = (t.float() for t in base)
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0).tolist()
+    layout = kernel.layout([(lo, n, 0, 0) for lo, n in zip(starts, lengths)], list(range(len(lengths) + 1)))
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(8))
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            out, lse = kernel.forward(q, k, v, layout, 0.3)
+            results.append((out, lse, *kernel.backward(q, k, v, out, lse, grad, layout, 0.3)))
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
