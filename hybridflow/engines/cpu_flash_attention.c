@@ -189,10 +189,11 @@ static inline vf row_exp(float *s, long seen, long cols, vf mb, vf sum) {
 }
 
 /* A query row's scores: s[0, lp) against the prefix keys (all seen; lpp = round_up(lp), the columns between are
- * padding), s[lpp, lpp + n_row) against its own keys, of which it sees [0, last]. Writes its probabilities there
- * (zero where it does not see), zeros on up to lpp + n (columns other rows' products may read), and returns the
+ * padding), s[lpp, lpp + n_row) against its own keys, of which it sees [0, last]. Writes e^(score - max) there
+ * (zero where it does not see), zeros on up to lpp + n (columns other rows' products may read), sets *inv to the
+ * reciprocal of their sum (the caller scales the row's output by it, not the n_row probabilities) and returns the
  * log-sum-exp. */
-static inline float softmax_row(float *s, long lp, long lpp, long last, long n_row, long n) {
+static inline float softmax_row(float *s, long lp, long lpp, long last, long n_row, long n, float *inv) {
     vf mv = row_max(s + lpp, last + 1, row_max(s, lp, vbc(-3.0e38f)));
     float m = -3.0e38f;
     for (int l = 0; l < VEC; l++) m = mv[l] > m ? mv[l] : m;
@@ -200,9 +201,7 @@ static inline float softmax_row(float *s, long lp, long lpp, long last, long n_r
     vf sum = row_exp(s + lpp, last + 1, n_row, mb, row_exp(s, lp, lpp, mb, (vf){0}));
     float total = 0.0f;
     for (int l = 0; l < VEC; l++) total += sum[l];
-    const vf inv = vbc(1.0f / total);
-    for (long j = 0; j < lpp; j += VEC) vst(s + j, vld(s + j) * inv);
-    for (long j = lpp; j < lpp + n_row; j += VEC) vst(s + j, vld(s + j) * inv);
+    *inv = 1.0f / total;
     for (long j = lpp + n_row; j < lpp + n; j += VEC) vst(s + j, (vf){0});
     return m + logf(total);
 }
@@ -299,11 +298,15 @@ void flash_forward_f32(long T, int nseq, const int64_t *seq, int H, int G, int D
             float *O = out + (qs + i0) * H * D + h * D;
             if (lp) gemm(m, lpp, D, Q, sqt, 1, KT + ps, ldkt, S, ldS, 0, scale, ALL, 0);
             gemm(m, n, D, Q, sqt, 1, KT + qs, ldkt, S + lpp, ldS, 0, scale, QUERY_COLS, i0);
+            float inv[BQ];
             for (long i = 0; i < m; i++)
-                lse[h * T + qs + i0 + i] = softmax_row(S + i * ldS, lp, lpp, i0 + i, row_columns(i0, i, m), n);
+                lse[h * T + qs + i0 + i] =
+                    softmax_row(S + i * ldS, lp, lpp, i0 + i, row_columns(i0, i, m), n, inv + i);
             if (lp) gemm(m, D, lp, S, ldS, 1, v + ps * svt + g * svh, svt, O, (long)H * D, 0, 1.0f, ALL, 0);
             gemm(m, D, i0 + m, S + lpp, ldS, 1, v + qs * svt + g * svh, svt, O, (long)H * D, lp > 0, 1.0f,
                  QUERY_DEPTH, i0);
+            for (long i = 0; i < m; i++) /* the softmax's normalisation, on the D outputs instead of the row */
+                for (int d = 0; d < D; d += VEC) vst(O + i * H * D + d, vld(O + i * H * D + d) * vbc(inv[i]));
         }
     }
     free(first);
