@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_attention"]
+__all__ = ["causal_attention", "sdpa_dtype"]
 
 
 class _Bf16CausalFp32Backward(torch.autograd.Function):
@@ -36,7 +36,7 @@ class _Bf16CausalFp32Backward(torch.autograd.Function):
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None
 
 
-def _sdpa_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype | None:
+def sdpa_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype | None:
     """The dtype SDPA computes in here: CPU autocast's (it casts SDPA's inputs to it: under the engine's bf16
     autocast the rotary embedding leaves q and k in fp32 and v in bf16), else the inputs' own when they agree."""
     if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
@@ -47,7 +47,7 @@ def _sdpa_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
 def _fp32_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float) -> bool:
     """Whether this call takes the fp32 backward: CPU, bf16, gradients, no dropout, and operands the flash kernel
     takes (4-D, one head size for q, k and v; SDPA picks another kernel otherwise, and so is left to)."""
-    return (query.device.type == "cpu" and _sdpa_dtype(query, key, value) == torch.bfloat16 and dropout == 0.0
+    return (query.device.type == "cpu" and sdpa_dtype(query, key, value) == torch.bfloat16 and dropout == 0.0
             and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
             and query.dim() == key.dim() == value.dim() == 4 and query.shape[-1] == key.shape[-1] == value.shape[-1])
 

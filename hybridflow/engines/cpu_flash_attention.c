@@ -318,12 +318,11 @@ static void zero_rows(float *x, long rows, long stride, int D) {
 }
 
 /* scratch: per thread (2 D + 2 BQ) * ldS floats, ldS as the forward's. dk and dv are overwritten. */
-void flash_backward_f32(long T, int nseq, const int64_t *seq, int ngroups, const int64_t *group, int H, int G, int D,
+void flash_backward_f32(long T, const int64_t *seq, int ngroups, const int64_t *group, int H, int G, int D,
                         int BQ, const float *q, long sqt, long sqh, const float *k, long skt, long skh, const float *v,
                         long svt, long svh, const float *out, const float *dout, long sdt, long sdh, const float *lse,
                         float scale, float *dq, float *dk, float *dv, float *delta, float *scratch, long ldS,
                         int nthreads) {
-    (void)nseq;
     const int per_group = H / G;
     int *order = by_work(ngroups, seq, group);
     const long kvs = (long)G * D, qrow = (long)H * D;

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.engines.causal_attention import sdpa_dtype
 from hybridflow.engines.rollout.c_kernels import load_library
 
 __all__ = ["FlashAttentionKernel", "Layout", "flash_attention_here", "load", "packed_causal_attention", "rows_layout",
@@ -67,9 +68,9 @@ class FlashAttentionKernel:
                                   ptr, long, i]
         self._forward.restype = None
         self._backward = lib.flash_backward_f32
-        # T, nseq, seq, ngroups, group, H, G, D, BQ, q, sqt, sqh, k, skt, skh, v, svt, svh, out, dout, sdt, sdh, lse,
-        # scale, dq, dk, dv, delta, scratch, ldS, threads
-        self._backward.argtypes = [long, i, ptr, i, ptr, i, i, i, i, ptr, long, long, ptr, long, long, ptr, long, long,
+        # T, seq, ngroups, group, H, G, D, BQ, q, sqt, sqh, k, skt, skh, v, svt, svh, out, dout, sdt, sdh, lse, scale,
+        # dq, dk, dv, delta, scratch, ldS, threads
+        self._backward.argtypes = [long, ptr, i, ptr, i, i, i, i, ptr, long, long, ptr, long, long, ptr, long, long,
                                    ptr, ptr, long, long, ptr, f, ptr, ptr, ptr, ptr, ptr, long, i]
         self._backward.restype = None
 
@@ -109,7 +110,7 @@ class FlashAttentionKernel:
         delta = torch.empty(H, T)
         scratch = torch.empty(threads * (2 * D + 2 * QUERY_BLOCK) * layout.width)
         seq, groups = layout.sequences, layout.groups
-        self._backward(T, seq.shape[0], seq.data_ptr(), groups.numel() - 1, groups.data_ptr(), H, G, D, QUERY_BLOCK,
+        self._backward(T, seq.data_ptr(), groups.numel() - 1, groups.data_ptr(), H, G, D, QUERY_BLOCK,
                        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
                        v.stride(0), v.stride(1), out.data_ptr(), grad.data_ptr(), grad.stride(0), grad.stride(1),
                        lse.data_ptr(), scale, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), delta.data_ptr(),
@@ -149,15 +150,6 @@ def use_flash_attention(model: torch.nn.Module) -> int:
     return count
 
 
-def _compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype | None:
-    """The dtype SDPA would compute this call in: CPU autocast's (it casts SDPA's operands to it; under the engine's
-    bf16 autocast q and k are fp32 after the rotary embedding and v is bf16), else the operands' own when they
-    agree."""
-    if torch.is_autocast_enabled("cpu"):
-        return torch.get_autocast_dtype("cpu")
-    return query.dtype if key.dtype == value.dtype == query.dtype else None
-
-
 def _plain(t: torch.Tensor) -> bool:
     return (t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu" and type(t.data) is torch.Tensor
             and t.stride(-1) == 1)
@@ -169,7 +161,7 @@ def takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: 
     multiple of the vector width."""
     if dropout or torch.compiler.is_compiling() or not all(_plain(t) for t in (query, key, value)):
         return False
-    if _compute_dtype(query, key, value) not in (torch.float32, torch.bfloat16):
+    if sdpa_dtype(query, key, value) not in (torch.float32, torch.bfloat16):
         return False
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or query.shape[0] != 1:
         return False
@@ -229,7 +221,7 @@ def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     [1, T, H, D] (contiguous), where `takes` holds."""
     if scale is None:
         scale = query.shape[-1] ** -0.5
-    if _compute_dtype(query, key, value) == torch.float32:
+    if sdpa_dtype(query, key, value) == torch.float32:
         return _PackedCausal.apply(query, key, value, layout, float(scale))
     # bf16: the operands rounded to bf16 as SDPA's (autocast's casts), the attention computed in fp32 from them, the
     # output rounded to bf16; the gradients pass back through the same casts (rounded to bf16, as SDPA's are)
