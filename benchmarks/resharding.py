@@ -123,7 +123,7 @@ def _rank_main(rank: int, port: int, model_path: str, args, queue) -> None:
 def run_size(size: str, args, workdir: str) -> dict:
     import torch.multiprocessing as mp
 
-    from hybridflow.single_controller.worker import find_free_port
+    from hybridflow.common.ports import find_free_port
 
     path = write_benchmark_model(os.path.join(workdir, size), size, unreachable_eos=True)
     ctx = mp.get_context("spawn")

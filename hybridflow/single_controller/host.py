@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow import device
+from hybridflow.common.ports import hold_free_port, release_held_port
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller.future import FutureChunk
-from hybridflow.single_controller.worker import _CONSTRUCTION_CONTEXT, Worker, WorkerContext, find_free_port
+from hybridflow.single_controller.worker import _CONSTRUCTION_CONTEXT, Worker, WorkerContext
 
 
 @dataclass
@@ -50,14 +51,17 @@ class WorkerHost:
 
     def __init__(self) -> None:
         self._roles: dict[str, Worker] = {}
+        self._held_port: tuple[str, int] | None = None
 
-    def node_info(self, pick_port: bool) -> dict:
-        return {
-            "node_ip": _node_ip(),
-            "hostname": socket.gethostname(),
-            "pid": os.getpid(),
-            "port": find_free_port() if pick_port else None,
-        }
+    def node_info(self, pick_port: bool, master_addr: str | None = None) -> dict:
+        """Where this process runs; with `pick_port`, a rendezvous port held on `master_addr` (default: this node's
+        address) until rank 0's init_distributed starts the store on it."""
+        node_ip = _node_ip()
+        port = None
+        if pick_port:
+            port = hold_free_port(master_addr or node_ip)
+            self._held_port = (master_addr or node_ip, port)
+        return {"node_ip": node_ip, "hostname": socket.gethostname(), "pid": os.getpid(), "port": port}
 
     def init_roles(self, ctx: WorkerContext, roles: dict[str, ClassWithInitArgs], in_driver: bool) -> None:
         """Build each role's worker with `ctx` visible to Worker.__init__ (env vars in a Ray actor)."""
@@ -85,6 +89,8 @@ class WorkerHost:
         for worker in self._roles.values():
             worker.destroy_distributed()
         self._roles.clear()
+        if self._held_port is not None:
+            release_held_port(*self._held_port)
 
     def dp_mesh(self, role: str, mesh_name: str):
         return self._roles[role].get_dp_mesh(mesh_name)

@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextvars
 import datetime
 import os
-import socket
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
 from hybridflow import device
+from hybridflow.common.ports import listen_fd
 
 NUM_THREADS_ENV = "HYBRIDFLOW_NUM_THREADS"
 
@@ -71,13 +71,6 @@ class WorkerContext:
 _CONSTRUCTION_CONTEXT: contextvars.ContextVar[WorkerContext | None] = contextvars.ContextVar(
     "hybridflow_worker_context", default=None
 )
-
-
-def find_free_port() -> int:
-    """A TCP port free on this host right now (rank 0 picks the rendezvous port this way)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -155,7 +148,7 @@ class Worker:
         if self.rank == 0:
             # The rendezvous store listens on the master address only (torch's own TCPStore server binds every
             # interface): on a loopback-only run nothing here is reachable from the network.
-            fd = socket.create_server((self.master_addr, self.master_port), backlog=128).detach()
+            fd = listen_fd(self.master_addr, self.master_port)
             try:  # the store owns the listening socket from here on (and closes it)
                 store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, True, timeout,
                                       master_listen_fd=fd)

@@ -93,8 +93,11 @@ class _Ranks:
             if env_vars:
                 os.environ.update(env_vars)
             self.hosts: list[Any] = [WorkerHost()]
-            self.info = [self.hosts[0].node_info(pick_port=True)]
-            self.contexts = [WorkerContext(master_port=self.info[0]["port"], num_threads=num_threads)]
+            master_addr = WorkerContext.master_addr
+            self.info = [self.hosts[0].node_info(pick_port=True, master_addr=master_addr)]
+            self.contexts = [
+                WorkerContext(master_addr=master_addr, master_port=self.info[0]["port"], num_threads=num_threads)
+            ]
             return
         if resource_pool is None:
             raise ValueError("backend='ray' needs a resource_pool (e.g. ResourcePool(process_on_nodes=[2]))")

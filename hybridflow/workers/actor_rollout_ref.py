@@ -29,6 +29,7 @@ import torch
 from hybridflow.algorithms.objective import ActorLossConfig, LossContext, build_actor_objective
 from hybridflow.algorithms.off_policy import CorrectionSettings, is_weight_batch_stats
 from hybridflow.common.metrics import machine_peak_flops, reduce_metrics
+from hybridflow.common.ports import hold_free_port
 from hybridflow.common.seeds import derive_seed
 from hybridflow.engines.fsdp_engine import FSDPEngine
 from hybridflow.engines.mismatch import logprob_mismatch
@@ -39,7 +40,6 @@ from hybridflow.engines.rollout.registry import rollout_engine_kwargs
 from hybridflow.engines.weight_transfer import ReceivedWeights, TransferGroup, manifest_of, send_weights
 from hybridflow.protocol import DataProto
 from hybridflow.single_controller import Dispatch, Execute, Worker, register
-from hybridflow.single_controller.worker import find_free_port
 from hybridflow.workers.engine_config import engine_config, optim_config
 from hybridflow.workers.fault import maybe_inject_fault, step_of
 from hybridflow.workers.profiling import chosen_rank, start_profile, stop_profile
@@ -249,7 +249,7 @@ class ActorRolloutRefWorker(Worker):
     def weight_transfer_manifest(self) -> dict:
         """Actor rank 0: the transfer group's rendezvous (this node, a free port) and the tensors it will send."""
         shapes = [(n, tuple(p.shape), p.dtype) for n, p in self.actor.named_parameter_shapes()]
-        return {"addr": self.master_addr, "port": find_free_port(), "manifest": manifest_of(shapes)}
+        return {"addr": self.master_addr, "port": hold_free_port(self.master_addr), "manifest": manifest_of(shapes)}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def join_weight_transfer(self, addr: str, port: int, world_size: int, manifest: list) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 
+from hybridflow.common.ports import find_free_port
 from hybridflow.engines.weight_transfer import (
     ReceivedWeights,
     TransferGroup,
@@ -13,7 +14,6 @@ from hybridflow.engines.weight_transfer import (
     manifest_of,
     send_weights,
 )
-from hybridflow.single_controller.worker import find_free_port
 
 BUCKET = 4096  # bytes: the 3000-element tensor spans three buckets, the small ones share one
 
