@@ -169,3 +169,42 @@ def test_only_the_avx512_build_is_the_default(kernel, monkeypatch):
     monkeypatch.setattr(cpu_linear, "load", lambda: kernel)
     assert cpu_linear.kernel_for(False) is None and cpu_linear.kernel_for(True) is kernel
     assert cpu_linear.kernel_for(None) is (kernel if kernel.vector_width == 16 else None)
+
+
+@pytest.mark.parametrize("shapes", [[(96, 80), (17, 40), (3, 7), (288, 128)], [(50, 33)]])
+def test_panels_laid_out_in_one_buffer_pack_as_fresh_ones(kernel, shapes):
+    g = torch.Generator().manual_seed(4)
+    buffer = torch.full((kernel.panel_bytes(shapes) + 64,), 255, dtype=torch.uint8)  # not zero: panel_weights zeroes
+    panels = kernel.panel_weights(shapes, buffer)
+    for (n, k), out in zip(shapes, panels):
+        assert out.panels.data_ptr() % 64 == 0 and out.panels.is_contiguous()
+        w = torch.randn(n, k, generator=g)
+        assert kernel.pack(w, out=out) is out and torch.equal(out.panels, kernel.pack(w).panels)
+        x = torch.randn(5, k, generator=g)
+        assert torch.equal(kernel.linear(x, out, None), kernel.linear(x, kernel.pack(w), None))
+
+
+@needs_kernel
+def test_huge_pages_hold_the_panels_and_change_no_bit(model_path):
+    on = create_rollout_engine("native", model_path, num_threads=1, linear_kernel=True, prepack=True,
+                               huge_pages=None if not device.huge_pages_available() else True)
+    off = create_rollout_engine("native", model_path, num_threads=1, linear_kernel=True, prepack=True,
+                                huge_pages=False)
+    assert on.model.huge_pages == device.huge_pages_available() and not off.model.huge_pages
+    prompts = make_prompts(on.tokenizer)
+    params = SamplingParams(temperature=1.0, n=3, max_new_tokens=12, seed=4)
+    a, b = on.generate(prompts, params), off.generate(prompts, params)
+    assert torch.equal(a.batch["responses"], b.batch["responses"])
+    assert torch.equal(a.batch["rollout_log_probs"], b.batch["rollout_log_probs"])
+    panels = on.model.packed_weights()["layers"][0]["qkv"].panels
+    if device.huge_pages_available():
+        assert device.huge_page_bytes(panels) >= device.HUGE_PAGE_BYTES
+    # all the projections in one buffer, in order
+    packed = on.model.packed_weights()
+    first, head = packed["layers"][0]["qkv"].panels, packed["lm_head"].panels
+    assert first.untyped_storage().data_ptr() == head.untyped_storage().data_ptr()
+
+
+def test_huge_pages_true_where_the_projections_are_not_panels_is_an_error(model_path):
+    with pytest.raises(ValueError, match=r"huge_pages=True.*'dense'"):
+        create_rollout_engine("native", model_path, num_threads=1, prepack=False, huge_pages=True)

@@ -97,15 +97,41 @@ class PanelLinearKernel:
         of the whole model's size would first fault in its pages (about twice the time of the copy alone)."""
         weight = weight.detach().float()
         n, k = weight.shape
-        padded = -(-n // PANEL) * PANEL
-        panels = weight.reshape(n // PANEL, PANEL, k).transpose(1, 2) if padded == n else None
-        if panels is not None and out is not None and out.out_features == n and out.panels.shape == panels.shape:
-            out.panels.copy_(panels)
+        shape = PanelLinearKernel.panel_shape(n, k)
+        if out is not None and out.out_features == n and tuple(out.panels.shape) == shape:
+            # the columns past N of the last panel keep their zeros (from panel_weights or an earlier pack)
+            out.panels[: n // PANEL].copy_(weight[: n // PANEL * PANEL].reshape(n // PANEL, PANEL, k).transpose(1, 2))
+            if n % PANEL:
+                out.panels[-1, :, : n % PANEL].copy_(weight[n // PANEL * PANEL :].transpose(0, 1))
             return out
-        if panels is None:
-            weight = torch.cat([weight, weight.new_zeros(padded - n, k)])
-            panels = weight.reshape(padded // PANEL, PANEL, k).transpose(1, 2)
-        return PanelWeight(panels.contiguous(), n)
+        if shape[0] * PANEL != n:
+            weight = torch.cat([weight, weight.new_zeros(shape[0] * PANEL - n, k)])
+        return PanelWeight(weight.reshape(shape[0], PANEL, k).transpose(1, 2).contiguous(), n)
+
+    @staticmethod
+    def panel_shape(n: int, k: int) -> tuple[int, int, int]:
+        """The packed shape of a weight [n, k]: [ceil(n / 16), k, 16]."""
+        return (-(-n // PANEL), k, PANEL)
+
+    @staticmethod
+    def panel_weights(shapes: list[tuple[int, int]], buffer: torch.Tensor | None = None) -> list[PanelWeight]:
+        """Zeroed panels for weights of `shapes` [(n, k)], one after another in `buffer` (uint8, at least
+        ``panel_bytes(shapes)``; default: a new tensor), each starting on a 64-byte line; pack(weight, out=...) fills
+        them."""
+        need = PanelLinearKernel.panel_bytes(shapes)
+        buffer = torch.zeros(need, dtype=torch.uint8) if buffer is None else buffer[:need].zero_()
+        out, offset = [], 0
+        for n, k in shapes:
+            shape = PanelLinearKernel.panel_shape(n, k)
+            count = shape[0] * k * PANEL
+            out.append(PanelWeight(buffer[offset : offset + 4 * count].view(torch.float32).view(shape), n))
+            offset += -(-4 * count // 64) * 64
+        return out
+
+    @staticmethod
+    def panel_bytes(shapes: list[tuple[int, int]]) -> int:
+        """The bytes panel_weights takes for weights of `shapes` [(n, k)]."""
+        return sum(-(-4 * PanelLinearKernel.panel_shape(n, k)[0] * k * PANEL // 64) * 64 for n, k in shapes)
 
     def linear(self, x: torch.Tensor, packed: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] fp32 -> [..., N]."""

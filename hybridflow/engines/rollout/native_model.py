@@ -28,6 +28,7 @@ import re
 import torch
 import torch.nn.functional as F
 
+from hybridflow import device as hf_device
 from hybridflow.engines.rollout import cpu_linear
 from hybridflow.engines.rollout.arch_specs import DecoderShape, resolve, supported_architectures
 from hybridflow.engines.rollout.compiled_step import packed_linear as compiled_packed_linear
@@ -103,7 +104,7 @@ class NativeDecoder:
     """Weights of one checkpoint in fused, generation-friendly tensors, plus prefill and decode steps."""
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device, max_positions: int, int8: bool = False,
-                 prepack: bool | None = None, linear_kernel: bool | None = None):
+                 prepack: bool | None = None, linear_kernel: bool | None = None, huge_pages: bool | None = None):
         self.shape = s = self._resolve_shape(config)
         self.spec = s.spec
         if prepack is None:  # auto: where it was measured to pay (cpu_linear.MIN_PANEL_WIDTH, onednn MIN_PACKED_WIDTH)
@@ -126,6 +127,14 @@ class NativeDecoder:
                              f"{cpu_linear.load() is not None}); "
                              "leave linear_kernel unset to choose by device")
         self.prepacked = self.matmul in ("panel", "onednn")
+        # the panel kernel's packed weights in transparent huge pages (device.huge_page_buffer): None = where the
+        # machine allows it; True = required
+        if huge_pages and not (self.matmul == "panel" and hf_device.huge_pages_available()):
+            raise ValueError(f"native rollout: huge_pages=True puts the CPU fp32 projection kernel's packed weights in "
+                             f"transparent huge pages, but this decoder's projections are {self.matmul!r} and huge "
+                             f"pages are {'' if hf_device.huge_pages_available() else 'not '}available here "
+                             "(Linux, THP not 'never', HYBRIDFLOW_HUGE_PAGES not 0); leave huge_pages unset")
+        self.huge_pages = huge_pages is not False and self.matmul == "panel" and hf_device.huge_pages_available()
         self._packed: dict | None = None  # packed weights; None = (re)build before the next forward
         self._stale: dict | None = None  # the packed weights an update dropped: the panel re-pack writes into them
         self.dtype, self.device = dtype, device
@@ -289,12 +298,16 @@ class NativeDecoder:
         # the projections; with int8 the routed experts stay in dtype and run as plain matmuls (moe.py)
         names = ("qkv", "o", "gate_up", "down")
         stale, self._stale = self._stale, None
+        first, buffer = False, None
         if self.matmul == "int8":  # the output head stays in fp32
             layers = [{n: pack_int8(layer[f"w_{n}"], layer[f"b_{n}"]) for n in names if f"w_{n}" in layer}
                       for layer in self.layers]
             return {"layers": layers, "lm_head": None}
         if self.matmul == "panel":  # into the stale panels' memory where their shapes match (cpu_linear.pack)
             pack = self.panel_kernel.pack
+            first = stale is None
+            if first:  # the first pack: every panel in one buffer, in huge pages where asked
+                stale, buffer = self._panel_buffer(names)
         else:
             def pack(weight: torch.Tensor, out=None):
                 return pack_onednn(weight)
@@ -307,7 +320,32 @@ class NativeDecoder:
                 packed["experts"] = [(pack(gate_up, old_gate_up), pack(down, old_down))
                                      for gate_up, down, (old_gate_up, old_down)
                                      in zip(layer["experts_gate_up"], layer["experts_down"], old_experts)]
-        return {"layers": layers, "lm_head": pack(self.lm_head, stale["lm_head"] if stale is not None else None)}
+        head = pack(self.lm_head, stale["lm_head"] if stale is not None else None)
+        if self.matmul == "panel" and first and buffer is not None:  # pages the kernel gave as 4 KiB ones after all
+            hf_device.collapse_huge_pages(buffer)
+        return {"layers": layers, "lm_head": head}
+
+    def _panel_buffer(self, names: tuple[str, ...]) -> tuple[dict, torch.Tensor | None]:
+        """Zeroed panels of every projection, laid out as _pack_all returns them, one after another in one buffer:
+        in transparent huge pages (device.huge_page_buffer) when ``huge_pages``, since a decode step streams them all
+        from memory once per step. -> (the panels, that buffer or None)"""
+        shapes = []
+        for layer in self.layers:
+            shapes += [tuple(layer[f"w_{n}"].shape) for n in names if f"w_{n}" in layer]
+            if "router" in layer:
+                for gate_up, down in zip(layer["experts_gate_up"], layer["experts_down"]):
+                    shapes += [tuple(gate_up.shape), tuple(down.shape)]
+        shapes.append(tuple(self.lm_head.shape))
+        kernel = self.panel_kernel
+        buffer = hf_device.huge_page_buffer(kernel.panel_bytes(shapes)) if self.huge_pages else None
+        panels = iter(kernel.panel_weights(shapes, buffer))
+        layers = []
+        for layer in self.layers:
+            packed = {n: next(panels) for n in names if f"w_{n}" in layer}
+            if "router" in layer:
+                packed["experts"] = [(next(panels), next(panels)) for _ in layer["experts_gate_up"]]
+            layers.append(packed)
+        return {"layers": layers, "lm_head": next(panels)}, buffer
 
     def packed_weights(self) -> dict:
         """The packed projections ({"layers": [{name: packed}], "lm_head": packed}), packed now if a weight update

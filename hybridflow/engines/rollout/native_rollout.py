@@ -157,6 +157,7 @@ class NativeRollout(RolloutEngine):
         batch_invariant: bool = False,
         attention_kernel: bool | None = None,
         linear_kernel: bool | None = None,
+        huge_pages: bool | None = None,
     ):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -189,6 +190,8 @@ class NativeRollout(RolloutEngine):
         # with linear_kernel=False or where that kernel cannot be built), bf16 -> oneDNN's layout where the CPU has
         # bf16 units; False: plain F.linear; None: packed from the hidden size where it was measured to pay (128 for
         # the panel kernel, 256 for oneDNN)
+        # huge_pages: the fp32 panels in transparent huge pages (native_model.NativeDecoder; None: where the machine
+        # allows them)
         # tensor_parallel_size > 1: this rank holds its TP slice of every weight (tensor_parallel.py)
         self.tensor_parallel = tp_group_of(tensor_parallel_size) if tensor_parallel_size > 1 else None
         # batch_invariant: the training engine's rounding, bit for bit in fp32 (exact_decode.py): plain F.linear
@@ -205,11 +208,11 @@ class NativeRollout(RolloutEngine):
             linear_kernel = False
         if self.tensor_parallel is None:
             self.model = NativeDecoder(self.config, self.dtype, self.device, self.max_model_len, int8=self.int8,
-                                       prepack=prepack, linear_kernel=linear_kernel)
+                                       prepack=prepack, linear_kernel=linear_kernel, huge_pages=huge_pages)
         else:
             self.model = TensorParallelDecoder(self.config, self.dtype, self.device, self.max_model_len,
                                                tp=self.tensor_parallel, int8=self.int8, prepack=prepack,
-                                               linear_kernel=linear_kernel)
+                                               linear_kernel=linear_kernel, huge_pages=huge_pages)
         self.model.attention_kernel = self._attention_kernel(attention_kernel)
         # the eager decode steps' rotary embedding and RMSNorm (torch's bits in fp32) as one C call each (cpu_step_ops.py)
         if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and not self.batch_invariant:

@@ -98,13 +98,14 @@ class TensorParallelDecoder(NativeDecoder):
     them), ``load_slice`` takes the slice itself (resharded weights, engines/resharding.py)."""
 
     def __init__(self, config, dtype, device, max_positions, *, tp: TPGroup, int8=False, prepack=None,
-                 linear_kernel=None):
+                 linear_kernel=None, huge_pages=None):
         problems = tensor_parallel_errors(config, tp.size)
         if problems:
             raise ValueError("native rollout: " + "; ".join(problems))
         self.tp = tp
         self.full_shape = resolve(config)
-        super().__init__(config, dtype, device, max_positions, int8=int8, prepack=prepack, linear_kernel=linear_kernel)
+        super().__init__(config, dtype, device, max_positions, int8=int8, prepack=prepack, linear_kernel=linear_kernel,
+                         huge_pages=huge_pages)
         s, t = self.full_shape, tp.size
         self.vocab_rows = math.ceil(s.vocab_size / t)  # rows per rank (the last slice is padded)
         self.vocab_start = tp.rank * self.vocab_rows

@@ -1,0 +1,55 @@
+"""device.huge_page_buffer / collapse_huge_pages: 2 MiB-aligned memory that the kernel backs with transparent huge
+pages where the machine allows them (THP "always" or "madvise"), and a switch that turns them off. The native rollout
+keeps its fp32 panels there (tests/engines/test_cpu_linear.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from hybridflow import device
+
+MIB = 1 << 20
+
+
+def _thp_allowed() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def test_availability_follows_the_kernel_setting_and_the_switch():
+    assert device.huge_pages_available() == (_thp_allowed() and not device.is_cuda_available()
+                                             and os.environ.get("HYBRIDFLOW_HUGE_PAGES", "1") != "0")
+    code = "from hybridflow import device; print(device.huge_pages_available())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "HYBRIDFLOW_HUGE_PAGES": "0"}).stdout.split()
+    assert out == ["False"]
+
+
+def test_a_buffer_is_aligned_sized_and_in_huge_pages_once_written():
+    buffer = device.huge_page_buffer(5 * MIB + 3)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 5 * MIB + 3
+    assert buffer.data_ptr() % device.HUGE_PAGE_BYTES == 0
+    buffer.fill_(7)
+    assert int(buffer[-1]) == 7 and buffer.view(-1)[:4].tolist() == [7] * 4
+    if device.huge_pages_available():
+        assert device.huge_page_bytes(buffer) >= 4 * MIB  # its two whole 2 MiB pages at least
+    else:
+        assert not _thp_allowed() or device.is_cuda_available()
+
+
+def test_collapse_moves_written_memory_into_huge_pages_and_keeps_its_values():
+    # 40 MiB: over glibc's mmap threshold, so fresh pages of its own, written while not advised (4 KiB ones)
+    t = torch.arange(40 * MIB // 4, dtype=torch.float32)
+    before = device.huge_page_bytes(t)
+    done = device.collapse_huge_pages(t)
+    assert torch.equal(t, torch.arange(40 * MIB // 4, dtype=torch.float32))
+    if device.huge_pages_available():
+        assert done and device.huge_page_bytes(t) >= before + 30 * MIB  # its 19 whole inner 2 MiB pages
+    assert not device.collapse_huge_pages(torch.zeros(16))  # no whole 2 MiB page inside: nothing to do
