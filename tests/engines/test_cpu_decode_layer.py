@@ -95,3 +95,28 @@ def test_it_is_not_used_where_its_kernels_do_not_all_run(kernel, tmp_path):
     moe = create_rollout_engine("native", moe_path, dtype="fp32", seed=3)
     assert not kernel.applies(moe.model)
     assert all(out.batch["response_mask"].sum() > 0 for out in _generate(moe, moe.model.layer_kernel))
+
+
+def test_the_kept_step_buffers_follow_the_rows_threads_and_length(kernel, tmp_path):
+    """The driver keeps its work buffers between steps and calls (cpu_decode_layer.DecodeLayerKernel._step): a call
+    with more rows, one on another thread count and one whose keys outgrow the attention's scratch get new ones."""
+    path = write_tiny_model(str(tmp_path / "qwen2"), "tiny", seed=0, arch="qwen2")
+    engine = create_rollout_engine("native", path, dtype="fp32", seed=3)
+    calls = [SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1),
+             SamplingParams(temperature=1.0, max_new_tokens=8, n=5, seed=2),  # more rows
+             SamplingParams(temperature=1.0, max_new_tokens=300, n=1, seed=4)]  # past the scratch's first 256 keys
+    before = torch.get_num_threads()
+    outputs = {}
+    try:
+        for layer_kernel in (kernel, None):
+            engine.model.layer_kernel = layer_kernel
+            got = []
+            for threads in (2, 1):
+                torch.set_num_threads(threads)
+                got += [engine.generate(_prompts(engine), params) for params in calls]
+            outputs[layer_kernel is None] = got
+    finally:
+        torch.set_num_threads(before)
+        engine.model.layer_kernel = kernel
+    assert outputs[False][-1].batch["responses"].shape[1] == 300
+    _assert_same(outputs[False], outputs[True])

@@ -82,6 +82,8 @@ class DecodeLayerKernel:
         # structs hold raw addresses, valid while those objects live (a weight update re-packs, a generate call
         # allocates its cache); all weak, so that the memo keeps none of them alive
         self._memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # decoder -> ((rows, threads), scratch keys, step struct, gate, up): the work buffers of its last decode step
+        self._steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @staticmethod
     def applies(decoder) -> bool:
@@ -101,30 +103,16 @@ class DecodeLayerKernel:
         """Every layer of one decode step on the hidden states x [R, hidden] (fp32, contiguous; updated in place and
         returned) at positions [R]; cache, rows, starts and length as NativeDecoder.decode's attention kernel takes
         them (its K/V of generated token ``length - 1`` are written)."""
-        s, spec = decoder.shape, decoder.spec
+        s = decoder.shape
         model, layers = self._structs(decoder, cache)
-        R, H, KV, D, inter = x.shape[0], s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size
         threads = torch.get_num_threads()
         lenA, lenB = DecodeAttentionKernel.lengths(cache, length)
         prompt_index = rows.prompt_index.to(torch.int64).contiguous() if cache.shared else None
         positions = positions.to(torch.int64).contiguous()
         starts = {window: start.to(torch.int32).contiguous() for window, start in starts.items()}
-
-        def empty(*shape: int) -> torch.Tensor:
-            return torch.empty(shape, dtype=torch.float32)
-
-        buffers = {"h": empty(R, s.hidden_size), "qkv": empty(R, (H + 2 * KV) * D), "q": empty(R, H * D),
-                   "k": empty(R, KV * D), "v": empty(R, KV * D), "attn": empty(R, H * D),
-                   "gate_up": empty(R, 2 * inter), "scratch": DecodeAttentionKernel.scratch(threads, H // KV, D,
-                                                                                          lenA + lenB)}
-        if spec.qk_norm:
-            buffers |= {"qn": empty(R, H * D), "kn": empty(R, KV * D)}
-        if spec.sandwich_norms:
-            buffers["tmp"] = empty(R, s.hidden_size)
-        step = _Step(R=R, lenA=lenA, lenB=lenB, threads=threads, positions=positions.data_ptr(),
-                     prompt_index=_data(prompt_index), x=x.data_ptr(),
-                     **{name: t.data_ptr() for name, t in buffers.items()})
-        gate, up = buffers["gate_up"][:, :inter], buffers["gate_up"][:, inter:]
+        step, gate, up = self._step(decoder, x.shape[0], threads, lenA + lenB)
+        step.lenA, step.lenB, step.positions, step.x = lenA, lenB, positions.data_ptr(), x.data_ptr()
+        step.prompt_index = _data(prompt_index)
         model_p, step_p = ctypes.addressof(model), ctypes.addressof(step)
         for li, layer in enumerate(layers):
             start = starts[s.layers[li].window]
@@ -134,6 +122,35 @@ class DecodeLayerKernel:
                 act = act.contiguous()
             self._mlp_out(model_p, ctypes.addressof(layer), step_p, act.data_ptr())
         return x
+
+    def _step(self, decoder, R: int, threads: int, keys: int) -> tuple[_Step, torch.Tensor, torch.Tensor]:
+        """The step struct with its work buffers for R rows, `threads` threads and `keys` attended keys, and the
+        gate and up halves of its gate_up buffer: kept between the steps of a decode loop (and calls) while R and
+        the thread count stay and the attention's scratch is large enough; its per-step fields are set by the caller.
+        A decode step of a small model otherwise spent more time allocating these than in some of its kernels."""
+        memo = self._steps.get(decoder)
+        if memo is not None and memo[0] == (R, threads) and memo[1] >= keys:
+            return memo[2], memo[3], memo[4]
+        s, spec = decoder.shape, decoder.spec
+        H, KV, D, inter = s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size
+        capacity = -(-keys // 256) * 256  # the scratch grows with the keys: room for the next 256
+
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.empty(shape, dtype=torch.float32)
+
+        buffers = {"h": empty(R, s.hidden_size), "qkv": empty(R, (H + 2 * KV) * D), "q": empty(R, H * D),
+                   "k": empty(R, KV * D), "v": empty(R, KV * D), "attn": empty(R, H * D),
+                   "gate_up": empty(R, 2 * inter),
+                   "scratch": DecodeAttentionKernel.scratch(threads, H // KV, D, capacity)}
+        if spec.qk_norm:
+            buffers |= {"qn": empty(R, H * D), "kn": empty(R, KV * D)}
+        if spec.sandwich_norms:
+            buffers["tmp"] = empty(R, s.hidden_size)
+        step = _Step(R=R, threads=threads, **{name: t.data_ptr() for name, t in buffers.items()})
+        step.buffers = buffers  # the struct holds their addresses: kept alive with it
+        gate, up = buffers["gate_up"][:, :inter], buffers["gate_up"][:, inter:]
+        self._steps[decoder] = ((R, threads), capacity, step, gate, up)
+        return step, gate, up
 
     def _structs(self, decoder, cache) -> tuple[_Model, list[_Layer]]:
         """The decoder's model struct and per-layer structs for `cache`, kept while its packed weights and the cache
