@@ -169,12 +169,14 @@ def _advise(address: int, length: int, advice: int) -> bool:
     return False
 
 
-def huge_page_bytes(tensor: torch.Tensor) -> int:
-    """How many bytes of the mappings `tensor`'s memory lies in are backed by transparent huge pages (the
-    AnonHugePages lines of /proc/self/smaps; 0 where it cannot be read): what the advice above got."""
+def huge_page_state(tensor: torch.Tensor) -> dict:
+    """What the kernel says of the mappings `tensor`'s memory lies in (/proc/self/smaps; zeros where it cannot be
+    read): ``eligible``, whether they may hold transparent huge pages (THPeligible: advised, or THP "always"), and
+    ``bytes``, how much of them does now (AnonHugePages). Huge pages are best effort: under memory pressure or
+    fragmentation the kernel gives 4 KiB pages to an eligible mapping."""
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    total, inside = 0, False
+    state, inside = {"eligible": False, "bytes": 0}, False
     try:
         with open("/proc/self/smaps") as f:
             for line in f:
@@ -183,7 +185,9 @@ def huge_page_bytes(tensor: torch.Tensor) -> int:
                     lo, hi = (int(x, 16) for x in head.split("-"))
                     inside = lo < end and start < hi
                 elif inside and head == "AnonHugePages:":
-                    total += int(line.split()[1]) * 1024
+                    state["bytes"] += int(line.split()[1]) * 1024
+                elif inside and head == "THPeligible:" and lo <= start < hi:
+                    state["eligible"] = line.split()[1] == "1"
     except OSError:
-        return 0
-    return total
+        pass
+    return state
