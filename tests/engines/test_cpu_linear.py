@@ -41,7 +41,7 @@ def test_panel_linear_is_f_linear_up_to_rounding(kernel, out_features, in_featur
     packed = kernel.pack(w)
     assert packed.panels.shape == (-(-out_features // 16), in_features, 16) and packed.out_features == out_features
     # row counts around the AVX-512 (12) and AVX2 (6) row blocks and their split of a remainder
-    for rows in (0, 1, 5, 6, 7, 12, 13, 23, 25, 64, 130):
+    for rows in (0, 1, 5, 6, 7, 12, 13, 15, 16, 17, 23, 25, 64, 130):
         x = torch.randn(rows, in_features, generator=g)
         want = F.linear(x.double(), w.double(), b.double()).float()
         torch.testing.assert_close(kernel.linear(x, packed, b), want, atol=1e-4, rtol=1e-5)
@@ -67,7 +67,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kernel):
     packed = kernel.pack(w)
     x = torch.randn(24, 200, generator=g)
     alone = torch.cat([kernel.linear(x[i:i + 1], packed, b) for i in range(24)])
-    for rows in (7, 11, 13, 16, 23, 24):
+    for rows in (7, 11, 13, 14, 15, 16, 17, 23, 24):
         assert torch.equal(kernel.linear(x[:rows], packed, b), alone[:rows]), rows
 
 
