@@ -177,7 +177,9 @@ def main() -> None:
     from hybridflow.common.metrics import measure_peak_flops
 
     with StdoutToStderr() as out:
-        peak = max(measure_peak_flops(device="cpu", size=1024, repeats=10, num_threads=args.threads) for _ in range(3))
+        # the peak exactly as rl_step_vs_trl.py measures it (sizes 512-2048, the best kernel), so that the two
+        # scripts' step_over_math_floor use one floor (a 1024-only peak measured 3-15% lower in the twenty-first session)
+        peak = max(measure_peak_flops(device="cpu", repeats=10, num_threads=args.threads) for _ in range(3))
         bandwidth = copy_bandwidth(args.threads)
         read_bw = read_bandwidth(args.threads)
         results = {}

@@ -362,7 +362,8 @@ def model_math_floor(model_path: str, args, prompt_tokens: float, threads: int, 
 
 
 def measure_peak(threads: int, dtype: str = "fp32") -> float:
-    """Best FLOP/s of 1024^3 matmuls in `dtype` with `threads` torch threads (restores the thread count)."""
+    """Best FLOP/s of square matmuls (512, 1024, 2048; the better of MKL's and oneDNN's) in `dtype` with `threads`
+    torch threads (restores the thread count)."""
     import torch
 
     from hybridflow.trainer.metrics import measure_peak_flops
