@@ -163,10 +163,12 @@ def collapse_huge_pages(tensor: torch.Tensor) -> bool:
 
 def _advise(address: int, length: int, advice: int) -> bool:
     madvise = _madvise()
-    if madvise is None or madvise(address, length, advice) == 0:
-        return madvise is not None
-    logger.debug("madvise(%#x, %d, %d) failed: %s", address, length, advice, os.strerror(ctypes.get_errno()))
-    return False
+    if madvise is None:
+        return False
+    if madvise(address, length, advice) != 0:
+        logger.debug("madvise(%#x, %d, %d) failed: %s", address, length, advice, os.strerror(ctypes.get_errno()))
+        return False
+    return True
 
 
 def huge_page_state(tensor: torch.Tensor) -> dict:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
+import os
 import socket
+
+import torch.distributed as dist
 
 
 def find_free_port() -> int:
@@ -17,7 +21,7 @@ _HELD_PORTS: dict[tuple[str, int], socket.socket] = {}
 
 
 def hold_free_port(addr: str) -> int:
-    """Listen on a free port of `addr` now and keep the socket for this process's rendezvous store (listen_fd).
+    """Listen on a free port of `addr` now and keep the socket for this process's rendezvous store (tcp_store).
 
     A port only looked up (bound, closed, bound again when the store starts) can be taken in between by any socket
     on the host, Ray's among them, and the store then fails with "address already in use". A held port cannot be
@@ -29,13 +33,21 @@ def hold_free_port(addr: str) -> int:
     return port
 
 
-def listen_fd(addr: str, port: int) -> int:
-    """A listening socket on (addr, port) for a TCPStore server, detached (the store closes it): the one
-    hold_free_port keeps if there is one, else a new one."""
+def tcp_store(addr: str, port: int, world_size: int, is_server: bool, timeout: datetime.timedelta,
+              wait_for_workers: bool = True) -> dist.TCPStore:
+    """A rendezvous store on (addr, port). The server listens on `addr` only (torch's own TCPStore server binds every
+    interface), on the socket hold_free_port keeps for that port if there is one (else a new one); the store owns
+    that socket from then on and closes it."""
+    if not is_server:
+        return dist.TCPStore(addr, port, world_size, False, timeout, wait_for_workers=wait_for_workers)
     sock = _HELD_PORTS.pop((addr, port), None)
-    if sock is None:
-        sock = socket.create_server((addr, port), backlog=128)
-    return sock.detach()
+    fd = (sock or socket.create_server((addr, port), backlog=128)).detach()
+    try:
+        return dist.TCPStore(addr, port, world_size, True, timeout, wait_for_workers=wait_for_workers,
+                             master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def release_held_port(addr: str, port: int) -> None:

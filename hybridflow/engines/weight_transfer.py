@@ -23,7 +23,6 @@ The manifest (names, shapes, dtypes, in the sender's order) travels once, throug
 from __future__ import annotations
 
 import datetime
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow import device
-from hybridflow.common.ports import listen_fd
+from hybridflow.common.ports import tcp_store
 
 MAGIC = 0x48464C57  # "HFLW": a header that is not this is a stream out of step
 _HEADER = 4
@@ -97,17 +96,8 @@ class TransferGroup:
     def join(cls, addr: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0) -> TransferGroup:
         """Blocks until every rank has joined; rank 0 hosts the store on `port`, the one its process holds from
         common.ports.hold_free_port if it does."""
-        timeout = datetime.timedelta(seconds=timeout_s)
-        if rank == 0:
-            fd = listen_fd(addr, port)
-            try:  # the store owns the listening socket from here on (and closes it)
-                store = dist.TCPStore(addr, port, world_size, True, timeout=timeout, wait_for_workers=False,
-                                      master_listen_fd=fd)
-            except BaseException:
-                os.close(fd)
-                raise
-        else:
-            store = dist.TCPStore(addr, port, world_size, False, timeout=timeout, wait_for_workers=False)
+        store = tcp_store(addr, port, world_size, rank == 0, datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
         backend = "nccl" if device.is_cuda_available() else "gloo"
         return cls(store, rank, world_size, backend, timeout_s)
 

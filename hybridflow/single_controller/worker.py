@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow import device
-from hybridflow.common.ports import listen_fd
+from hybridflow.common.ports import tcp_store
 
 NUM_THREADS_ENV = "HYBRIDFLOW_NUM_THREADS"
 
@@ -145,18 +145,9 @@ class Worker:
         if device.is_cuda_available():
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
         timeout = datetime.timedelta(seconds=timeout_s)
-        if self.rank == 0:
-            # The rendezvous store listens on the master address only (torch's own TCPStore server binds every
-            # interface): on a loopback-only run nothing here is reachable from the network.
-            fd = listen_fd(self.master_addr, self.master_port)
-            try:  # the store owns the listening socket from here on (and closes it)
-                store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, True, timeout,
-                                      master_listen_fd=fd)
-            except BaseException:
-                os.close(fd)
-                raise
-        else:
-            store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, False, timeout)
+        # rank 0's store listens on the master address only: on a loopback-only run nothing is reachable from the
+        # network
+        store = tcp_store(self.master_addr, self.master_port, self.world_size, self.rank == 0, timeout)
         dist.init_process_group(
             backend=device.dist_backend(), store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )

@@ -55,6 +55,15 @@ def resolve_defaults(cfg: HybridFlowConfig) -> HybridFlowConfig:
     return cfg
 
 
+def local_cpu_slots(cfg: HybridFlowConfig, roles_per_rank: int) -> int:
+    """The logical CPUs a cluster started for this run needs: one per rank and role, plus one per process of the
+    rollout group when it is a group of its own (hybrid_engine=false), which placement puts on a pool of its own."""
+    slots = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node * roles_per_rank
+    if not cfg.actor_rollout_ref.hybrid_engine:
+        slots += cfg.actor_rollout_ref.rollout.nnodes * cfg.actor_rollout_ref.rollout.n_gpus_per_node
+    return slots
+
+
 def _init_ray(cfg: HybridFlowConfig, roles_per_rank: int) -> None:
     import ray
 
@@ -68,14 +77,14 @@ def _init_ray(cfg: HybridFlowConfig, roles_per_rank: int) -> None:
     if cfg.trainer.ray_address:
         ray.init(address=cfg.trainer.ray_address, include_dashboard=False)
         return
-    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    slots = local_cpu_slots(cfg, roles_per_rank)
     # Ray starts workers at niceness 15; ours do the compute, so at that priority any other process on the machine
     # (even the reward scorers) would take their cores. The raylet reads this when it starts.
     os.environ.setdefault("RAY_worker_niceness", "0")
     # Logical CPUs: one per rank and role, so colocated and split placements both fit on a small machine.
     # A cluster started here serves this run only: its servers listen on loopback (see local_ray.py).
     start_local_ray(
-        num_cpus=max(os.cpu_count() or 1, world * roles_per_rank),
+        num_cpus=max(os.cpu_count() or 1, slots),
         include_dashboard=False,
         log_to_driver=True,
         runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},

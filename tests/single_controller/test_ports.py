@@ -9,9 +9,8 @@ import socket
 import threading
 
 import pytest
-import torch.distributed as dist
 
-from hybridflow.common.ports import hold_free_port, listen_fd, release_held_port
+from hybridflow.common.ports import hold_free_port, release_held_port, tcp_store
 
 ADDR = "127.0.0.1"
 
@@ -36,27 +35,29 @@ def test_the_store_takes_over_the_held_socket_and_a_client_that_came_first_waits
     got = {}
 
     def client():  # connects while the port is held but no store serves it yet
-        store = dist.TCPStore(ADDR, port, 2, False, timeout)
+        store = tcp_store(ADDR, port, 2, False, timeout)
         store.set("from_client", "1")
         got["value"] = store.get("from_server")
 
     thread = threading.Thread(target=client)
     thread.start()
-    fd = listen_fd(ADDR, port)
-    server = dist.TCPStore(ADDR, port, 2, True, timeout, master_listen_fd=fd)
+    server = tcp_store(ADDR, port, 2, True, timeout)
     server.set("from_server", "2")
     thread.join(timeout=60)
     assert not thread.is_alive()
     assert server.get("from_client") == b"1" and got["value"] == b"2"
     with pytest.raises(OSError):  # the held socket is the store's now: nothing was left behind to rebind
-        listen_fd(ADDR, port)
+        socket.create_server((ADDR, port))
     del server
 
 
-def test_listen_fd_binds_a_port_that_was_not_held():
+def test_a_store_on_a_port_that_was_not_held_binds_it_on_the_address_alone():
     with socket.socket() as probe:
         probe.bind((ADDR, 0))
         port = probe.getsockname()[1]
-    fd = listen_fd(ADDR, port)
-    with socket.socket(fileno=fd) as sock:
-        assert sock.getsockname() == (ADDR, port)
+    server = tcp_store(ADDR, port, 1, True, datetime.timedelta(seconds=30))
+    server.set("k", "v")
+    assert server.get("k") == b"v"
+    with pytest.raises(OSError):
+        socket.create_server((ADDR, port))
+    del server

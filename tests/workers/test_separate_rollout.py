@@ -145,3 +145,27 @@ def test_async_ppo_gets_its_values_from_the_critic_at_training_time(ray_session,
     assert run_training(cfg, progress=False).global_step == 3
     for row in rows_of(run_dir):
         assert math.isfinite(row["critic/vf_loss"]) and row["rollout/staleness_max"] <= 1
+
+
+def test_the_cli_sizes_its_own_cluster_for_the_rollout_group_too(arithmetic_files, tiny_model_path, tmp_path):
+    """`hybridflow train` as a user runs it (no Ray yet: the CLI starts its own cluster): 2 actor ranks and a rollout
+    group of 2 are 4 processes, more than this machine's CPUs. The cluster used to be sized for the actor ranks
+    alone, and the rollout's placement group waited 120 s and failed."""
+    run_dir = str(tmp_path / "run")
+    overrides = tiny_run_overrides(arithmetic_files, tiny_model_path, run_dir, *SEPARATE, "trainer.n_gpus_per_node=2",
+                                   "trainer.rollout_mode=async")
+    proc = subprocess.run([sys.executable, "-m", "hybridflow", "train", *overrides], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "RAY_ADDRESS": ""})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = rows_of(run_dir)
+    assert [r["weights/version"] for r in rows] == [1.0, 2.0]
+    assert all(r["rollout/mismatch_max_abs"] <= 1e-5 for r in rows if r["rollout/staleness_max"] == 0.0)
+
+
+def test_local_cpu_slots_count_the_rollout_group_of_its_own():
+    from hybridflow.trainer.main import local_cpu_slots
+
+    colocated = load_config(["trainer.n_gpus_per_node=2"])
+    assert local_cpu_slots(colocated, roles_per_rank=2) == 4
+    separate = load_config(["trainer.n_gpus_per_node=2", *SEPARATE[1:3]])
+    assert local_cpu_slots(separate, roles_per_rank=1) == 4

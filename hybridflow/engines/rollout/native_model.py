@@ -298,15 +298,14 @@ class NativeDecoder:
         # the projections; with int8 the routed experts stay in dtype and run as plain matmuls (moe.py)
         names = ("qkv", "o", "gate_up", "down")
         stale, self._stale = self._stale, None
-        first, buffer = False, None
+        buffer = None  # the panels' one buffer when this is their first pack
         if self.matmul == "int8":  # the output head stays in fp32
             layers = [{n: pack_int8(layer[f"w_{n}"], layer[f"b_{n}"]) for n in names if f"w_{n}" in layer}
                       for layer in self.layers]
             return {"layers": layers, "lm_head": None}
         if self.matmul == "panel":  # into the stale panels' memory where their shapes match (cpu_linear.pack)
             pack = self.panel_kernel.pack
-            first = stale is None
-            if first:  # the first pack: every panel in one buffer, in huge pages where asked
+            if stale is None:  # the first pack: every panel in one buffer, in huge pages where asked
                 stale, buffer = self._panel_buffer(names)
         else:
             def pack(weight: torch.Tensor, out=None):
@@ -321,7 +320,7 @@ class NativeDecoder:
                                      for gate_up, down, (old_gate_up, old_down)
                                      in zip(layer["experts_gate_up"], layer["experts_down"], old_experts)]
         head = pack(self.lm_head, stale["lm_head"] if stale is not None else None)
-        if self.matmul == "panel" and first and buffer is not None:  # pages the kernel gave as 4 KiB ones after all
+        if buffer is not None:  # huge pages asked for: any the kernel gave as 4 KiB ones, collapsed now
             hf_device.collapse_huge_pages(buffer)
         return {"layers": layers, "lm_head": head}
 
