@@ -36,21 +36,28 @@ PARAMS = [
 ]
 
 
-def _generate(engine, layer_kernel, calls: list[int] | None = None):
+def _generate(engine, layer_kernel, calls: dict | None = None):
+    """The engine's outputs for PARAMS; with `calls`, counts the decode steps that ran as one call ("step") and
+    those that ran two calls a layer ("layers")."""
     engine.model.layer_kernel = layer_kernel
     if layer_kernel is not None and calls is not None:
-        real = layer_kernel.layers
+        real_step, real_layers = layer_kernel.step, layer_kernel.layers
 
-        def counted(*args, **kwargs):
-            calls[0] += 1
-            return real(*args, **kwargs)
+        def step(*args, **kwargs):
+            logits = real_step(*args, **kwargs)
+            calls["step"] += logits is not None
+            return logits
 
-        layer_kernel.layers = counted
+        def layers(*args, **kwargs):
+            calls["layers"] += 1
+            return real_layers(*args, **kwargs)
+
+        layer_kernel.step, layer_kernel.layers = step, layers
     try:
         return [engine.generate(_prompts(engine), params) for params in PARAMS]
     finally:
         if layer_kernel is not None and calls is not None:
-            del layer_kernel.layers  # back to the class's method
+            del layer_kernel.step, layer_kernel.layers  # back to the class's methods
 
 
 def _assert_same(with_kernel, without) -> None:
@@ -64,9 +71,14 @@ def test_an_engine_gives_the_same_bits_with_and_without_the_layer_driver(kernel,
     path = write_tiny_model(str(tmp_path / arch), "tiny", seed=0, arch=arch)
     engine = create_rollout_engine("native", path, dtype="fp32", seed=3)
     assert engine.model.layer_kernel is kernel and kernel.applies(engine.model)
-    calls = [0]
+    calls = {"step": 0, "layers": 0}
     with_kernel = _generate(engine, kernel, calls)
-    assert calls[0] > 0, "the decode steps did not go through the layer driver"
+    # SiLU MLPs: the whole step as one call (its SiLU checked against torch's first); GELU ones: two calls a layer
+    one_call = engine.model.act is torch.nn.functional.silu
+    if one_call:  # where torch's vector exp is found, the C SiLU must be torch's bit for bit
+        assert cpu_decode_layer.torch_vector_exp() is not None, torch.backends.cpu.get_cpu_capability()
+        assert kernel.silu_matches(engine.model.shape.intermediate_size, torch.get_num_threads())
+    assert calls["step" if one_call else "layers"] > 0 and calls["layers" if one_call else "step"] == 0, calls
     _assert_same(with_kernel, _generate(engine, None))
     # rows did stop and were compacted in the third call
     assert (with_kernel[2].batch["response_mask"].sum(-1) < 16).any()
@@ -120,3 +132,55 @@ def test_the_kept_step_buffers_follow_the_rows_threads_and_length(kernel, tmp_pa
         engine.model.layer_kernel = kernel
     assert outputs[False][-1].batch["responses"].shape[1] == 300
     _assert_same(outputs[False], outputs[True])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_c_silu_is_torchs_bit_for_bit(kernel, threads):
+    """silu_mul_f32 against torch's ``silu(gate).mul_(up)`` on a fused gate/up buffer: widths with and without a
+    scalar tail, row counts below and above torch's parallel grain (where torch splits a row between its threads)."""
+    vexp = cpu_decode_layer.torch_vector_exp()
+    assert vexp is not None, f"no vector exp found for torch's {torch.backends.cpu.get_cpu_capability()} kernels"
+    g = torch.Generator().manual_seed(1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for inter in (7, 100, 512, 1000, 1536):
+            for rows in (1, 5, 33, 64, 65, 127, 200):
+                gate_up = torch.randn(rows, 2 * inter, generator=g) * 12.0
+                want = torch.nn.functional.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+                got = torch.empty(rows, inter)
+                assert kernel._silu(vexp[0], vexp[1], gate_up.data_ptr(), rows, inter, got.data_ptr(), threads) == 0
+                assert torch.equal(got, want), (inter, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_without_a_matching_silu_the_layers_run_two_calls_each(kernel, tmp_path):
+    """Where the C SiLU is not torch's (silu_matches False), the steps take the two-call path with torch's
+    activation: the same bits again."""
+    path = write_tiny_model(str(tmp_path / "llama"), "tiny", seed=0, arch="llama")
+    engine = create_rollout_engine("native", path, dtype="fp32", seed=3)
+    key = (engine.model.shape.intermediate_size, torch.get_num_threads())
+    assert kernel.silu_matches(*key)
+    one_call = _generate(engine, kernel)
+    kernel._silu_checked[key] = False
+    try:
+        calls = {"step": 0, "layers": 0}
+        two_calls = _generate(engine, kernel, calls)
+    finally:
+        del kernel._silu_checked[key]
+    assert calls["step"] == 0 and calls["layers"] > 0, calls
+    _assert_same(one_call, two_calls)
+
+
+def test_a_token_outside_the_embedding_is_an_index_error(kernel, tmp_path):
+    from hybridflow.engines.rollout.native_rollout import _EagerSteps
+
+    path = write_tiny_model(str(tmp_path / "qwen2"), "tiny", seed=0, arch="qwen2")
+    engine = create_rollout_engine("native", path, dtype="fp32", seed=3)
+    batch = _prompts(engine).batch
+    steps = _EagerSteps(engine, batch["input_ids"], batch["position_ids"], batch["attention_mask"], 1, 4)
+    vocab = engine.model.embed.shape[0]
+    tokens = torch.tensor([1, vocab + 3, 2])
+    with pytest.raises(IndexError, match="outside the embedding"):
+        steps.decode(tokens, batch["position_ids"][:, -1] + 1, 0)

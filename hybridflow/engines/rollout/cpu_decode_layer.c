@@ -7,7 +7,18 @@
 
    layer_attention_f32: x += o_proj(attention(rope(q/k (norms), v))) of input_norm(x), with the sandwich norm on
    the attention output where the architecture has one; then gate_up = gate_up_proj(mlp_norm(x)).
-   layer_mlp_out_f32:   x += down_proj(act) (post-MLP norm first, where the architecture has one). */
+   layer_mlp_out_f32:   x += down_proj(act) (post-MLP norm first, where the architecture has one).
+   decode_step_f32:     a whole decode step in one call: the token embeddings, every layer with the SiLU gate in C
+                        (silu_mul_f32), the final norm and the output head's logits.
+
+   silu_mul_f32 reproduces torch's `silu(gate).mul_(up)` bit for bit: torch's vector path computes
+   x / (1 + exp(-x)) with its own vector exp (Sleef, passed in as a function pointer from libtorch), two vectors at a
+   time, and the elements left over in each contiguous run of its loop with the scalar exp (glibc's expf). The two
+   exps differ in the last bit on ~1% of inputs, so which elements take which path is reproduced too: a row is one
+   run, split where torch's parallel loop splits the flat index range between threads (cpu_decode_layer.py checks
+   the result against torch's before using it). */
+#include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -32,6 +43,8 @@ struct model {
     float eps, scale, softcap; /* softcap 0: none */
     int lanes;                 /* the fp32 norm's vector width (cpu_step_ops.py's f32_lanes) */
     int sandwich;              /* norms around the attention and MLP outputs (Gemma) */
+    const void *vexp;          /* torch's vector exp (16 or 8 floats), for silu_mul_f32; NULL: not available */
+    int vexp_width;            /* 16 or 8 */
 };
 
 /* one layer's tensors: packed weights, biases and norms (NULL where absent), its rotary table, its KV cache */
@@ -63,6 +76,7 @@ struct step {
     float *gate_up;              /* [R, 2 inter] */
     float *tmp;                  /* [R, hidden]: a sandwich norm's output; NULL without sandwich norms */
     float *scratch;              /* the attention's per-thread scratch */
+    float *act;                  /* [R, inter]: the MLP's activation (decode_step_f32 only) */
 };
 
 static void residual_add(float *x, const float *y, long n) {
@@ -110,4 +124,96 @@ void layer_mlp_out_f32(const struct model *m, const struct layer *l, const struc
     } else {
         residual_add(s->x, s->h, R * hid);
     }
+}
+
+/* ---- torch's SiLU, bit for bit ---------------------------------------------------------------------------- */
+
+#define TORCH_GRAIN 32768 /* at::internal::GRAIN_SIZE: TensorIterator loops at least this long run on several threads */
+
+/* y = x / (1 + exp(-x)) over n contiguous floats as torch's vectorised loop runs one contiguous run: two vectors at a
+   time with the vector exp, the rest with the scalar one */
+static void silu_run(const float *x, float *y, long n, const void *vexp, int width) {
+    long i = 0;
+#ifdef __AVX512F__
+    if (width == 16) {
+        __m512 (*vexp16)(__m512) = (__m512(*)(__m512))vexp;
+        const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+        for (; i + 32 <= n; i += 32) {
+            const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+            const __m512 ea = vexp16(_mm512_xor_ps(sign, a)), eb = vexp16(_mm512_xor_ps(sign, b));
+            _mm512_storeu_ps(y + i, _mm512_div_ps(a, _mm512_add_ps(one, ea)));
+            _mm512_storeu_ps(y + i + 16, _mm512_div_ps(b, _mm512_add_ps(one, eb)));
+        }
+    }
+#endif
+#ifdef __AVX2__
+    if (width == 8) {
+        __m256 (*vexp8)(__m256) = (__m256(*)(__m256))vexp;
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; i + 16 <= n; i += 16) {
+            const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+            const __m256 ea = vexp8(_mm256_xor_ps(sign, a)), eb = vexp8(_mm256_xor_ps(sign, b));
+            _mm256_storeu_ps(y + i, _mm256_div_ps(a, _mm256_add_ps(one, ea)));
+            _mm256_storeu_ps(y + i + 8, _mm256_div_ps(b, _mm256_add_ps(one, eb)));
+        }
+    }
+#endif
+    for (; i < n; i++) y[i] = x[i] / (1.0f + expf(-x[i]));
+}
+
+/* act [R, inter] = silu(gate) * up for gate_up [R, 2 inter] (gate, then up, per row), as torch computes
+   `silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])` with `threads` threads. Returns 0, or -1 when no vector exp
+   was given (the caller keeps torch's ops). */
+int silu_mul_f32(const void *vexp, int width, const float *gate_up, long R, long inter, float *act, int threads) {
+    if (!vexp || (width != 16 && width != 8)) return -1;
+    /* torch splits the flat range [0, R * inter) in equal chunks, one per thread, once it is at least a grain long
+       (at::parallel_for in TensorIterator::for_each); each chunk loops row by row, so a chunk boundary inside a row
+       splits that row into two runs */
+    const long numel = R * inter;
+    long chunk = numel;
+    if (threads > 1 && numel >= TORCH_GRAIN) {
+        long team = (numel + TORCH_GRAIN - 1) / TORCH_GRAIN;
+        if (team > threads) team = threads;
+        chunk = (numel + team - 1) / team;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (numel >= TORCH_GRAIN)
+    for (long r = 0; r < R; r++) {
+        const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
+        float *y = act + r * inter;
+        for (long c = 0; c < inter;) {
+            const long flat = r * inter + c;
+            long end = (flat / chunk + 1) * chunk - r * inter; /* the next chunk boundary, as a column */
+            if (end > inter) end = inter;
+            silu_run(gate + c, y + c, end - c, vexp, width);
+            c = end;
+        }
+        for (long c = 0; c < inter; c++) y[c] = y[c] * up[c];
+    }
+    return 0;
+}
+
+/* One decode step: x = embed[tokens] (* embed_scale, 0: none), every layer, then logits [R, vocab] of the final
+   norm's rows through the packed head. starts[li]: layer li's first attended column per row. Returns 0, or -1 when a
+   token is outside the embedding (nothing is computed) or silu_mul_f32 cannot run. */
+int decode_step_f32(const struct model *m, const struct layer *layers, long n_layers, const struct step *s,
+                    const int32_t *const *starts, const int64_t *tokens, const float *embed, long vocab_rows,
+                    float embed_scale, const float *final_norm, const float *head, long vocab, float *logits) {
+    const long R = s->R, hid = m->hidden;
+    for (long r = 0; r < R; r++)
+        if (tokens[r] < 0 || tokens[r] >= vocab_rows) return -1;
+    if (!m->vexp) return -1;
+    for (long r = 0; r < R; r++) {
+        float *x = s->x + r * hid;
+        memcpy(x, embed + tokens[r] * hid, hid * sizeof(float));
+        if (embed_scale != 0.0f)
+            for (long i = 0; i < hid; i++) x[i] = x[i] * embed_scale;
+    }
+    for (long li = 0; li < n_layers; li++) {
+        layer_attention_f32(m, layers + li, s, starts[li]);
+        silu_mul_f32(m->vexp, m->vexp_width, s->gate_up, R, m->inter, s->act, s->threads);
+        layer_mlp_out_f32(m, layers + li, s, s->act);
+    }
+    m->rms(R, 1, hid, s->x, hid, hid, final_norm, m->eps, m->lanes, s->h, s->threads);
+    m->panel(s->h, R, hid, head, vocab, NULL, logits);
+    return 0;
 }

@@ -6,7 +6,11 @@ checks, residual adds, gate/up split), each with its dispatch and allocation: at
 quarter of a generate call's wall time was outside the C kernels, and most of the tiny model's
 (``benchmarks/rollout_profile.py``'s ``kernel_seconds``). Here the first call runs the layer from its input norm
 through the attention block and the residual to the gate/up projection, and the second the down projection and its
-residual; between them the MLP activation stays torch's ``act(gate) * up``.
+residual; between them the MLP activation stays torch's ``act(gate) * up``. Where the activation is SiLU and the C
+file's SiLU gives torch's bits here (checked against torch per MLP width and thread count, `silu_matches`),
+``step`` runs the whole decode step as one call instead: the token embeddings, every layer with the gate in C, the
+final norm and the output head. At 16 rows of the tiny model the two calls a layer and the torch ops around them
+cost more Python time than the kernels took.
 
 Exactness: the C driver calls the same kernels as the eager step (through their function pointers) with the same
 arguments in the same order; a residual is one fp32 add per element either way. So tokens and log-probs are the same
@@ -21,17 +25,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
+import os
 import weakref
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from hybridflow.engines.rollout.c_kernels import load_library
 from hybridflow.engines.rollout.cpu_attention import DecodeAttentionKernel
-from hybridflow.engines.rollout.cpu_linear import PanelLinearKernel
+from hybridflow.engines.rollout.cpu_linear import PanelLinearKernel, PanelWeight
 from hybridflow.engines.rollout.cpu_step_ops import StepOpsKernel
 
 __all__ = ["DecodeLayerKernel", "load"]
+
+logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_decode_layer.c")
 _ptr, _long, _int, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
@@ -40,7 +49,8 @@ _ptr, _long, _int, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes
 class _Model(ctypes.Structure):
     _fields_ = [("panel", _ptr), ("rms", _ptr), ("rope", _ptr), ("attn", _ptr),
                 ("hidden", _long), ("heads", _long), ("kv_heads", _long), ("head_dim", _long), ("inter", _long),
-                ("eps", _float), ("scale", _float), ("softcap", _float), ("lanes", _int), ("sandwich", _int)]
+                ("eps", _float), ("scale", _float), ("softcap", _float), ("lanes", _int), ("sandwich", _int),
+                ("vexp", _ptr), ("vexp_width", _int)]
 
 
 class _Layer(ctypes.Structure):
@@ -55,7 +65,7 @@ class _Layer(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("R", _long), ("lenA", _int), ("lenB", _int), ("threads", _int), ("positions", _ptr),
                 ("prompt_index", _ptr)] + [(name, _ptr) for name in ("x", "h", "qkv", "qn", "kn", "q", "k", "v",
-                                                                      "attn", "gate_up", "tmp", "scratch")]
+                                                                      "attn", "gate_up", "tmp", "scratch", "act")]
 
 
 @functools.cache
@@ -70,6 +80,21 @@ def _data(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+@functools.cache
+def torch_vector_exp() -> tuple[int, int] | None:
+    """(address, width) of the vector exp torch's fp32 elementwise kernels call here (Sleef's, in libtorch_cpu), for
+    the CPU capability torch dispatches to (16 floats with AVX-512, 8 with AVX2); None where neither is found."""
+    width = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability())
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    if width is None or not path.exists():
+        return None
+    try:
+        function = getattr(ctypes.CDLL(os.fspath(path)), f"Sleef_expf{width}_u10")
+    except (OSError, AttributeError):
+        return None
+    return ctypes.cast(function, ctypes.c_void_p).value, width
+
+
 class DecodeLayerKernel:
     """``applies(decoder)``: whether a decoder's eager steps can use it; ``layers(decoder, x, ...)``: its layers."""
 
@@ -78,6 +103,16 @@ class DecodeLayerKernel:
         for function in (self._attention, self._mlp_out):
             function.argtypes = [_ptr, _ptr, _ptr, _ptr]
             function.restype = None
+        self._silu = lib.silu_mul_f32
+        self._silu.argtypes = [_ptr, _int, _ptr, _long, _long, _ptr, _int]
+        self._silu.restype = _int
+        self._decode_step = lib.decode_step_f32
+        self._decode_step.argtypes = [_ptr, _ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _float, _ptr, _ptr, _long,
+                                      _ptr]
+        self._decode_step.restype = _int
+        self._silu_checked: dict[tuple[int, int], bool] = {}  # (MLP width, threads) -> silu_matches
+        # decoder -> (what `applies` read, its answer): asked every decode step
+        self._applies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # decoder -> (weak references to its first packed weight and to the cache, model struct, layer structs): the
         # structs hold raw addresses, valid while those objects live (a weight update re-packs, a generate call
         # allocates its cache); all weak, so that the memo keeps none of them alive
@@ -97,6 +132,87 @@ class DecodeLayerKernel:
                 and isinstance(ops, StepOpsKernel) and ops.f32_lanes is not None and not s.moe
                 and ops.reads_tables(decoder.rope) and all(t.dtype == torch.float32 for t in decoder.rope.cos.values())
                 and max(s.hidden_size, s.head_dim) < 32768)  # cpu_step_ops' limit for the fp32 norm
+
+    def applies_to(self, decoder) -> bool:
+        """`applies(decoder)`, kept while the decoder's kernels, rotary tables, matmul and dtype are the same
+        objects."""
+        key = (decoder.matmul, decoder.dtype, decoder.panel_kernel, decoder.attention_kernel, decoder.step_ops,
+               decoder.rope)
+        memo = self._applies.get(decoder)
+        if memo is None or len(memo[0]) != len(key) or any(a is not b for a, b in zip(memo[0], key)):
+            memo = (key, self.applies(decoder))
+            self._applies[decoder] = memo
+        return memo[1]
+
+    def silu_matches(self, inter: int, threads: int) -> bool:
+        """Whether silu_mul_f32 gives torch's ``silu(gate).mul_(up)`` bit for bit for an MLP of width `inter` at
+        `threads` threads: tried once on row counts that split rows between torch's threads and leave odd runs."""
+        key = (inter, threads)
+        if key not in self._silu_checked:
+            self._silu_checked[key] = self._try_silu(inter, threads)
+            if not self._silu_checked[key]:
+                logger.info("native rollout: the C SiLU differs from torch's here (MLP width %d, %d threads), so the "
+                            "decode steps keep torch's activation between two calls a layer", inter, threads)
+        return self._silu_checked[key]
+
+    def _try_silu(self, inter: int, threads: int) -> bool:
+        vexp = torch_vector_exp()
+        if vexp is None:
+            return False
+        g = torch.Generator().manual_seed(0)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for rows in (1, 3, 16, 33, 64, 127):
+                gate_up = torch.randn(rows, 2 * inter, generator=g) * torch.tensor([0.5, 4.0, 30.0])[
+                    torch.randint(3, (rows, 2 * inter), generator=g)]
+                want = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+                got = torch.empty(rows, inter)
+                if self._silu(vexp[0], vexp[1], gate_up.data_ptr(), rows, inter, got.data_ptr(), threads) != 0:
+                    return False
+                if not torch.equal(got, want):
+                    return False
+        finally:
+            torch.set_num_threads(before)
+        return True
+
+    def step(self, decoder, tokens: torch.Tensor, positions: torch.Tensor, cache, rows, starts: dict,
+             length: int) -> torch.Tensor | None:
+        """A whole decode step as one C call: logits [R, vocab] fp32 for tokens [R] at positions [R] (cache, rows,
+        starts, length as in `layers`); None where it does not apply (an activation other than SiLU or a C SiLU
+        that is not torch's here, a final soft-cap, a head not packed for the panel kernel), and the caller runs
+        `layers`."""
+        s = decoder.shape
+        threads = torch.get_num_threads()
+        if (decoder.act is not F.silu or s.final_softcap is not None or not decoder.embed.is_contiguous()
+                or not self.silu_matches(s.intermediate_size, threads)):
+            return None
+        model, layers = self._structs(decoder, cache)
+        head = decoder.packed_weights()["lm_head"]
+        if not isinstance(head, PanelWeight) or head.panels.shape[1] != s.hidden_size:
+            return None
+        lenA, lenB = DecodeAttentionKernel.lengths(cache, length)
+        prompt_index = rows.prompt_index.to(torch.int64).contiguous() if cache.shared else None
+        positions = positions.to(torch.int64).contiguous()
+        tokens = tokens.to(torch.int64).contiguous()
+        per_window = {window: start.to(torch.int32).contiguous() for window, start in starts.items()}
+        starts_p = (ctypes.c_void_p * len(layers))(*(per_window[s.layers[li].window].data_ptr()
+                                                     for li in range(len(layers))))
+        step, _, _ = self._step(decoder, tokens.shape[0], threads, lenA + lenB)
+        x = torch.empty(tokens.shape[0], s.hidden_size)
+        step.lenA, step.lenB, step.positions, step.x = lenA, lenB, positions.data_ptr(), x.data_ptr()
+        step.prompt_index = _data(prompt_index)
+        logits = torch.empty(tokens.shape[0], head.out_features)
+        scale = 0.0 if decoder.embed_scale is None else float(decoder.embed_scale)
+        failed = self._decode_step(ctypes.addressof(model), ctypes.addressof(layers), len(layers),
+                                   ctypes.addressof(step), starts_p, tokens.data_ptr(), decoder.embed.data_ptr(),
+                                   decoder.embed.shape[0], scale, decoder.norm.data_ptr(), head.panels.data_ptr(),
+                                   head.out_features, logits.data_ptr())
+        if failed:
+            bad = tokens[(tokens < 0) | (tokens >= decoder.embed.shape[0])]
+            raise IndexError(f"native rollout: token ids {bad.tolist()[:8]} are outside the embedding's "
+                             f"{decoder.embed.shape[0]} rows")
+        return logits
 
     def layers(self, decoder, x: torch.Tensor, positions: torch.Tensor, cache, rows, starts: dict,
                length: int) -> torch.Tensor:
@@ -140,7 +256,7 @@ class DecodeLayerKernel:
 
         buffers = {"h": empty(R, s.hidden_size), "qkv": empty(R, (H + 2 * KV) * D), "q": empty(R, H * D),
                    "k": empty(R, KV * D), "v": empty(R, KV * D), "attn": empty(R, H * D),
-                   "gate_up": empty(R, 2 * inter),
+                   "gate_up": empty(R, 2 * inter), "act": empty(R, inter),
                    "scratch": DecodeAttentionKernel.scratch(threads, H // KV, D, capacity)}
         if spec.qk_norm:
             buffers |= {"qn": empty(R, H * D), "kn": empty(R, KV * D)}
@@ -152,7 +268,7 @@ class DecodeLayerKernel:
         self._steps[decoder] = ((R, threads), capacity, step, gate, up)
         return step, gate, up
 
-    def _structs(self, decoder, cache) -> tuple[_Model, list[_Layer]]:
+    def _structs(self, decoder, cache) -> tuple[_Model, ctypes.Array]:
         """The decoder's model struct and per-layer structs for `cache`, kept while its packed weights and the cache
         are the same objects (a weight update re-packs, a generate call allocates its cache)."""
         packed = decoder.packed_weights()
@@ -166,6 +282,9 @@ class DecodeLayerKernel:
                        hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                        inter=s.intermediate_size, eps=s.rms_norm_eps, scale=s.attention_scale,
                        softcap=s.attn_softcap or 0.0, lanes=ops.f32_lanes, sandwich=int(bool(spec.sandwich_norms)))
+        vexp = torch_vector_exp()
+        if vexp is not None:
+            model.vexp, model.vexp_width = vexp
         layers = []
         for li, (weights, tensors) in enumerate(zip(packed["layers"], decoder.layers)):
             key = s.layers[li].rope
@@ -185,5 +304,6 @@ class DecodeLayerKernel:
                 kA=kA.data_ptr(), vA=vA.data_ptr(), kAr=kA.stride(0), kAh=kA.stride(1), kAd=kA.stride(2),
                 vAr=vA.stride(0), vAh=vA.stride(1), kB=kB.data_ptr(), vB=vB.data_ptr(), kBr=kB.stride(0),
                 kBh=kB.stride(1), kBd=kB.stride(2), vBr=vB.stride(0), vBh=vB.stride(1)))
+        layers = (_Layer * len(layers))(*layers)  # one C array: decode_step_f32 walks it
         self._memo[decoder] = (weakref.ref(first), weakref.ref(cache), model, layers)
         return model, layers

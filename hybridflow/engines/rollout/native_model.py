@@ -24,6 +24,7 @@ MLP) so fp32 greedy decoding picks the same tokens. Differences are for speed:
 from __future__ import annotations
 
 import re
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +155,7 @@ class NativeDecoder:
         # the eager fp32 decode's layers as two C calls each (cpu_decode_layer.DecodeLayerKernel), set by the rollout
         # engine; used where its ``applies`` holds and the attention kernel takes the step
         self.layer_kernel = None
+        self._kernel_reads = None  # (cache, kernel, whether the kernel reads that cache), asked every decode step
 
         def empty(*size: int) -> torch.Tensor:
             return torch.zeros(size, dtype=dtype, device=device)
@@ -531,7 +533,7 @@ class NativeDecoder:
         """
         s = self.shape
         kernel, starts = self.attention_kernel, None
-        if kernel is not None and kernel.supports(cache):  # cpu_attention.py: first attended column per row
+        if kernel is not None and self._kernel_supports(kernel, cache):  # cpu_attention.py: first attended column
             starts = kernel.starts(prompt_bias, cache.prompt_len, column + 1, s.windows)
         if starts is None:
             biases = {w: attention_bias(cache, prompt_bias, column + 1, window=w) for w in s.windows}
@@ -552,7 +554,10 @@ class NativeDecoder:
         self._step_ops = self.step_ops
         try:
             layers = self.layer_kernel
-            if starts is not None and layers is not None and layers.applies(self):
+            if starts is not None and layers is not None and layers.applies_to(self):
+                logits = layers.step(self, tokens, positions, cache, rows, starts, column + 1)
+                if logits is not None:
+                    return logits
                 x = self._embed(tokens)
                 if self.embed_scale is not None:
                     x = x * self.embed_scale
@@ -560,6 +565,13 @@ class NativeDecoder:
             return self._logits(self._layers(tokens, positions, attend))
         finally:
             self._step_ops = None
+
+    def _kernel_supports(self, kernel, cache: KVCache) -> bool:
+        """``kernel.supports(cache)``, asked once per cache (a generate call's: its tensors are written in place)."""
+        memo = self._kernel_reads
+        if memo is None or memo[0]() is not cache or memo[1] is not kernel:
+            memo = self._kernel_reads = (weakref.ref(cache), kernel, kernel.supports(cache))
+        return memo[2]
 
     def decode_static(self, buf) -> None:
         """decode() on fixed-shape buffers (static_decode.StepBuffers), capturable as a CUDA graph.
