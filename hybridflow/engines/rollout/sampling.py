@@ -63,17 +63,18 @@ class StepUniforms:
 
     def __init__(self, keys: torch.Tensor, steps: int, chunk: int = 64):
         self.keys, self.steps, self.chunk = keys, steps, chunk
-        self.first, self.table = 0, None
+        self.first, self.table = 0, None  # table: [steps, rows], so that a step's draws are one contiguous row
 
     def at(self, step: int) -> torch.Tensor:
-        if self.table is None or not self.first <= step < self.first + self.table.shape[1]:
-            self.first, self.table = step, uniform_table(self.keys, step, max(1, min(self.chunk, self.steps - step)))
-        return self.table[:, step - self.first]
+        if self.table is None or not self.first <= step < self.first + self.table.shape[0]:
+            chunk = uniform_table(self.keys, step, max(1, min(self.chunk, self.steps - step)))
+            self.first, self.table = step, chunk.t().contiguous()
+        return self.table[step - self.first]
 
     def keep(self, index: torch.Tensor) -> None:
         self.keys = self.keys[index]
         if self.table is not None:
-            self.table = self.table[index]
+            self.table = self.table[:, index]
 
 
 # Rows are sampled in chunks of about this many logits, so that a chunk's probabilities and fp64 cumulative sums stay
