@@ -14,7 +14,7 @@
    silu_mul_f32 reproduces torch's `silu(gate).mul_(up)` bit for bit: torch's vector path computes
    x / (1 + exp(-x)) with its own vector exp (Sleef, passed in as a function pointer from libtorch), two vectors at a
    time, and the elements left over in each contiguous run of its loop with the scalar exp (glibc's expf). The two
-   exps differ in the last bit on ~1% of inputs, so which elements take which path is reproduced too: a row is one
+   exps differ in the last bit on some inputs, so which elements take which path is reproduced too: a row is one
    run, split where torch's parallel loop splits the flat index range between threads (cpu_decode_layer.py checks
    the result against torch's before using it). */
 #include <immintrin.h>
