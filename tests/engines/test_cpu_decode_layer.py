@@ -184,3 +184,18 @@ def test_a_token_outside_the_embedding_is_an_index_error(kernel, tmp_path):
     tokens = torch.tensor([1, vocab + 3, 2])
     with pytest.raises(IndexError, match="outside the embedding"):
         steps.decode(tokens, batch["position_ids"][:, -1] + 1, 0)
+
+
+def test_scaled_embeddings_take_the_same_bits_in_one_call(kernel, tmp_path):
+    """The one-call step scales the embedding rows as the eager step's ``x * embed_scale`` does (no SiLU model scales
+    them in transformers today; the path is there for one that does)."""
+    path = write_tiny_model(str(tmp_path / "qwen2"), "tiny", seed=0, arch="qwen2")
+    engine = create_rollout_engine("native", path, dtype="fp32", seed=3)
+    engine.model.embed_scale = torch.tensor(1.7)
+    calls = {"step": 0, "layers": 0}
+    one_call = _generate(engine, kernel, calls)
+    assert calls["step"] > 0
+    _assert_same(one_call, _generate(engine, None))
+    engine.model.embed_scale = None
+    assert not torch.equal(_generate(engine, kernel)[1].batch["rollout_log_probs"],
+                           one_call[1].batch["rollout_log_probs"])  # the scale did change the outputs
