@@ -5,6 +5,8 @@ where its kernels do not all run (bf16, MoE, without the attention kernel), and 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -73,11 +75,14 @@ def test_an_engine_gives_the_same_bits_with_and_without_the_layer_driver(kernel,
     assert engine.model.layer_kernel is kernel and kernel.applies(engine.model)
     calls = {"step": 0, "layers": 0}
     with_kernel = _generate(engine, kernel, calls)
-    # SiLU MLPs: the whole step as one call (its SiLU checked against torch's first); GELU ones: two calls a layer
-    one_call = engine.model.act is torch.nn.functional.silu
-    if one_call:  # where torch's vector exp is found, the C SiLU must be torch's bit for bit
-        assert cpu_decode_layer.torch_vector_exp() is not None, torch.backends.cpu.get_cpu_capability()
-        assert kernel.silu_matches(engine.model.shape.intermediate_size, torch.get_num_threads())
+    # SiLU and GELU-tanh MLPs without a final soft-cap: the whole step as one call (its activation checked against
+    # torch's first); Gemma 2 (final logit soft-cap): two calls a layer
+    s = engine.model.shape
+    one_call = s.final_softcap is None
+    assert s.activation in ("silu", "gelu_pytorch_tanh")
+    if one_call:  # where torch's vector function is found, the C activation must be torch's bit for bit
+        assert cpu_decode_layer.torch_vector_function("exp") is not None, torch.backends.cpu.get_cpu_capability()
+        assert kernel.activation_variant(s.activation, s.intermediate_size, torch.get_num_threads()) is not None
     assert calls["step" if one_call else "layers"] > 0 and calls["layers" if one_call else "step"] == 0, calls
     _assert_same(with_kernel, _generate(engine, None))
     # rows did stop and were compacted in the third call
@@ -135,40 +140,48 @@ def test_the_kept_step_buffers_follow_the_rows_threads_and_length(kernel, tmp_pa
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_c_silu_is_torchs_bit_for_bit(kernel, threads):
-    """silu_mul_f32 against torch's ``silu(gate).mul_(up)`` on a fused gate/up buffer: widths with and without a
-    scalar tail, row counts below and above torch's parallel grain (where torch splits a row between its threads)."""
-    vexp = cpu_decode_layer.torch_vector_exp()
-    assert vexp is not None, f"no vector exp found for torch's {torch.backends.cpu.get_cpu_capability()} kernels"
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_the_c_activation_is_torchs_bit_for_bit(kernel, activation, threads):
+    """act_mul_f32 against torch's ``act(gate).mul_(up)`` on a fused gate/up buffer: widths with and without a
+    scalar tail, row counts below and above torch's parallel thresholds (where torch splits a row between its
+    threads)."""
+    kind, name = cpu_decode_layer._ACTIVATIONS[activation]
+    vector = cpu_decode_layer.torch_vector_function(name)
+    assert vector is not None, f"no vector {name} found for torch's {torch.backends.cpu.get_cpu_capability()} kernels"
+    fma = kernel.activation_variant(activation, 512, threads)
+    assert fma is not None
+    torch_act = (torch.nn.functional.silu if activation == "silu"
+                 else functools.partial(torch.nn.functional.gelu, approximate="tanh"))
     g = torch.Generator().manual_seed(1)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for inter in (7, 100, 512, 1000, 1536):
-            for rows in (1, 5, 33, 64, 65, 127, 200):
+            for rows in (1, 5, 17, 33, 64, 65, 127, 200):
                 gate_up = torch.randn(rows, 2 * inter, generator=g) * 12.0
-                want = torch.nn.functional.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+                want = torch_act(gate_up[:, :inter]).mul_(gate_up[:, inter:])
                 got = torch.empty(rows, inter)
-                assert kernel._silu(vexp[0], vexp[1], gate_up.data_ptr(), rows, inter, got.data_ptr(), threads) == 0
+                assert kernel._act(kind, fma, vector[0], vector[1], gate_up.data_ptr(), rows, inter, got.data_ptr(),
+                                   threads) == 0
                 assert torch.equal(got, want), (inter, rows)
     finally:
         torch.set_num_threads(before)
 
 
-def test_without_a_matching_silu_the_layers_run_two_calls_each(kernel, tmp_path):
-    """Where the C SiLU is not torch's (silu_matches False), the steps take the two-call path with torch's
-    activation: the same bits again."""
+def test_without_a_matching_activation_the_layers_run_two_calls_each(kernel, tmp_path):
+    """Where the C activation is not torch's (activation_variant None), the steps take the two-call path with
+    torch's activation: the same bits again."""
     path = write_tiny_model(str(tmp_path / "llama"), "tiny", seed=0, arch="llama")
     engine = create_rollout_engine("native", path, dtype="fp32", seed=3)
-    key = (engine.model.shape.intermediate_size, torch.get_num_threads())
-    assert kernel.silu_matches(*key)
+    key = ("silu", engine.model.shape.intermediate_size, torch.get_num_threads())
+    assert kernel.activation_variant(*key) is not None
     one_call = _generate(engine, kernel)
-    kernel._silu_checked[key] = False
+    kernel._act_checked[key] = None
     try:
         calls = {"step": 0, "layers": 0}
         two_calls = _generate(engine, kernel, calls)
     finally:
-        del kernel._silu_checked[key]
+        del kernel._act_checked[key]
     assert calls["step"] == 0 and calls["layers"] > 0, calls
     _assert_same(one_call, two_calls)
 

@@ -8,15 +8,17 @@
    layer_attention_f32: x += o_proj(attention(rope(q/k (norms), v))) of input_norm(x), with the sandwich norm on
    the attention output where the architecture has one; then gate_up = gate_up_proj(mlp_norm(x)).
    layer_mlp_out_f32:   x += down_proj(act) (post-MLP norm first, where the architecture has one).
-   decode_step_f32:     a whole decode step in one call: the token embeddings, every layer with the SiLU gate in C
-                        (silu_mul_f32), the final norm and the output head's logits.
+   decode_step_f32:     a whole decode step in one call: the token embeddings, every layer with the MLP's gate in C
+                        (act_mul_f32), the final norm and the output head's logits.
 
-   silu_mul_f32 reproduces torch's `silu(gate).mul_(up)` bit for bit: torch's vector path computes
-   x / (1 + exp(-x)) with its own vector exp (Sleef, passed in as a function pointer from libtorch), two vectors at a
-   time, and the elements left over in each contiguous run of its loop with the scalar exp (glibc's expf). The two
-   exps differ in the last bit on some inputs, so which elements take which path is reproduced too: a row is one
-   run, split where torch's parallel loop splits the flat index range between threads (cpu_decode_layer.py checks
-   the result against torch's before using it). */
+   act_mul_f32 reproduces torch's `act(gate).mul_(up)` bit for bit for SiLU and GELU's tanh form. torch's vector path
+   computes x / (1 + exp(-x)), or 0.5 x (1 + tanh(beta (x + kappa x^3))), with its own vector exp or tanh (Sleef,
+   passed in as a function pointer from libtorch), two vectors at a time, and the elements left over in each
+   contiguous run of its loop with the scalar function (glibc's expf / tanhf). The vector and scalar functions differ
+   in the last bit on some inputs, so which elements take which path is reproduced too: a row is one run, split where
+   torch's parallel loop splits the flat index range between threads (SiLU and GELU use different thresholds). Where
+   torch's build fused x + kappa x^3 into one multiply-add, so does `fma`. cpu_decode_layer.py checks the result
+   against torch's before using it. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -43,8 +45,10 @@ struct model {
     float eps, scale, softcap; /* softcap 0: none */
     int lanes;                 /* the fp32 norm's vector width (cpu_step_ops.py's f32_lanes) */
     int sandwich;              /* norms around the attention and MLP outputs (Gemma) */
-    const void *vexp;          /* torch's vector exp (16 or 8 floats), for silu_mul_f32; NULL: not available */
-    int vexp_width;            /* 16 or 8 */
+    const void *vact;          /* torch's vector exp (SiLU) or tanh (GELU), 16 or 8 floats; NULL: not available */
+    int vact_width;            /* 16 or 8 */
+    int act;                   /* ACT_SILU or ACT_GELU_TANH */
+    int act_fma;               /* GELU: x + kappa x^3 as one multiply-add, as torch's build computes it */
 };
 
 /* one layer's tensors: packed weights, biases and norms (NULL where absent), its rotary table, its KV cache */
@@ -126,65 +130,95 @@ void layer_mlp_out_f32(const struct model *m, const struct layer *l, const struc
     }
 }
 
-/* ---- torch's SiLU, bit for bit ---------------------------------------------------------------------------- */
+/* ---- torch's MLP activations, bit for bit ----------------------------------------------------------------- */
 
-#define TORCH_GRAIN 32768 /* at::internal::GRAIN_SIZE: TensorIterator loops at least this long run on several threads */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+#define TORCH_GRAIN 32768       /* at::internal::GRAIN_SIZE: TensorIterator loops this long run on several threads */
+#define TORCH_GELU_PARALLEL 16384 /* GELU's own threshold, above which its grain is the elements over the threads */
+#define GELU_BETA ((float)(M_SQRT2 * M_2_SQRTPI * 0.5))
+#define GELU_KAPPA ((float)0.044715)
 
-/* y = x / (1 + exp(-x)) over n contiguous floats as torch's vectorised loop runs one contiguous run: two vectors at a
-   time with the vector exp, the rest with the scalar one */
-static void silu_run(const float *x, float *y, long n, const void *vexp, int width) {
+/* y = act(x) over n contiguous floats as torch's vectorised loop runs one contiguous run: two vectors at a time with
+   the vector function, the rest with the scalar one */
+static void act_run(int act, int fma, const float *x, float *y, long n, const void *vfn, int width) {
     long i = 0;
 #ifdef __AVX512F__
     if (width == 16) {
-        __m512 (*vexp16)(__m512) = (__m512(*)(__m512))vexp;
-        const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
-        for (; i + 32 <= n; i += 32) {
-            const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
-            const __m512 ea = vexp16(_mm512_xor_ps(sign, a)), eb = vexp16(_mm512_xor_ps(sign, b));
-            _mm512_storeu_ps(y + i, _mm512_div_ps(a, _mm512_add_ps(one, ea)));
-            _mm512_storeu_ps(y + i + 16, _mm512_div_ps(b, _mm512_add_ps(one, eb)));
-        }
+        __m512 (*f16)(__m512) = (__m512(*)(__m512))vfn;
+        const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f), half = _mm512_set1_ps(0.5f);
+        const __m512 beta = _mm512_set1_ps(GELU_BETA), kappa = _mm512_set1_ps(GELU_KAPPA);
+        while (i + 32 <= n)
+            for (int j = 0; j < 2; j++, i += 16) {
+                const __m512 v = _mm512_loadu_ps(x + i);
+                __m512 r;
+                if (act == ACT_SILU) {
+                    r = _mm512_div_ps(v, _mm512_add_ps(one, f16(_mm512_xor_ps(sign, v))));
+                } else {
+                    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(v, v), v);
+                    const __m512 sum = fma ? _mm512_fmadd_ps(kappa, cube, v) : _mm512_add_ps(v, _mm512_mul_ps(kappa, cube));
+                    r = _mm512_mul_ps(_mm512_mul_ps(half, v), _mm512_add_ps(one, f16(_mm512_mul_ps(beta, sum))));
+                }
+                _mm512_storeu_ps(y + i, r);
+            }
     }
 #endif
 #ifdef __AVX2__
     if (width == 8) {
-        __m256 (*vexp8)(__m256) = (__m256(*)(__m256))vexp;
-        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-        for (; i + 16 <= n; i += 16) {
-            const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
-            const __m256 ea = vexp8(_mm256_xor_ps(sign, a)), eb = vexp8(_mm256_xor_ps(sign, b));
-            _mm256_storeu_ps(y + i, _mm256_div_ps(a, _mm256_add_ps(one, ea)));
-            _mm256_storeu_ps(y + i + 8, _mm256_div_ps(b, _mm256_add_ps(one, eb)));
-        }
+        __m256 (*f8)(__m256) = (__m256(*)(__m256))vfn;
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f);
+        const __m256 beta = _mm256_set1_ps(GELU_BETA), kappa = _mm256_set1_ps(GELU_KAPPA);
+        while (i + 16 <= n)
+            for (int j = 0; j < 2; j++, i += 8) {
+                const __m256 v = _mm256_loadu_ps(x + i);
+                __m256 r;
+                if (act == ACT_SILU) {
+                    r = _mm256_div_ps(v, _mm256_add_ps(one, f8(_mm256_xor_ps(sign, v))));
+                } else {
+                    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+                    const __m256 sum = fma ? _mm256_fmadd_ps(kappa, cube, v) : _mm256_add_ps(v, _mm256_mul_ps(kappa, cube));
+                    r = _mm256_mul_ps(_mm256_mul_ps(half, v), _mm256_add_ps(one, f8(_mm256_mul_ps(beta, sum))));
+                }
+                _mm256_storeu_ps(y + i, r);
+            }
     }
 #endif
-    for (; i < n; i++) y[i] = x[i] / (1.0f + expf(-x[i]));
+    for (; i < n; i++) {
+        const float v = x[i];
+        if (act == ACT_SILU) {
+            y[i] = v / (1.0f + expf(-v));
+        } else {
+            const float cube = v * v * v, sum = fma ? fmaf(GELU_KAPPA, cube, v) : v + GELU_KAPPA * cube;
+            y[i] = 0.5f * v * (1.0f + tanhf(GELU_BETA * sum));
+        }
+    }
 }
 
-/* act [R, inter] = silu(gate) * up for gate_up [R, 2 inter] (gate, then up, per row), as torch computes
-   `silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])` with `threads` threads. Returns 0, or -1 when no vector exp
-   was given (the caller keeps torch's ops). */
-int silu_mul_f32(const void *vexp, int width, const float *gate_up, long R, long inter, float *act, int threads) {
-    if (!vexp || (width != 16 && width != 8)) return -1;
+/* act [R, inter] = act(gate) * up for gate_up [R, 2 inter] (gate, then up, per row), as torch computes
+   `act(gate_up[:, :inter]).mul_(gate_up[:, inter:])` with `threads` threads. Returns 0, or -1 when no vector
+   function was given or the activation is unknown (the caller keeps torch's ops). */
+int act_mul_f32(int act, int fma, const void *vfn, int width, const float *gate_up, long R, long inter, float *out,
+                int threads) {
+    if (!vfn || (width != 16 && width != 8) || (act != ACT_SILU && act != ACT_GELU_TANH)) return -1;
     /* torch splits the flat range [0, R * inter) in equal chunks, one per thread, once it is at least a grain long
        (at::parallel_for in TensorIterator::for_each); each chunk loops row by row, so a chunk boundary inside a row
        splits that row into two runs */
     const long numel = R * inter;
-    long chunk = numel;
-    if (threads > 1 && numel >= TORCH_GRAIN) {
-        long team = (numel + TORCH_GRAIN - 1) / TORCH_GRAIN;
+    long chunk = numel, grain = TORCH_GRAIN;
+    if (act == ACT_GELU_TANH && numel > TORCH_GELU_PARALLEL) grain = numel / threads;
+    if (threads > 1 && numel >= grain) {
+        long team = (numel + grain - 1) / grain;
         if (team > threads) team = threads;
         chunk = (numel + team - 1) / team;
     }
-#pragma omp parallel for num_threads(threads) schedule(static) if (numel >= TORCH_GRAIN)
+#pragma omp parallel for num_threads(threads) schedule(static) if (numel >= TORCH_GELU_PARALLEL)
     for (long r = 0; r < R; r++) {
         const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
-        float *y = act + r * inter;
+        float *y = out + r * inter;
         for (long c = 0; c < inter;) {
             const long flat = r * inter + c;
             long end = (flat / chunk + 1) * chunk - r * inter; /* the next chunk boundary, as a column */
             if (end > inter) end = inter;
-            silu_run(gate + c, y + c, end - c, vexp, width);
+            act_run(act, fma, gate + c, y + c, end - c, vfn, width);
             c = end;
         }
         for (long c = 0; c < inter; c++) y[c] = y[c] * up[c];
@@ -194,14 +228,14 @@ int silu_mul_f32(const void *vexp, int width, const float *gate_up, long R, long
 
 /* One decode step: x = embed[tokens] (* embed_scale, 0: none), every layer, then logits [R, vocab] of the final
    norm's rows through the packed head. starts[li]: layer li's first attended column per row. Returns 0, or -1 when a
-   token is outside the embedding (nothing is computed) or silu_mul_f32 cannot run. */
+   token is outside the embedding or no vector function was given (nothing is computed). */
 int decode_step_f32(const struct model *m, const struct layer *layers, long n_layers, const struct step *s,
                     const int32_t *const *starts, const int64_t *tokens, const float *embed, long vocab_rows,
                     float embed_scale, const float *final_norm, const float *head, long vocab, float *logits) {
     const long R = s->R, hid = m->hidden;
     for (long r = 0; r < R; r++)
         if (tokens[r] < 0 || tokens[r] >= vocab_rows) return -1;
-    if (!m->vexp) return -1;
+    if (!m->vact) return -1;
     for (long r = 0; r < R; r++) {
         float *x = s->x + r * hid;
         memcpy(x, embed + tokens[r] * hid, hid * sizeof(float));
@@ -210,7 +244,7 @@ int decode_step_f32(const struct model *m, const struct layer *layers, long n_la
     }
     for (long li = 0; li < n_layers; li++) {
         layer_attention_f32(m, layers + li, s, starts[li]);
-        silu_mul_f32(m->vexp, m->vexp_width, s->gate_up, R, m->inter, s->act, s->threads);
+        act_mul_f32(m->act, m->act_fma, m->vact, m->vact_width, s->gate_up, R, m->inter, s->act, s->threads);
         layer_mlp_out_f32(m, layers + li, s, s->act);
     }
     m->rms(R, 1, hid, s->x, hid, hid, final_norm, m->eps, m->lanes, s->h, s->threads);

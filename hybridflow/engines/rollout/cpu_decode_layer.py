@@ -6,9 +6,9 @@ checks, residual adds, gate/up split), each with its dispatch and allocation: at
 quarter of a generate call's wall time was outside the C kernels, and most of the tiny model's
 (``benchmarks/rollout_profile.py``'s ``kernel_seconds``). Here the first call runs the layer from its input norm
 through the attention block and the residual to the gate/up projection, and the second the down projection and its
-residual; between them the MLP activation stays torch's ``act(gate) * up``. Where the activation is SiLU and the C
-file's SiLU gives torch's bits here (checked against torch per MLP width and thread count, `silu_matches`),
-``step`` runs the whole decode step as one call instead: the token embeddings, every layer with the gate in C, the
+residual; between them the MLP activation stays torch's ``act(gate) * up``. Where the activation is SiLU or GELU's
+tanh form and the C file's gives torch's bits here (checked against torch per MLP width and thread count,
+`activation_variant`), ``step`` runs the whole decode step as one call instead: the token embeddings, every layer with the gate in C, the
 final norm and the output head. At 16 rows of the tiny model the two calls a layer and the torch ops around them
 cost more Python time than the kernels took.
 
@@ -50,7 +50,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("panel", _ptr), ("rms", _ptr), ("rope", _ptr), ("attn", _ptr),
                 ("hidden", _long), ("heads", _long), ("kv_heads", _long), ("head_dim", _long), ("inter", _long),
                 ("eps", _float), ("scale", _float), ("softcap", _float), ("lanes", _int), ("sandwich", _int),
-                ("vexp", _ptr), ("vexp_width", _int)]
+                ("vact", _ptr), ("vact_width", _int), ("act", _int), ("act_fma", _int)]
 
 
 class _Layer(ctypes.Structure):
@@ -80,16 +80,21 @@ def _data(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+# the activations the C file computes as torch does: config name -> (its enum, the vector function torch's kernel calls)
+_ACTIVATIONS = {"silu": (0, "exp"), "gelu_pytorch_tanh": (1, "tanh")}
+
+
 @functools.cache
-def torch_vector_exp() -> tuple[int, int] | None:
-    """(address, width) of the vector exp torch's fp32 elementwise kernels call here (Sleef's, in libtorch_cpu), for
-    the CPU capability torch dispatches to (16 floats with AVX-512, 8 with AVX2); None where neither is found."""
+def torch_vector_function(name: str) -> tuple[int, int] | None:
+    """(address, width) of the vector `name` ("exp" or "tanh") torch's fp32 elementwise kernels call here (Sleef's, in
+    libtorch_cpu), for the CPU capability torch dispatches to (16 floats with AVX-512, 8 with AVX2); None where it is
+    not found."""
     width = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability())
     path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
     if width is None or not path.exists():
         return None
     try:
-        function = getattr(ctypes.CDLL(os.fspath(path)), f"Sleef_expf{width}_u10")
+        function = getattr(ctypes.CDLL(os.fspath(path)), f"Sleef_{name}f{width}_u10")
     except (OSError, AttributeError):
         return None
     return ctypes.cast(function, ctypes.c_void_p).value, width
@@ -103,14 +108,15 @@ class DecodeLayerKernel:
         for function in (self._attention, self._mlp_out):
             function.argtypes = [_ptr, _ptr, _ptr, _ptr]
             function.restype = None
-        self._silu = lib.silu_mul_f32
-        self._silu.argtypes = [_ptr, _int, _ptr, _long, _long, _ptr, _int]
-        self._silu.restype = _int
+        self._act = lib.act_mul_f32
+        self._act.argtypes = [_int, _int, _ptr, _int, _ptr, _long, _long, _ptr, _int]
+        self._act.restype = _int
         self._decode_step = lib.decode_step_f32
         self._decode_step.argtypes = [_ptr, _ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _float, _ptr, _ptr, _long,
                                       _ptr]
         self._decode_step.restype = _int
-        self._silu_checked: dict[tuple[int, int], bool] = {}  # (MLP width, threads) -> silu_matches
+        # (activation, MLP width, threads) -> activation_variant
+        self._act_checked: dict[tuple[str, int, int], int | None] = {}
         # decoder -> (what `applies` read, its answer): asked every decode step
         self._applies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # decoder -> (weak references to its first packed weight and to the cache, model struct, layer structs): the
@@ -144,21 +150,29 @@ class DecodeLayerKernel:
             self._applies[decoder] = memo
         return memo[1]
 
-    def silu_matches(self, inter: int, threads: int) -> bool:
-        """Whether silu_mul_f32 gives torch's ``silu(gate).mul_(up)`` bit for bit for an MLP of width `inter` at
-        `threads` threads: tried once on row counts that split rows between torch's threads and leave odd runs."""
-        key = (inter, threads)
-        if key not in self._silu_checked:
-            self._silu_checked[key] = self._try_silu(inter, threads)
-            if not self._silu_checked[key]:
-                logger.info("native rollout: the C SiLU differs from torch's here (MLP width %d, %d threads), so the "
-                            "decode steps keep torch's activation between two calls a layer", inter, threads)
-        return self._silu_checked[key]
+    def activation_variant(self, activation: str, inter: int, threads: int) -> int | None:
+        """How act_mul_f32 gives torch's ``act(gate).mul_(up)`` bit for bit for `activation` (a config name) on an MLP
+        of width `inter` at `threads` threads: its `fma` flag (whether torch's build fused GELU's x + kappa x^3), or
+        None where neither way does (or the activation is not one it computes). Tried once per key, on row counts
+        that split rows between torch's threads and leave odd runs."""
+        key = (activation, inter, threads)
+        if key not in self._act_checked:
+            self._act_checked[key] = next((fma for fma in (1, 0) if self._try_activation(activation, fma, inter,
+                                                                                          threads)), None)
+            if self._act_checked[key] is None and activation in _ACTIVATIONS:
+                logger.info("native rollout: the C %s differs from torch's here (MLP width %d, %d threads), so the "
+                            "decode steps keep torch's activation between two calls a layer", activation, inter,
+                            threads)
+        return self._act_checked[key]
 
-    def _try_silu(self, inter: int, threads: int) -> bool:
-        vexp = torch_vector_exp()
-        if vexp is None:
+    def _try_activation(self, activation: str, fma: int, inter: int, threads: int) -> bool:
+        if activation not in _ACTIVATIONS:
             return False
+        kind, name = _ACTIVATIONS[activation]
+        vector = torch_vector_function(name)
+        if vector is None:
+            return False
+        torch_act = F.silu if kind == 0 else functools.partial(F.gelu, approximate="tanh")
         g = torch.Generator().manual_seed(0)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -166,11 +180,10 @@ class DecodeLayerKernel:
             for rows in (1, 3, 16, 33, 64, 127):
                 gate_up = torch.randn(rows, 2 * inter, generator=g) * torch.tensor([0.5, 4.0, 30.0])[
                     torch.randint(3, (rows, 2 * inter), generator=g)]
-                want = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+                want = torch_act(gate_up[:, :inter]).mul_(gate_up[:, inter:])
                 got = torch.empty(rows, inter)
-                if self._silu(vexp[0], vexp[1], gate_up.data_ptr(), rows, inter, got.data_ptr(), threads) != 0:
-                    return False
-                if not torch.equal(got, want):
+                if self._act(kind, fma, vector[0], vector[1], gate_up.data_ptr(), rows, inter, got.data_ptr(),
+                             threads) != 0 or not torch.equal(got, want):
                     return False
         finally:
             torch.set_num_threads(before)
@@ -184,10 +197,15 @@ class DecodeLayerKernel:
         `layers`."""
         s = decoder.shape
         threads = torch.get_num_threads()
-        if (decoder.act is not F.silu or s.final_softcap is not None or not decoder.embed.is_contiguous()
-                or not self.silu_matches(s.intermediate_size, threads)):
+        if s.final_softcap is not None or not decoder.embed.is_contiguous():
+            return None
+        fma = self.activation_variant(s.activation, s.intermediate_size, threads)
+        if fma is None:
             return None
         model, layers = self._structs(decoder, cache)
+        kind, name = _ACTIVATIONS[s.activation]
+        model.act, model.act_fma = kind, fma
+        model.vact, model.vact_width = torch_vector_function(name)
         head = decoder.packed_weights()["lm_head"]
         if not isinstance(head, PanelWeight) or head.panels.shape[1] != s.hidden_size:
             return None
@@ -282,9 +300,6 @@ class DecodeLayerKernel:
                        hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                        inter=s.intermediate_size, eps=s.rms_norm_eps, scale=s.attention_scale,
                        softcap=s.attn_softcap or 0.0, lanes=ops.f32_lanes, sandwich=int(bool(spec.sandwich_norms)))
-        vexp = torch_vector_exp()
-        if vexp is not None:
-            model.vexp, model.vexp_width = vexp
         layers = []
         for li, (weights, tensors) in enumerate(zip(packed["layers"], decoder.layers)):
             key = s.layers[li].rope
