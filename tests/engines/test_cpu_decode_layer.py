@@ -1,7 +1,9 @@
-"""The fp32 decode layers as two C calls each (engines/rollout/cpu_decode_layer.py, cpu_decode_layer.c): an engine's
-tokens and log-probs are the same bits with and without it on every dense architecture, with a shared (n > 1) and an
-unshared prompt cache, with rows stopping and being compacted mid-call, and after a weight update; it is not used
-where its kernels do not all run (bf16, MoE, without the attention kernel), and those engines still generate."""
+"""The fp32 decode-layer driver (engines/rollout/cpu_decode_layer.py, cpu_decode_layer.c): a decode step as one C
+call, or two C calls a layer where the C activation is not torch's. An engine's tokens and log-probs are the same bits
+with and without it on every dense architecture, with a shared (n > 1) and an unshared prompt cache, with rows
+stopping and being compacted mid-call, and after a weight update; the C SiLU and GELU-tanh are torch's bit for bit;
+it is not used where its kernels do not all run (bf16, MoE, without the attention kernel), and those engines still
+generate."""
 
 from __future__ import annotations
 
@@ -75,15 +77,13 @@ def test_an_engine_gives_the_same_bits_with_and_without_the_layer_driver(kernel,
     assert engine.model.layer_kernel is kernel and kernel.applies(engine.model)
     calls = {"step": 0, "layers": 0}
     with_kernel = _generate(engine, kernel, calls)
-    # SiLU and GELU-tanh MLPs without a final soft-cap: the whole step as one call (its activation checked against
-    # torch's first); Gemma 2 (final logit soft-cap): two calls a layer
+    # SiLU and GELU-tanh MLPs: the whole step as one call (its activation checked against torch's first; where
+    # torch's vector function is found, the C activation must be torch's bit for bit)
     s = engine.model.shape
-    one_call = s.final_softcap is None
     assert s.activation in ("silu", "gelu_pytorch_tanh")
-    if one_call:  # where torch's vector function is found, the C activation must be torch's bit for bit
-        assert cpu_decode_layer.torch_vector_function("exp") is not None, torch.backends.cpu.get_cpu_capability()
-        assert kernel.activation_variant(s.activation, s.intermediate_size, torch.get_num_threads()) is not None
-    assert calls["step" if one_call else "layers"] > 0 and calls["layers" if one_call else "step"] == 0, calls
+    assert cpu_decode_layer.torch_vector_function("exp") is not None, torch.backends.cpu.get_cpu_capability()
+    assert kernel.activation_variant(s.activation, s.intermediate_size, torch.get_num_threads()) is not None
+    assert calls["step"] > 0 and calls["layers"] == 0, calls
     _assert_same(with_kernel, _generate(engine, None))
     # rows did stop and were compacted in the third call
     assert (with_kernel[2].batch["response_mask"].sum(-1) < 16).any()

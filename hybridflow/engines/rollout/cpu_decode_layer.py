@@ -192,12 +192,11 @@ class DecodeLayerKernel:
     def step(self, decoder, tokens: torch.Tensor, positions: torch.Tensor, cache, rows, starts: dict,
              length: int) -> torch.Tensor | None:
         """A whole decode step as one C call: logits [R, vocab] fp32 for tokens [R] at positions [R] (cache, rows,
-        starts, length as in `layers`); None where it does not apply (an activation other than SiLU or a C SiLU
-        that is not torch's here, a final soft-cap, a head not packed for the panel kernel), and the caller runs
-        `layers`."""
+        starts, length as in `layers`); None where it does not apply (an activation the C file does not compute as
+        torch does here, a head not packed for the panel kernel), and the caller runs `layers`."""
         s = decoder.shape
         threads = torch.get_num_threads()
-        if s.final_softcap is not None or not decoder.embed.is_contiguous():
+        if not decoder.embed.is_contiguous():
             return None
         fma = self.activation_variant(s.activation, s.intermediate_size, threads)
         if fma is None:
@@ -230,6 +229,9 @@ class DecodeLayerKernel:
             bad = tokens[(tokens < 0) | (tokens >= decoder.embed.shape[0])]
             raise IndexError(f"native rollout: token ids {bad.tolist()[:8]} are outside the embedding's "
                              f"{decoder.embed.shape[0]} rows")
+        cap = s.final_softcap
+        if cap is not None:  # Gemma 2, as the eager step's _logits: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
     def layers(self, decoder, x: torch.Tensor, positions: torch.Tensor, cache, rows, starts: dict,
