@@ -1,16 +1,15 @@
-"""An fp32 decode step's layers on CPU as two C calls a layer (cpu_decode_layer.c), built on first use.
+"""An fp32 decode step on CPU as one C call, or its layers as two C calls each (cpu_decode_layer.c), built on first use.
 
 Why: with its projections, attention, norms and rotary embedding each one C call, an eager fp32 decode step still ran
 a dozen Python-level operations a layer (norm, projection, slicing and views, rotation, attention with its argument
 checks, residual adds, gate/up split), each with its dispatch and allocation: at 16 rows of the ~21M "mid" model a
 quarter of a generate call's wall time was outside the C kernels, and most of the tiny model's
-(``benchmarks/rollout_profile.py``'s ``kernel_seconds``). Here the first call runs the layer from its input norm
-through the attention block and the residual to the gate/up projection, and the second the down projection and its
-residual; between them the MLP activation stays torch's ``act(gate) * up``. Where the activation is SiLU or GELU's
-tanh form and the C file's gives torch's bits here (checked against torch per MLP width and thread count,
-`activation_variant`), ``step`` runs the whole decode step as one call instead: the token embeddings, every layer with the gate in C, the
-final norm and the output head. At 16 rows of the tiny model the two calls a layer and the torch ops around them
-cost more Python time than the kernels took.
+(``benchmarks/rollout_profile.py``'s ``kernel_seconds``). ``step`` runs the whole decode step as one call: the token
+embeddings, every layer with the MLP's gate in C, the final norm and the output head; that needs the gate (SiLU or
+GELU's tanh form) to give torch's bits here, checked against torch per MLP width and thread count
+(`activation_variant`). Where it does not, ``layers`` runs each layer as two calls, the first from its input norm
+through the attention block and the residual to the gate/up projection, the second the down projection and its
+residual, with torch's ``act(gate) * up`` between them.
 
 Exactness: the C driver calls the same kernels as the eager step (through their function pointers) with the same
 arguments in the same order; a residual is one fp32 add per element either way. So tokens and log-probs are the same
@@ -145,7 +144,7 @@ class DecodeLayerKernel:
         key = (decoder.matmul, decoder.dtype, decoder.panel_kernel, decoder.attention_kernel, decoder.step_ops,
                decoder.rope)
         memo = self._applies.get(decoder)
-        if memo is None or len(memo[0]) != len(key) or any(a is not b for a, b in zip(memo[0], key)):
+        if memo is None or any(a is not b for a, b in zip(memo[0], key)):
             memo = (key, self.applies(decoder))
             self._applies[decoder] = memo
         return memo[1]
@@ -199,15 +198,13 @@ class DecodeLayerKernel:
         if not decoder.embed.is_contiguous():
             return None
         fma = self.activation_variant(s.activation, s.intermediate_size, threads)
-        if fma is None:
+        head = decoder.packed_weights()["lm_head"]
+        if fma is None or not isinstance(head, PanelWeight) or head.panels.shape[1] != s.hidden_size:
             return None
         model, layers = self._structs(decoder, cache)
         kind, name = _ACTIVATIONS[s.activation]
         model.act, model.act_fma = kind, fma
         model.vact, model.vact_width = torch_vector_function(name)
-        head = decoder.packed_weights()["lm_head"]
-        if not isinstance(head, PanelWeight) or head.panels.shape[1] != s.hidden_size:
-            return None
         lenA, lenB = DecodeAttentionKernel.lengths(cache, length)
         prompt_index = rows.prompt_index.to(torch.int64).contiguous() if cache.shared else None
         positions = positions.to(torch.int64).contiguous()

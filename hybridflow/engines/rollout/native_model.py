@@ -152,8 +152,8 @@ class NativeDecoder:
         # by the rollout engine; active (_step_ops) only inside decode()
         self.step_ops = None
         self._step_ops = None
-        # the eager fp32 decode's layers as two C calls each (cpu_decode_layer.DecodeLayerKernel), set by the rollout
-        # engine; used where its ``applies`` holds and the attention kernel takes the step
+        # the eager fp32 decode step as one C call, or its layers as two each (cpu_decode_layer.DecodeLayerKernel), set
+        # by the rollout engine; used where its ``applies`` holds and the attention kernel takes the step
         self.layer_kernel = None
         self._kernel_reads = None  # (cache, kernel, whether the kernel reads that cache), asked every decode step
 
