@@ -14,7 +14,7 @@ projections").
 
 Exactness: fp32 products with fp32 FMA accumulation over k in order, bias added last; results differ from
 ``F.linear`` by rounding only, and a row's result never depends on how many rows are in the call. It needs AVX-512F,
-or AVX2 with FMA (used by default with AVX-512 only: `kernel_for`); on other CPUs, without a compiler, or when the
+or AVX2 with FMA; on other CPUs, without a compiler, or when the
 build fails, `load` returns None (logged once) and the decoder keeps oneDNN's packed weights. The training engine's
 forward is oneDNN's, so the batch-invariant mode (bitwise equal log-probs) keeps oneDNN in the rollout too.
 """
@@ -56,16 +56,11 @@ def _cpu_has(probe: str) -> bool:
 
 
 def kernel_for(setting: bool | None) -> PanelLinearKernel | None:
-    """The kernel a decoder uses for `setting` (its ``linear_kernel``): False -> None; True -> the kernel built here,
-    any build; None (default) -> the AVX-512 build only. The AVX2 build beat oneDNN's AVX2 kernels at 1-16 rows but
-    took 1.45-1.78x their time at 64 (measured with oneDNN limited to AVX2, ``ONEDNN_MAX_CPU_ISA=AVX2``, on an AVX-512
-    CPU; docs/benchmarks.md), so AVX2-only CPUs keep oneDNN unless asked."""
-    if setting is False:
-        return None
-    kernel = load()
-    if setting is None and kernel is not None and kernel.vector_width != 16:
-        return None
-    return kernel
+    """The kernel a decoder uses for `setting` (its ``linear_kernel``): False -> None; True or None (default) -> the
+    kernel built here, the AVX-512 or the AVX2 build. (Until the AVX2 build kept its sums in registers it ran at half
+    the FMA rate and AVX2-only CPUs kept oneDNN by default; on an AVX2-only AMD EPYC it now beats oneDNN's packed
+    product at 8-64 rows: docs/benchmarks.md, twenty-third session.)"""
+    return None if setting is False else load()
 
 
 class PanelWeight:

@@ -23,9 +23,9 @@ once the projections ran on cpu_linear.py's kernel, docs/benchmarks.md); True: t
 run; False: never.
 
 ``linear_kernel``: on CPU in fp32 the projections of packed weights run as one C kernel (cpu_linear.py) instead of
-oneDNN's packed matmul. None (default): on CPUs with AVX-512 where it builds (cpu_linear.kernel_for), except with
-``batch_invariant`` (which needs the training engine's oneDNN products); True: also its AVX2 build, and an error where
-it cannot run; False: oneDNN.
+oneDNN's packed matmul. None (default): where it builds (AVX-512, or AVX2 with FMA: cpu_linear.kernel_for), except
+with ``batch_invariant`` (which needs the training engine's oneDNN products); True: the same, and an error where it
+cannot run; False: oneDNN.
 """
 
 from __future__ import annotations
