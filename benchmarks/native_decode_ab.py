@@ -10,7 +10,8 @@ separate runs. A variant is ``hf`` or ``native`` plus ``+key=value`` engine kwar
 ``prepack=false``); ``+experts=dense`` runs a MoE model's routed experts with F.linear on the fused tensors (the
 dispatch before the experts were packed), everything else unchanged; ``+one_call=false`` runs an fp32 decode step's
 layers as two C calls each with torch's activation between them (cpu_decode_layer.py's ``layers``) instead of the
-whole step as one call (its ``step``). --batch rows: --batch / --n prompts (rollout_throughput.py's) x --n samples
+whole step as one call (its ``step``); ``+layers=eager`` runs the eager step without that driver (every op from
+Python, as a routed-experts model's steps ran before the driver took them). --batch rows: --batch / --n prompts (rollout_throughput.py's) x --n samples
 (default 64 x 1), 64 new tokens at temperature 1; ``first_call_s`` is each variant's first generate call (a compiled
 step compiles there), ``best_new_tokens_per_s`` the best of --rounds calls after it.
 """
@@ -55,9 +56,12 @@ def build(variant: str, path: str, dtype: str, threads: int):
         kwargs[key] = {"true": True, "false": False}.get(value.lower(), value)
     experts = kwargs.pop("experts", None)
     one_call = kwargs.pop("one_call", True)
+    eager = kwargs.pop("layers", None) == "eager"
     engine = create_rollout_engine(name, path, dtype=dtype, num_threads=threads, **kwargs)
     if not one_call and engine.model.layer_kernel is not None:
         engine.model.layer_kernel = _TwoCallsALayer(engine.model.layer_kernel)
+    if eager:
+        engine.model.layer_kernel = None
     if experts == "dense":
         model = engine.model
         model._expert_mlp = lambda li: dense_experts(model.layers[li]["experts_gate_up"],

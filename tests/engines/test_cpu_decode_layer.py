@@ -2,12 +2,14 @@
 call, or two C calls a layer where the C activation is not torch's. An engine's tokens and log-probs are the same bits
 with and without it on every dense architecture, with a shared (n > 1) and an unshared prompt cache, with rows
 stopping and being compacted mid-call, and after a weight update; the C SiLU and GELU-tanh are torch's bit for bit;
-it is not used where its kernels do not all run (bf16, MoE, without the attention kernel), and those engines still
-generate."""
+routed-experts (MoE) layers run their experts as one C call with the same bits; it is not used where its kernels do
+not all run (bf16, without the attention kernel), and those engines still generate."""
 
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,12 @@ def kernel():
     built = cpu_decode_layer.load()
     assert built is not None, "the decode-layer driver did not build on this machine (see the log warning)"
     return built
+
+
+def _engine(path: str, **kwargs):
+    """An fp32 native engine on the panel kernel, which the driver needs (asked for: the default takes it wherever
+    it builds, and these tests are about the driver, not that default)."""
+    return create_rollout_engine("native", path, dtype="fp32", seed=3, linear_kernel=True, **kwargs)
 
 
 def _prompts(engine) -> DataProto:
@@ -73,7 +81,7 @@ def _assert_same(with_kernel, without) -> None:
 @pytest.mark.parametrize("arch", DENSE)
 def test_an_engine_gives_the_same_bits_with_and_without_the_layer_driver(kernel, tmp_path, arch):
     path = write_tiny_model(str(tmp_path / arch), "tiny", seed=0, arch=arch)
-    engine = create_rollout_engine("native", path, dtype="fp32", seed=3)
+    engine = _engine(path)
     assert engine.model.layer_kernel is kernel and kernel.applies(engine.model)
     calls = {"step": 0, "layers": 0}
     with_kernel = _generate(engine, kernel, calls)
@@ -91,12 +99,13 @@ def test_an_engine_gives_the_same_bits_with_and_without_the_layer_driver(kernel,
 
 def test_a_weight_update_is_read_by_the_next_steps(kernel, tmp_path):
     path = write_tiny_model(str(tmp_path / "qwen3"), "tiny", seed=0, arch="qwen3")
-    engine = create_rollout_engine("native", path, dtype="fp32", seed=3)
+    engine = _engine(path)
+    assert kernel.applies(engine.model)
     _generate(engine, kernel)  # the driver's structs now point at the packed weights of the first load
     other = write_tiny_model(str(tmp_path / "other"), "tiny", seed=1, arch="qwen3")
     from safetensors.torch import load_file
     engine.update_weights(load_file(f"{other}/model.safetensors").items())
-    fresh = create_rollout_engine("native", other, dtype="fp32", seed=3)
+    fresh = _engine(other)
     fresh.model.layer_kernel = None
     _assert_same(_generate(engine, kernel), _generate(fresh, None))
 
@@ -105,20 +114,67 @@ def test_it_is_not_used_where_its_kernels_do_not_all_run(kernel, tmp_path):
     path = write_tiny_model(str(tmp_path / "qwen2"), "tiny", seed=0, arch="qwen2")
     bf16 = create_rollout_engine("native", path, dtype="bf16", seed=3)
     assert bf16.model.layer_kernel is None  # bf16 projections are oneDNN's
-    fp32 = create_rollout_engine("native", path, dtype="fp32", seed=3, attention_kernel=False)
+    fp32 = _engine(path, attention_kernel=False)
     assert not kernel.applies(fp32.model)  # the attention as torch matmuls: the eager layers run
     _generate(fp32, kernel)
-    moe_path = write_tiny_model(str(tmp_path / "moe"), "tiny", seed=0, arch="qwen3_moe")
-    moe = create_rollout_engine("native", moe_path, dtype="fp32", seed=3)
-    assert not kernel.applies(moe.model)
-    assert all(out.batch["response_mask"].sum() > 0 for out in _generate(moe, moe.model.layer_kernel))
+
+
+def _moe_model(tmp_path, k: int) -> str:
+    """A tiny Qwen3-MoE (4 experts) routing each token to k of them; k = 3 without renormalised weights, so that a
+    token sums three experts' outputs, where the order of the sum shows."""
+    path = write_tiny_model(str(tmp_path / f"moe{k}"), "tiny", seed=0, arch="qwen3_moe")
+    if k != 2:
+        config = json.loads(Path(path, "config.json").read_text())
+        config |= {"num_experts_per_tok": k, "norm_topk_prob": False}
+        Path(path, "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _count_routed(monkeypatch, kernel) -> list[int]:
+    """Counts the routed-experts layers that ran as one C call."""
+    count, real = [0], kernel._moe_out
+
+    def moe_out(*args):
+        count[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(kernel, "_moe_out", moe_out)
+    return count
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_routed_experts_model_gives_the_same_bits_with_its_experts_in_c(kernel, tmp_path, monkeypatch, k):
+    """Qwen3-MoE: each routed layer's experts as one C call (the router in torch between the layer's calls) give
+    moe.py's dispatch's bits, tokens, log-probs and the routes recorded for routing replay."""
+    engine = _engine(_moe_model(tmp_path, k), record_routes=True)
+    assert engine.model.shape.experts_per_token == k and kernel.applies(engine.model)
+    calls, routed = {"step": 0, "layers": 0}, _count_routed(monkeypatch, kernel)
+    with_kernel = _generate(engine, kernel, calls)
+    assert calls["step"] == 0 and calls["layers"] > 0 and routed[0] > 0, (calls, routed)
+    without = _generate(engine, None)
+    _assert_same(with_kernel, without)
+    for a, b in zip(with_kernel, without):
+        assert torch.equal(a.batch["routed_experts"], b.batch["routed_experts"])
+        assert (a.batch["routed_experts"] >= 0).any()
+
+
+def test_a_routed_experts_model_keeps_torchs_dispatch_where_the_c_gate_differs(kernel, tmp_path, monkeypatch):
+    engine = _engine(_moe_model(tmp_path, 2))
+    s = engine.model.shape
+    key = (s.activation, s.moe_intermediate_size, torch.get_num_threads())
+    one_call = _generate(engine, kernel)
+    monkeypatch.setitem(kernel._act_checked, key, None)
+    routed = _count_routed(monkeypatch, kernel)
+    _assert_same(one_call, _generate(engine, kernel))
+    assert routed[0] == 0
 
 
 def test_the_kept_step_buffers_follow_the_rows_threads_and_length(kernel, tmp_path):
     """The driver keeps its work buffers between steps and calls (cpu_decode_layer.DecodeLayerKernel._step): a call
     with more rows, one on another thread count and one whose keys outgrow the attention's scratch get new ones."""
     path = write_tiny_model(str(tmp_path / "qwen2"), "tiny", seed=0, arch="qwen2")
-    engine = create_rollout_engine("native", path, dtype="fp32", seed=3)
+    engine = _engine(path)
+    assert kernel.applies(engine.model)
     calls = [SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=1),
              SamplingParams(temperature=1.0, max_new_tokens=8, n=5, seed=2),  # more rows
              SamplingParams(temperature=1.0, max_new_tokens=300, n=1, seed=4)]  # past the scratch's first 256 keys
@@ -172,7 +228,7 @@ def test_without_a_matching_activation_the_layers_run_two_calls_each(kernel, tmp
     """Where the C activation is not torch's (activation_variant None), the steps take the two-call path with
     torch's activation: the same bits again."""
     path = write_tiny_model(str(tmp_path / "llama"), "tiny", seed=0, arch="llama")
-    engine = create_rollout_engine("native", path, dtype="fp32", seed=3)
+    engine = _engine(path)
     key = ("silu", engine.model.shape.intermediate_size, torch.get_num_threads())
     assert kernel.activation_variant(*key) is not None
     one_call = _generate(engine, kernel)
@@ -190,7 +246,7 @@ def test_a_token_outside_the_embedding_is_an_index_error(kernel, tmp_path):
     from hybridflow.engines.rollout.native_rollout import _EagerSteps
 
     path = write_tiny_model(str(tmp_path / "qwen2"), "tiny", seed=0, arch="qwen2")
-    engine = create_rollout_engine("native", path, dtype="fp32", seed=3)
+    engine = _engine(path)
     batch = _prompts(engine).batch
     steps = _EagerSteps(engine, batch["input_ids"], batch["position_ids"], batch["attention_mask"], 1, 4)
     vocab = engine.model.embed.shape[0]
@@ -203,7 +259,7 @@ def test_scaled_embeddings_take_the_same_bits_in_one_call(kernel, tmp_path):
     """The one-call step scales the embedding rows as the eager step's ``x * embed_scale`` does (no SiLU model scales
     them in transformers today; the path is there for one that does)."""
     path = write_tiny_model(str(tmp_path / "qwen2"), "tiny", seed=0, arch="qwen2")
-    engine = create_rollout_engine("native", path, dtype="fp32", seed=3)
+    engine = _engine(path)
     engine.model.embed_scale = torch.tensor(1.7)
     calls = {"step": 0, "layers": 0}
     one_call = _generate(engine, kernel, calls)

@@ -116,7 +116,8 @@ void layer_attention_f32(const struct model *m, const struct layer *l, const str
     /* the MLP's input and its gate/up projection */
     m->rms(R, 1, hid, s->x, hid, hid, m->sandwich ? l->pre_ff_norm : l->post_attn_norm, m->eps, m->lanes, s->h,
            s->threads);
-    m->panel(s->h, R, hid, l->gate_up, 2 * m->inter, l->gate_up_bias, s->gate_up);
+    if (l->gate_up) /* NULL on a routed-experts layer: its MLP runs in layer_moe_out_f32 on h */
+        m->panel(s->h, R, hid, l->gate_up, 2 * m->inter, l->gate_up_bias, s->gate_up);
 }
 
 void layer_mlp_out_f32(const struct model *m, const struct layer *l, const struct step *s, const float *act) {
@@ -128,6 +129,73 @@ void layer_mlp_out_f32(const struct model *m, const struct layer *l, const struc
     } else {
         residual_add(s->x, s->h, R * hid);
     }
+}
+
+/* ---- routed experts (Qwen3-MoE) ------------------------------------------------------------------------- */
+
+/* a routed-experts layer's packed expert weights: expert e's gate_up [2 inter, hidden] and down [hidden, inter] */
+struct moe_layer {
+    const float *const *gate_up, *const *down;
+};
+
+/* a decode step's routed-experts shape and work buffers, for R rows of k assignments each (contiguous) */
+struct moe_step {
+    long experts, k, inter;
+    int act, act_fma; /* the experts' gate, as struct model's act / act_fma for their width */
+    int64_t *token;   /* [R k]: the row of each assignment, grouped by expert */
+    float *weight;    /* [R k]: its routing weight */
+    float *rows;      /* [R k, hidden]: the assigned rows of h */
+    float *gate_up;   /* [R k, 2 inter] */
+    float *act_out;   /* [R k, inter] */
+    float *y;         /* [R k, hidden]: each assignment's expert output, then times its weight */
+    float *sum;       /* [R, hidden]: a row's weighted outputs summed */
+};
+
+int act_mul_f32(int act, int fma, const void *vfn, int width, const float *gate_up, long R, long inter, float *out,
+                int threads);
+
+/* x += sum over each row's k experts of weight * expert_mlp(h), for weights [R, k] (fp32) and expert ids [R, k]
+   from the router (run by the caller on s->h, the MLP norm's output layer_attention_f32 left there), as moe.py's
+   dispatch computes it: the assignments grouped by expert in ascending order, stable (a row's order within an
+   expert is its index), each expert's rows through its gate_up product, the gate and its down product as one
+   call each, every output times its weight, then summed per row from zero in that order, and the residual add.
+   Returns 0, or -1 when an expert id is out of range, no vector function was given or the model has sandwich norms
+   (no routed-experts architecture has them; nothing is changed). */
+int layer_moe_out_f32(const struct model *m, const struct moe_layer *e, const struct step *s,
+                      const struct moe_step *w, const float *weights, const int64_t *experts) {
+    const long R = s->R, hid = m->hidden, k = w->k, E = w->experts, I = w->inter, A = R * k;
+    if (!m->vact || m->sandwich) return -1;
+    for (long a = 0; a < A; a++)
+        if (experts[a] < 0 || experts[a] >= E) return -1;
+    long next[E + 1];
+    memset(next, 0, sizeof(next));
+    for (long a = 0; a < A; a++) next[experts[a] + 1]++;
+    for (long x = 0; x < E; x++) next[x + 1] += next[x]; /* next[x]: expert x's first slot */
+    long first[E + 1];
+    memcpy(first, next, sizeof(first));
+    for (long a = 0; a < A; a++) {
+        const long slot = next[experts[a]]++;
+        w->token[slot] = a / k;
+        w->weight[slot] = weights[a];
+        memcpy(w->rows + slot * hid, s->h + (a / k) * hid, hid * sizeof(float));
+    }
+    for (long x = 0; x < E; x++) {
+        const long n = first[x + 1] - first[x], at = first[x];
+        if (!n) continue;
+        m->panel(w->rows + at * hid, n, hid, e->gate_up[x], 2 * I, NULL, w->gate_up + at * 2 * I);
+        act_mul_f32(w->act, w->act_fma, m->vact, m->vact_width, w->gate_up + at * 2 * I, n, I, w->act_out + at * I,
+                    s->threads);
+        m->panel(w->act_out + at * I, n, I, e->down[x], hid, NULL, w->y + at * hid);
+    }
+    for (long slot = 0; slot < A; slot++) {
+        float *y = w->y + slot * hid;
+        const float weight = w->weight[slot];
+        for (long i = 0; i < hid; i++) y[i] = y[i] * weight;
+    }
+    memset(w->sum, 0, R * hid * sizeof(float));
+    for (long slot = 0; slot < A; slot++) residual_add(w->sum + w->token[slot] * hid, w->y + slot * hid, hid);
+    residual_add(s->x, w->sum, R * hid);
+    return 0;
 }
 
 /* ---- torch's MLP activations, bit for bit ----------------------------------------------------------------- */

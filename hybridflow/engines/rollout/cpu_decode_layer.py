@@ -9,7 +9,10 @@ embeddings, every layer with the MLP's gate in C, the final norm and the output 
 GELU's tanh form) to give torch's bits here, checked against torch per MLP width and thread count
 (`activation_variant`). Where it does not, ``layers`` runs each layer as two calls, the first from its input norm
 through the attention block and the residual to the gate/up projection, the second the down projection and its
-residual, with torch's ``act(gate) * up`` between them.
+residual, with torch's ``act(gate) * up`` between them. A routed-experts (MoE) model's steps run `layers` too: on a
+routed layer the router runs in torch after the first call (its softmax is torch's own), and the experts, their
+gate, the weighted sum and the residual are the second (``layer_moe_out_f32``), grouped by expert as moe.py's
+dispatch groups them.
 
 Exactness: the C driver calls the same kernels as the eager step (through their function pointers) with the same
 arguments in the same order; a residual is one fp32 add per element either way. So tokens and log-probs are the same
@@ -17,7 +20,7 @@ bits as without it (tests/engines/test_cpu_decode_layer.py).
 
 It applies to a decoder whose projections run on the panel kernel (fp32, ``matmul == "panel"``), whose decode
 attention runs on cpu_attention.py's kernel, whose fp32 norm and rotary embedding run on cpu_step_ops.py's kernels,
-with dense MLPs on every layer, outside tensor parallelism; elsewhere the eager step runs as before.
+outside tensor parallelism; elsewhere the eager step runs as before.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from hybridflow.engines.rollout.c_kernels import load_library
 from hybridflow.engines.rollout.cpu_attention import DecodeAttentionKernel
 from hybridflow.engines.rollout.cpu_linear import PanelLinearKernel, PanelWeight
 from hybridflow.engines.rollout.cpu_step_ops import StepOpsKernel
+from hybridflow.engines.rollout.moe import route
 
 __all__ = ["DecodeLayerKernel", "load"]
 
@@ -61,6 +65,15 @@ class _Layer(ctypes.Structure):
         ("vBr", _long), ("vBh", _long)]
 
 
+class _MoeLayer(ctypes.Structure):
+    _fields_ = [("gate_up", _ptr), ("down", _ptr)]
+
+
+class _MoeStep(ctypes.Structure):
+    _fields_ = [("experts", _long), ("k", _long), ("inter", _long), ("act", _int), ("act_fma", _int)] + [
+        (name, _ptr) for name in ("token", "weight", "rows", "gate_up", "act_out", "y", "sum")]
+
+
 class _Step(ctypes.Structure):
     _fields_ = [("R", _long), ("lenA", _int), ("lenB", _int), ("threads", _int), ("positions", _ptr),
                 ("prompt_index", _ptr)] + [(name, _ptr) for name in ("x", "h", "qkv", "qn", "kn", "q", "k", "v",
@@ -77,6 +90,10 @@ def load() -> DecodeLayerKernel | None:
 
 def _data(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _panels(weight: PanelWeight | None) -> int | None:
+    return None if weight is None else weight.panels.data_ptr()
 
 
 # the activations the C file computes as torch does: config name -> (its enum, the vector function torch's kernel calls)
@@ -114,6 +131,9 @@ class DecodeLayerKernel:
         self._decode_step.argtypes = [_ptr, _ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _float, _ptr, _ptr, _long,
                                       _ptr]
         self._decode_step.restype = _int
+        self._moe_out = lib.layer_moe_out_f32
+        self._moe_out.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
+        self._moe_out.restype = _int
         # (activation, MLP width, threads) -> activation_variant
         self._act_checked: dict[tuple[str, int, int], int | None] = {}
         # decoder -> (what `applies` read, its answer): asked every decode step
@@ -122,19 +142,22 @@ class DecodeLayerKernel:
         # structs hold raw addresses, valid while those objects live (a weight update re-packs, a generate call
         # allocates its cache); all weak, so that the memo keeps none of them alive
         self._memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # decoder -> ((rows, threads), scratch keys, step struct, gate, up): the work buffers of its last decode step
+        # decoder -> ((rows, threads), scratch keys, step struct, gate, up, routed-experts step struct or None): the
+        # work buffers of its last decode step
         self._steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @staticmethod
     def applies(decoder) -> bool:
         """Whether `decoder`'s (native_model.NativeDecoder, not a tensor-parallel rank's: the engine does not give
         those this kernel) eager decode steps can run their layers here: panel projections, the attention kernel,
-        the fp32 norm and rotary kernels on the rotary tables in place, dense MLPs."""
+        the fp32 norm and rotary kernels on the rotary tables in place; routed-experts layers only without sandwich
+        norms (no such architecture has both)."""
         s, ops = decoder.shape, decoder.step_ops
         return (decoder.matmul == "panel" and decoder.dtype == torch.float32
                 and isinstance(decoder.panel_kernel, PanelLinearKernel)
                 and isinstance(decoder.attention_kernel, DecodeAttentionKernel)  # not a replaced call (benchmarks)
-                and isinstance(ops, StepOpsKernel) and ops.f32_lanes is not None and not s.moe
+                and isinstance(ops, StepOpsKernel) and ops.f32_lanes is not None
+                and not (s.moe and decoder.spec.sandwich_norms)
                 and ops.reads_tables(decoder.rope) and all(t.dtype == torch.float32 for t in decoder.rope.cos.values())
                 and max(s.hidden_size, s.head_dim) < 32768)  # cpu_step_ops' limit for the fp32 norm
 
@@ -195,13 +218,13 @@ class DecodeLayerKernel:
         torch does here, a head not packed for the panel kernel), and the caller runs `layers`."""
         s = decoder.shape
         threads = torch.get_num_threads()
-        if not decoder.embed.is_contiguous():
+        if not decoder.embed.is_contiguous() or s.moe:  # the router runs in torch between a routed layer's calls
             return None
         fma = self.activation_variant(s.activation, s.intermediate_size, threads)
         head = decoder.packed_weights()["lm_head"]
         if fma is None or not isinstance(head, PanelWeight) or head.panels.shape[1] != s.hidden_size:
             return None
-        model, layers = self._structs(decoder, cache)
+        model, layers, _ = self._structs(decoder, cache)
         kind, name = _ACTIVATIONS[s.activation]
         model.act, model.act_fma = kind, fma
         model.vact, model.vact_width = torch_vector_function(name)
@@ -212,7 +235,7 @@ class DecodeLayerKernel:
         per_window = {window: start.to(torch.int32).contiguous() for window, start in starts.items()}
         starts_p = (ctypes.c_void_p * len(layers))(*(per_window[s.layers[li].window].data_ptr()
                                                      for li in range(len(layers))))
-        step, _, _ = self._step(decoder, tokens.shape[0], threads, lenA + lenB)
+        step, *_ = self._step(decoder, tokens.shape[0], threads, lenA + lenB)
         x = torch.empty(tokens.shape[0], s.hidden_size)
         step.lenA, step.lenB, step.positions, step.x = lenA, lenB, positions.data_ptr(), x.data_ptr()
         step.prompt_index = _data(prompt_index)
@@ -237,33 +260,60 @@ class DecodeLayerKernel:
         returned) at positions [R]; cache, rows, starts and length as NativeDecoder.decode's attention kernel takes
         them (its K/V of generated token ``length - 1`` are written)."""
         s = decoder.shape
-        model, layers = self._structs(decoder, cache)
+        model, layers, experts = self._structs(decoder, cache)
         threads = torch.get_num_threads()
         lenA, lenB = DecodeAttentionKernel.lengths(cache, length)
         prompt_index = rows.prompt_index.to(torch.int64).contiguous() if cache.shared else None
         positions = positions.to(torch.int64).contiguous()
         starts = {window: start.to(torch.int32).contiguous() for window, start in starts.items()}
-        step, gate, up = self._step(decoder, x.shape[0], threads, lenA + lenB)
+        step, gate, up, moe = self._step(decoder, x.shape[0], threads, lenA + lenB)
         step.lenA, step.lenB, step.positions, step.x = lenA, lenB, positions.data_ptr(), x.data_ptr()
         step.prompt_index = _data(prompt_index)
         model_p, step_p = ctypes.addressof(model), ctypes.addressof(step)
+        if moe is not None:  # the experts' gate in C where it is torch's for their width (as `step` checks it)
+            fma = self.activation_variant(s.activation, s.moe_intermediate_size, threads)
+            moe.act, moe.act_fma = (-1, 0) if fma is None else (_ACTIVATIONS[s.activation][0], fma)
+            if fma is not None:
+                model.vact, model.vact_width = torch_vector_function(_ACTIVATIONS[s.activation][1])
         for li, layer in enumerate(layers):
             start = starts[s.layers[li].window]
             self._attention(model_p, ctypes.addressof(layer), step_p, start.data_ptr())
+            if s.layers[li].moe:
+                self._routed(decoder, li, x, step, moe, experts[li], model_p, step_p)
+                continue
             act = decoder.act(gate).mul_(up)  # torch's activation, as the eager step's _mlp
             if not act.is_contiguous():
                 act = act.contiguous()
             self._mlp_out(model_p, ctypes.addressof(layer), step_p, act.data_ptr())
         return x
 
-    def _step(self, decoder, R: int, threads: int, keys: int) -> tuple[_Step, torch.Tensor, torch.Tensor]:
-        """The step struct with its work buffers for R rows, `threads` threads and `keys` attended keys, and the
-        gate and up halves of its gate_up buffer: kept between the steps of a decode loop (and calls) while R and
+    def _routed(self, decoder, li: int, x: torch.Tensor, step: _Step, moe: _MoeStep, experts_struct: _MoeLayer,
+                model_p: int, step_p: int) -> None:
+        """Routed-experts layer li's MLP on the norm's output in the step's h buffer, added to x: the router in
+        torch (moe.route, recorded for routing replay as the eager step records it), the experts as one C call;
+        moe.py's dispatch in torch where the C gate is not torch's for the experts' width."""
+        s, h = decoder.shape, step.buffers["h"]
+        weights, experts = route(h, decoder.layers[li]["router"], s.experts_per_token, s.norm_topk_prob)
+        if decoder.route_log is not None:
+            decoder.route_log.append(experts)
+        if moe.act < 0:
+            x.add_(decoder.routed_experts(li, h, weights, experts))
+            return
+        weights, experts = weights.float().contiguous(), experts.to(torch.int64).contiguous()
+        if self._moe_out(model_p, ctypes.addressof(experts_struct), step_p, ctypes.addressof(moe),
+                         weights.data_ptr(), experts.data_ptr()) != 0:
+            raise IndexError(f"native rollout: layer {li}'s router chose experts {experts.unique().tolist()}, "
+                             f"outside its {s.num_experts}")
+
+    def _step(self, decoder, R: int, threads: int,
+              keys: int) -> tuple[_Step, torch.Tensor, torch.Tensor, _MoeStep | None]:
+        """The step struct with its work buffers for R rows, `threads` threads and `keys` attended keys, the
+        gate and up halves of its gate_up buffer, and a routed-experts model's experts step struct: kept between the steps of a decode loop (and calls) while R and
         the thread count stay and the attention's scratch is large enough; its per-step fields are set by the caller.
         A decode step of a small model otherwise spent more time allocating these than in some of its kernels."""
         memo = self._steps.get(decoder)
         if memo is not None and memo[0] == (R, threads) and memo[1] >= keys:
-            return memo[2], memo[3], memo[4]
+            return memo[2], memo[3], memo[4], memo[5]
         s, spec = decoder.shape, decoder.spec
         H, KV, D, inter = s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size
         capacity = -(-keys // 256) * 256  # the scratch grows with the keys: room for the next 256
@@ -282,27 +332,41 @@ class DecodeLayerKernel:
         step = _Step(R=R, threads=threads, **{name: t.data_ptr() for name, t in buffers.items()})
         step.buffers = buffers  # the struct holds their addresses: kept alive with it
         gate, up = buffers["gate_up"][:, :inter], buffers["gate_up"][:, inter:]
-        self._steps[decoder] = ((R, threads), capacity, step, gate, up)
-        return step, gate, up
+        moe = None
+        if s.moe:
+            A, E, inter = R * s.experts_per_token, s.num_experts, s.moe_intermediate_size
+            work = {"token": torch.empty(A, dtype=torch.int64), "weight": empty(A), "rows": empty(A, s.hidden_size),
+                    "gate_up": empty(A, 2 * inter), "act_out": empty(A, inter), "y": empty(A, s.hidden_size),
+                    "sum": empty(R, s.hidden_size)}
+            moe = _MoeStep(experts=E, k=s.experts_per_token, inter=inter, **{n: t.data_ptr() for n, t in work.items()})
+            moe.buffers = work
+        self._steps[decoder] = ((R, threads), capacity, step, gate, up, moe)
+        return step, gate, up, moe
 
-    def _structs(self, decoder, cache) -> tuple[_Model, ctypes.Array]:
-        """The decoder's model struct and per-layer structs for `cache`, kept while its packed weights and the cache
-        are the same objects (a weight update re-packs, a generate call allocates its cache)."""
+    def _structs(self, decoder, cache) -> tuple[_Model, ctypes.Array, dict[int, _MoeLayer]]:
+        """The decoder's model struct, per-layer structs for `cache` and its routed-experts layers' expert structs
+        (by layer index), kept while its packed weights and the cache are the same objects (a weight update re-packs,
+        a generate call allocates its cache)."""
         packed = decoder.packed_weights()
         first = packed["layers"][0]["qkv"].panels
         memo = self._memo.get(decoder)
         if memo is not None and memo[0]() is first and memo[1]() is cache:
-            return memo[2], memo[3]
+            return memo[2], memo[3], memo[4]
         s, spec, ops = decoder.shape, decoder.spec, decoder.step_ops
         model = _Model(panel=decoder.panel_kernel.address, rms=ops.addresses["rms_norm_f32"],
                        rope=ops.addresses["rope_f32"], attn=decoder.attention_kernel.addresses[torch.float32],
                        hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                        inter=s.intermediate_size, eps=s.rms_norm_eps, scale=s.attention_scale,
                        softcap=s.attn_softcap or 0.0, lanes=ops.f32_lanes, sandwich=int(bool(spec.sandwich_norms)))
-        layers = []
+        layers, experts = [], {}
         for li, (weights, tensors) in enumerate(zip(packed["layers"], decoder.layers)):
             key = s.layers[li].rope
             kA, vA, kB, vB = DecodeAttentionKernel.segments(cache, li)
+            if "experts" in weights:  # a routed layer: no dense gate_up / down (the C code skips a NULL gate_up)
+                arrays = [(_ptr * len(weights["experts"]))(*(pair[part].panels.data_ptr()
+                                                             for pair in weights["experts"])) for part in (0, 1)]
+                experts[li] = _MoeLayer(gate_up=ctypes.addressof(arrays[0]), down=ctypes.addressof(arrays[1]))
+                experts[li].arrays = arrays  # the struct holds their addresses: kept alive with it
             layers.append(_Layer(
                 input_norm=_data(tensors.get("input_layernorm")),
                 post_attn_norm=_data(tensors.get("post_attention_layernorm")),
@@ -311,13 +375,13 @@ class DecodeLayerKernel:
                 q_norm=_data(tensors.get("q_norm")), k_norm=_data(tensors.get("k_norm")),
                 qkv=weights["qkv"].panels.data_ptr(), qkv_bias=_data(tensors["b_qkv"]),
                 o=weights["o"].panels.data_ptr(), o_bias=_data(tensors["b_o"]),
-                gate_up=weights["gate_up"].panels.data_ptr(), gate_up_bias=_data(tensors["b_gate_up"]),
-                down=weights["down"].panels.data_ptr(), down_bias=_data(tensors["b_down"]),
+                gate_up=_panels(weights.get("gate_up")), gate_up_bias=_data(tensors.get("b_gate_up")),
+                down=_panels(weights.get("down")), down_bias=_data(tensors.get("b_down")),
                 cos=decoder.rope.cos[key].data_ptr(), ssin=decoder.rope.sin[key].data_ptr(),
                 rotary_dim=decoder.rope.cos[key].shape[-1],
                 kA=kA.data_ptr(), vA=vA.data_ptr(), kAr=kA.stride(0), kAh=kA.stride(1), kAd=kA.stride(2),
                 vAr=vA.stride(0), vAh=vA.stride(1), kB=kB.data_ptr(), vB=vB.data_ptr(), kBr=kB.stride(0),
                 kBh=kB.stride(1), kBd=kB.stride(2), vBr=vB.stride(0), vBh=vB.stride(1)))
         layers = (_Layer * len(layers))(*layers)  # one C array: decode_step_f32 walks it
-        self._memo[decoder] = (weakref.ref(first), weakref.ref(cache), model, layers)
-        return model, layers
+        self._memo[decoder] = (weakref.ref(first), weakref.ref(cache), model, layers, experts)
+        return model, layers, experts
