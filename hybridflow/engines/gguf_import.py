@@ -15,6 +15,8 @@ and an architecture neither transformers' GGUF reader nor hybridflow's engines k
 from __future__ import annotations
 
 import importlib.util
+import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -54,26 +56,104 @@ def smollm2_gguf_path() -> str:
     return path
 
 
+# Byte sizes of GGUF's scalar value types (gguf.GGUFValueType numbering); 8 is a string, 9 an array.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+class _Header:
+    """A walk over a GGUF file's header: its key/value pairs and tensor descriptions, without reading their data.
+
+    gguf's GGUFReader builds a numpy view for every element of every field (a tokenizer's 49k strings: seconds);
+    this reads lengths and skips, and keeps the few scalars it is asked for. Raises struct.error, ValueError or
+    IndexError on a file that is cut short or not laid out as GGUF.
+    """
+
+    def __init__(self, buf, keep: tuple[str, ...]) -> None:
+        self.buf, self.pos = buf, 4
+        version = self._unpack("<I")
+        self.order = "<" if version < 0x10000 else ">"  # a big-endian file's version reads byte-swapped
+        n_tensors, n_kv = self._unpack(self.order + "QQ")
+        self.values: dict[str, object] = {}
+        for _ in range(n_kv):
+            key = bytes(self._string()).decode()
+            value = self._value(self._unpack(self.order + "I"))
+            if key in keep:
+                self.values[key] = value
+        self.tensors: list[tuple[list[int], int, int]] = []  # (shape, ggml type, offset in the data section)
+        for _ in range(n_tensors):
+            self._string()
+            dims = self._unpack(self.order + "I")
+            shape = list(struct.unpack_from(f"{self.order}{dims}Q", buf, self.pos))
+            self.pos += 8 * dims
+            self.tensors.append((shape, *self._unpack(self.order + "IQ")))
+
+    def _unpack(self, fmt: str):
+        out = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return out[0] if len(out) == 1 else out
+
+    def _string(self) -> memoryview:
+        n = self._unpack(self.order + "Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError("a string runs past the end of the file")
+        self.pos += n
+        return memoryview(self.buf)[self.pos - n : self.pos]
+
+    def _value(self, kind: int):
+        if kind == _STRING:
+            return bytes(self._string()).decode()
+        if kind == _ARRAY:
+            item, count = self._unpack(self.order + "IQ")
+            if item in _SCALAR_BYTES:
+                self.pos += count * _SCALAR_BYTES[item]
+            else:
+                for _ in range(count):
+                    self._value(item)
+            return None
+        size = _SCALAR_BYTES[kind]  # KeyError: not a GGUF value type
+        fmt = self.order + {1: "B", 2: "H", 4: "f" if kind == 6 else "I", 8: "d" if kind == 12 else "Q"}[size]
+        return self._unpack(fmt)
+
+    def data_end(self) -> int:
+        """Where the last tensor's bytes end: the file must be at least this long."""
+        try:
+            from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+        except ImportError as err:
+            raise GGUFImportError("reading GGUF files needs the `gguf` package: pip install 'hybridflow[gguf]'") from err
+
+        alignment = int(self.values.get("general.alignment") or 32)
+        start = -(-self.pos // alignment) * alignment
+        end = start
+        for shape, kind, offset in self.tensors:
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            end = max(end, start + offset + math.prod(shape) // block * size)
+        return end
+
+
 def gguf_architecture(path: str) -> str:
-    """``general.architecture`` of a GGUF file, read from its header; GGUFImportError naming the file otherwise."""
+    """``general.architecture`` of a GGUF file, read from its header; GGUFImportError naming the file otherwise
+    (also when the file is shorter than its header says: a download cut short)."""
     if not os.path.isfile(path):
         raise GGUFImportError(f"GGUF file {path} does not exist")
     with open(path, "rb") as f:
         head = f.read(24)
-    if len(head) < 24 or head[:4] != GGUF_MAGIC:
-        raise GGUFImportError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-    try:
-        from gguf import GGUFReader
-    except ImportError as err:
-        raise GGUFImportError("reading GGUF files needs the `gguf` package: pip install 'hybridflow[gguf]'") from err
-    try:
-        reader = GGUFReader(path)
-        field = reader.fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode()
-    except (KeyError, ValueError, IndexError, struct.error, OSError) as err:
-        raise GGUFImportError(
-            f"{path} could not be read as GGUF ({type(err).__name__}: {err}); the file is damaged or cut short"
-        ) from err
+        if len(head) < 24 or head[:4] != GGUF_MAGIC:
+            raise GGUFImportError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+        try:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                header = _Header(buf, keep=("general.architecture", "general.alignment"))
+                end, size = header.data_end(), len(buf)
+        except (KeyError, ValueError, IndexError, struct.error) as err:
+            raise GGUFImportError(
+                f"{path} could not be read as GGUF ({type(err).__name__}: {err}); the file is damaged or cut short"
+            ) from err
+    if size < end:
+        raise GGUFImportError(f"{path} holds {size} bytes where its header describes {end}: the file is cut short")
+    arch = header.values.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFImportError(f"{path} has no general.architecture field; the file is damaged")
+    return arch
 
 
 def _check_trainable(path: str, arch: str) -> None:

@@ -125,6 +125,12 @@ def test_bad_gguf_files_are_named(tmp_path):
         dst.write(src.read(4096))
     with pytest.raises(GGUFImportError, match=r"cut\.gguf.*(damaged|cut short)"):
         import_gguf(str(cut), str(tmp_path / "out1"))
+    # cut inside the tensor data: the header is whole, the file shorter than it describes
+    short = tmp_path / "short.gguf"
+    with open(real, "rb") as src, open(short, "wb") as dst:
+        dst.write(src.read(os.path.getsize(real) - 1000))
+    with pytest.raises(GGUFImportError, match=r"short\.gguf holds \d+ bytes where its header describes \d+"):
+        gguf_architecture(str(short))
     text = tmp_path / "notes.gguf"
     text.write_text("hello")
     with pytest.raises(GGUFImportError, match=r"notes\.gguf is not a GGUF file"):
@@ -142,6 +148,30 @@ def test_bad_gguf_files_are_named(tmp_path):
     with pytest.raises(GGUFImportError, match=r"mamba\.gguf holds a 'mamba' model; hybridflow trains"):
         import_gguf(str(other), str(tmp_path / "out3"))
     assert not os.path.exists(tmp_path / "out3")
+
+
+@pytest.mark.parametrize("endian", ["LITTLE", "BIG"])
+def test_the_header_walk_reads_either_byte_order(tmp_path, endian):
+    import gguf
+    import numpy as np
+
+    path = str(tmp_path / "m.gguf")
+    writer = gguf.GGUFWriter(path, "qwen2", endianess=getattr(gguf.GGUFEndian, endian))
+    writer.add_custom_alignment(64)  # the data section padded to 64, and the general.alignment key saying so
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bc"])
+    writer.add_float32("qwen2.rope.freq_base", 1e6)
+    writer.add_tensor("a", np.zeros((3, 5), np.float32))
+    writer.add_tensor("b", np.ones(7, np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_architecture(path) == "qwen2"
+    last = max(t.data_offset + t.n_bytes for t in gguf.GGUFReader(path).tensors)
+    with open(path, "r+b") as f:
+        f.truncate(last - 1)  # one byte of the last tensor missing
+    with pytest.raises(GGUFImportError, match=rf"holds {last - 1} bytes where its header describes {last}"):
+        gguf_architecture(path)
 
 
 def test_rollout_log_probs_are_exact_over_the_real_vocabulary(smollm2):
