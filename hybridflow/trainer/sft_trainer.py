@@ -100,6 +100,15 @@ def load_sft_config(overrides: list[str]) -> SFTConfig:
     if cfg.model.strategy not in STRATEGIES:
         raise ConfigError(f"model.strategy={cfg.model.strategy!r}: hybridflow's SFT trains with FSDP2 only "
                           f"({' / '.join(STRATEGIES)}); remove the key or set it to fsdp2")
+    # checked here, before run_sft tokenizes the whole dataset
+    if cfg.model.lora_rank < 0:
+        raise ConfigError(f"model.lora_rank={cfg.model.lora_rank}: give 0 (full fine-tuning) or a positive rank")
+    d, world = cfg.data, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    if d.train_batch_size % world or (d.train_batch_size // world) % d.micro_batch_size_per_gpu:
+        raise ConfigError(
+            f"data.train_batch_size={d.train_batch_size} must split into {world} ranks x whole micro-batches of "
+            f"data.micro_batch_size_per_gpu={d.micro_batch_size_per_gpu}"
+        )
     return cfg
 
 
@@ -125,17 +134,10 @@ def run_sft(cfg: SFTConfig, *, eval_every: int = 0, stop_when=None) -> dict[str,
                        response_dict_keys=tuple(d.response_dict_keys),
                        messages_key=d.multiturn.messages_key if d.multiturn.enable else None)
     world = t.nnodes * t.n_gpus_per_node
-    if d.train_batch_size % world or (d.train_batch_size // world) % d.micro_batch_size_per_gpu:
-        raise ConfigError(
-            f"data.train_batch_size={d.train_batch_size} must split into {world} ranks x whole micro-batches of "
-            f"data.micro_batch_size_per_gpu={d.micro_batch_size_per_gpu}"
-        )
     steps_per_epoch = len(train) // d.train_batch_size
     if steps_per_epoch == 0:
         raise ConfigError(f"data.train_batch_size={d.train_batch_size} is larger than the dataset ({len(train)} rows)")
     total = t.total_training_steps or steps_per_epoch * t.total_epochs
-    if cfg.model.lora_rank < 0:
-        raise ConfigError(f"model.lora_rank={cfg.model.lora_rank}: give 0 (full fine-tuning) or a positive rank")
     engine_cfg = make_sft_engine_config(cfg.model.path, cfg.optim, d.micro_batch_size_per_gpu, t.seed,
                                         cfg.model.param_dtype, total, lora=lora_settings(cfg.model))
     pool = None

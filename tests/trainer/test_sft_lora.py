@@ -38,6 +38,9 @@ def test_lora_sft_learns_and_saves_a_merged_model(tiny_model_path, tmp_path):
     assert changed and all(any(t in n for t in ("q_proj", "v_proj", "up_proj")) for n in changed), changed
 
 
-def test_negative_lora_rank_is_a_config_error(tiny_model_path, tmp_path):
+def test_bad_lora_rank_and_batch_split_are_config_errors_before_the_data_is_read(tiny_model_path, tmp_path):
     with pytest.raises(ConfigError, match=r"model\.lora_rank=-1"):
-        run_sft(load_sft_config(_overrides(tiny_model_path, str(tmp_path / "x"), "model.lora_rank=-1")))
+        load_sft_config(_overrides(tiny_model_path, str(tmp_path / "x"), "model.lora_rank=-1"))
+    with pytest.raises(ConfigError, match=r"data\.train_batch_size=16 must split into 2 ranks x whole micro-batches"):
+        load_sft_config(_overrides(tiny_model_path, str(tmp_path / "x"), "trainer.n_gpus_per_node=2",
+                                   "data.micro_batch_size_per_gpu=3"))
