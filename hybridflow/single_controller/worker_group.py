@@ -268,6 +268,11 @@ class WorkerGroup:
     def backend(self) -> str:
         return self._ranks.backend
 
+    def shares_processes_with(self, other: WorkerGroup) -> bool:
+        """Whether both groups' roles live in the same rank processes (create_colocated_worker_groups): their calls
+        then run one after the other in each process, so calls with collectives must be made in the same order."""
+        return self._ranks is other._ranks
+
     @property
     def worker_info(self) -> list[dict]:
         """Per rank: node_ip, hostname, pid (and rank, node_id on Ray)."""

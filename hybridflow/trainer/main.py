@@ -280,7 +280,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
         while True:
             groups = build_worker_groups(cfg, need_ref=need_ref, need_critic=bool(cfg.critic.enable), need_rm=rm.enable)
             try:
-                rank_infos = [group.init_model() for group in groups.all()]
+                rank_infos = groups.init_models()  # groups on processes of their own build at once
                 rank_infos = rank_infos[0]  # the actor's ranks (groups.all() lists the actor first)
                 if peak_flops is not None:  # the best measurement: one taken at a busy moment must not inflate MFU
                     peak_flops = max([peak_flops, *(i.get("peak_flops") or 0.0 for i in rank_infos)])

@@ -13,6 +13,7 @@ own pool of ``actor_rollout_ref.rollout.nnodes * n_gpus_per_node`` processes; th
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,33 @@ class WorkerGroups:
     def all(self) -> list[WorkerGroup]:
         groups = (self.actor_rollout, self.critic, self.reward_model, self.separate_rollout)
         return [g for g in groups if g is not None]
+
+    def init_models(self) -> list[Any]:
+        """Every group's ``init_model()`` result, in ``all()`` order. Groups on the same processes build theirs one
+        after another, in that order (each process runs one call at a time, and their collectives must not
+        interleave); groups on processes of their own build at the same time, so a rollout group placed apart (or a
+        reward loop) loads its model while the actor loads its own."""
+        groups = self.all()
+        sets: list[list[int]] = []  # indices of groups that share processes
+        for i, group in enumerate(groups):
+            same = next((s for s in sets if groups[s[0]].shares_processes_with(group)), None)
+            if same is None:
+                sets.append([i])
+            else:
+                same.append(i)
+        if len(sets) == 1 or groups[0].backend == "local":  # local: every role runs in this process
+            return [group.init_model() for group in groups]
+        results: list[Any] = [None] * len(groups)
+
+        def build(indices: list[int]) -> None:
+            for i in indices:
+                results[i] = groups[i].init_model()
+
+        with ThreadPoolExecutor(len(sets), thread_name_prefix="init_model") as pool:
+            futures = [pool.submit(build, indices) for indices in sets]
+        for future in futures:  # all have finished; the first failure (in all() order) is raised
+            future.result()
+        return results
 
     def shutdown(self) -> None:
         for g in self.all():
