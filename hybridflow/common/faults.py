@@ -1,4 +1,5 @@
-"""Fault specs for tests of automatic restart (``trainer.fault_injection="update_actor:1:3"``).
+"""Fault specs for tests of automatic restart (``trainer.fault_injection="update_actor:1:3"``, or several faults
+separated by commas: ``"generate_sequences:1:2,update_actor:1:2"``, each firing once).
 
 ``parse_fault_spec`` checks a spec without running anything, so a typo fails at start-up instead of inside a worker
 (where it would look like a crash) or, with a method that has no fault point, never firing at all. The kill itself is
@@ -28,3 +29,11 @@ def parse_fault_spec(spec: str) -> tuple[str, int, int]:
     if rank < 0 or step < 1:
         raise ValueError(f"{usage}; rank must be >= 0 and step >= 1 (global steps count from 1)")
     return method, rank, step
+
+
+def parse_fault_specs(spec: str) -> list[tuple[str, int, int]]:
+    """'generate_sequences:1:2,update_actor:1:2' -> one (method, rank, step) per fault; ValueError naming the bad one."""
+    faults = [parse_fault_spec(part) for part in spec.split(",")]
+    if len(set(faults)) != len(faults):
+        raise ValueError(f"trainer.fault_injection={spec!r} names the same fault twice; each fires once per run")
+    return faults

@@ -514,7 +514,7 @@ class TrainerConfig:
     overwrite: bool = False  # a fresh start into a folder holding a run: archive that run beside it (else refused)
     max_ckpt_to_keep: int | None = 2
     max_restarts: int = 3  # worker deaths survived by rebuilding the groups and resuming (0: fail at once)
-    fault_injection: str | None = None  # tests: "method:rank:step" kills that worker once (see workers/fault.py)
+    fault_injection: str | None = None  # tests: "method:rank:step[,...]" kills that worker once (workers/fault.py)
     call_timeout_s: float = 1800.0
     log_samples_freq: int = 10
     progress_bar: bool = True

@@ -194,10 +194,10 @@ def config_errors(cfg: HybridFlowConfig) -> list[str]:
     errors += packing_errors(cfg)
     errors += batch_invariant_errors(cfg)
     if t.fault_injection:
-        from hybridflow.common.faults import parse_fault_spec
+        from hybridflow.common.faults import parse_fault_specs
 
         try:
-            parse_fault_spec(t.fault_injection)
+            parse_fault_specs(t.fault_injection)
         except ValueError as e:
             errors.append(str(e))
     return errors

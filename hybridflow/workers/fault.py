@@ -1,7 +1,7 @@
 """Fault injection for tests of automatic restart: kill this worker process at a chosen (method, rank, step).
 
-Configured with ``trainer.fault_injection="update_actor:1:3"`` (method, rank, global step). The kill happens once per
-run folder: a marker file written just before the SIGKILL stops the restarted workers from dying again at the same
+Configured with ``trainer.fault_injection="update_actor:1:3"`` (method, rank, global step; several, comma-separated,
+kill several times). Each kill happens once per run folder: a marker file written just before the SIGKILL stops the restarted workers from dying again at the same
 step, which is what a real one-off fault (an OOM kill, a lost node) looks like.
 
 The spec's parser lives in hybridflow/common/faults.py, so config validation can check it without importing workers.
@@ -14,9 +14,9 @@ import re
 import signal
 from typing import Any
 
-from hybridflow.common.faults import FAULT_POINTS, parse_fault_spec
+from hybridflow.common.faults import FAULT_POINTS, parse_fault_spec, parse_fault_specs
 
-__all__ = ["FAULT_POINTS", "maybe_inject_fault", "parse_fault_spec", "step_of"]
+__all__ = ["FAULT_POINTS", "maybe_inject_fault", "parse_fault_spec", "parse_fault_specs", "step_of"]
 
 _STEP_DIR = re.compile(r"global_step_(\d+)$")
 
@@ -33,7 +33,7 @@ def step_of(where: Any) -> int:
 def maybe_inject_fault(spec: str | None, run_dir: str, method: str, rank: int, step: int) -> None:
     if not spec:
         return
-    if (method, rank, step) != parse_fault_spec(spec):
+    if (method, rank, step) not in parse_fault_specs(spec):
         return
     marker = os.path.join(run_dir, f".fault_injected_{method}_{rank}_{step}")
     if os.path.exists(marker):

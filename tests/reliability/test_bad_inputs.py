@@ -567,9 +567,15 @@ def test_model_path_missing(tmp_path):
 
 
 def test_fault_injection_spec_typo():
-    from hybridflow.workers.fault import maybe_inject_fault, parse_fault_spec
+    from hybridflow.workers.fault import maybe_inject_fault, parse_fault_spec, parse_fault_specs
 
     assert parse_fault_spec("update_actor:1:3") == ("update_actor", 1, 3)
+    assert parse_fault_specs("generate_sequences:1:2, update_actor:1:2") == [("generate_sequences", 1, 2),
+                                                                             ("update_actor", 1, 2)]
+    with pytest.raises(ValueError, match="has no fault point"):  # the bad one of several is named
+        parse_fault_specs("update_actor:1:2,update_actr:1:2")
+    with pytest.raises(ValueError, match="the same fault twice"):
+        parse_fault_specs("update_actor:1:2,update_actor:1:2")
     for spec, why in [("update_actor:1", "method:rank:step"), ("update_actor:one:3", "must be integers"),
                       ("compute_values:0:1", "has no fault point"), ("update_actor:0:0", "step >= 1")]:
         with pytest.raises(ValueError, match=why):

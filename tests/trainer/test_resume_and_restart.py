@@ -1,7 +1,7 @@
 """Stopping and resuming changes nothing: metrics rows and final weights equal an uninterrupted run, bit for bit.
 
-Three ways to stop: a worker SIGKILLed mid-step (automatic restart from the latest checkpoint, at several points and
-beside a busy neighbour process), the driver killed
+Three ways to stop: a worker SIGKILLed mid-step (automatic restart from the latest checkpoint, at three points of one
+step in one run, beside a busy neighbour process), the driver killed
 from outside (running the same command again resumes), and a crash in the middle of writing a checkpoint.
 """
 
@@ -73,22 +73,27 @@ def busy_neighbour():
     proc.wait()
 
 
-# The kill lands in generation (no collective), right before update_actor's collectives (rank 0 then fails with
-# "Connection reset by peer" while Ray may not yet know rank 1 is gone) and half way through writing a checkpoint.
-@pytest.mark.parametrize("fault", ["generate_sequences:1:2", "update_actor:1:2", "save_checkpoint:1:2"])
-def test_worker_killed_restarts_by_default_and_matches(fault, straight_ray_run, busy_neighbour, arithmetic_files,
+# One run, one worker killed three times in the same step: in generation (no collective), right before
+# update_actor's collectives (rank 0 then fails with "Connection reset by peer" while Ray may not yet know rank 1 is
+# gone) and half way through writing a checkpoint. Each restart resumes from step 1's checkpoint and meets the next
+# kill (a fault fires once per run folder), so the run also restarts after a restart, up to the default limit of 3.
+FAULTS = ("generate_sequences:1:2", "update_actor:1:2", "save_checkpoint:1:2")
+
+
+def test_worker_killed_restarts_by_default_and_matches(straight_ray_run, busy_neighbour, arithmetic_files,
                                                        tiny_model_path, tmp_path):
     killed = str(tmp_path / "killed")
     cfg = load_config(_overrides(arithmetic_files, tiny_model_path, killed, *RAY_ARGS,
-                                 f"trainer.fault_injection={fault}"))
+                                 f"trainer.fault_injection={','.join(FAULTS)}"))
     assert cfg.trainer.max_restarts == 3  # restart is the default
     result = run_training(cfg, progress=False)
     assert busy_neighbour.poll() is None  # the neighbour really ran throughout
-    method, rank, step = fault.split(":")
-    assert os.path.exists(os.path.join(killed, f".fault_injected_{method}_{rank}_{step}"))
-    assert result.restarts == 1
+    for fault in FAULTS:
+        method, rank, step = fault.split(":")
+        assert os.path.exists(os.path.join(killed, f".fault_injected_{method}_{rank}_{step}")), fault
+    assert result.restarts == 3
     rows = _rows(killed)
-    assert [r["training/restarts"] for r in rows] == [0, 1, 1]  # step 1 before the kill, 2 and 3 after it
+    assert [r["training/restarts"] for r in rows] == [0, 3, 3]  # step 1 before the kills, 2 and 3 after them
     _assert_same_run(straight_ray_run, killed, tmp_path)
 
 

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from e2e_helpers import tiny_run_overrides
 
 from hybridflow.trainer.config import load_config
@@ -115,25 +114,27 @@ def test_async_drops_samples_older_than_max_staleness(ray_session, arithmetic_fi
     assert rows[-1]["async/dropped_stale_samples"] == 16 * rows[-1]["async/dropped_stale_batches"]
 
 
-@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
-def test_actor_and_rollout_on_two_simulated_nodes(mode, arithmetic_files, tiny_model_path, tmp_path):
+def test_actor_and_rollout_on_two_simulated_nodes(arithmetic_files, tiny_model_path, tmp_path):
+    """Both rollout modes that move weights across nodes, one after the other on one two-node cluster."""
     script = Path(__file__).with_name("two_node_rollout_check.py")
     env = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": str(script.parent.parent)}  # its own cluster; e2e_helpers
     proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "run"), tiny_model_path, *arithmetic_files, mode],
+        [sys.executable, str(script), str(tmp_path), tiny_model_path, *arithmetic_files, "sync,one_step_off"],
         capture_output=True, text=True, timeout=600, env=env, cwd=script.parent,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
-    assert report["nodes"] == 2
-    assert len(report["actor"]) == len(report["rollout"]) == 1 and report["actor"] != report["rollout"]
-    rows = report["rows"]
-    assert [r["weights/version"] for r in rows] == [1.0, 2.0, 3.0]
-    assert all(r["perf/weight_transfer_MBps"] > 0 for r in rows)
-    if mode == "sync":  # every step samples from the weights just sent across the nodes
-        assert all(r["rollout/mismatch_max_abs"] <= 1e-5 for r in rows)
-    else:
-        assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    reports = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert [r["mode"] for r in reports] == ["sync", "one_step_off"]
+    for report in reports:
+        assert report["nodes"] == 2
+        assert len(report["actor"]) == len(report["rollout"]) == 1 and report["actor"] != report["rollout"]
+        rows = report["rows"]
+        assert [r["weights/version"] for r in rows] == [1.0, 2.0, 3.0]
+        assert all(r["perf/weight_transfer_MBps"] > 0 for r in rows)
+        if report["mode"] == "sync":  # every step samples from the weights just sent across the nodes
+            assert all(r["rollout/mismatch_max_abs"] <= 1e-5 for r in rows)
+        else:
+            assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
 
 
 def test_async_ppo_gets_its_values_from_the_critic_at_training_time(ray_session, arithmetic_files, tiny_model_path,
