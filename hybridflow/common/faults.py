@@ -32,7 +32,8 @@ def parse_fault_spec(spec: str) -> tuple[str, int, int]:
 
 
 def parse_fault_specs(spec: str) -> list[tuple[str, int, int]]:
-    """'generate_sequences:1:2,update_actor:1:2' -> one (method, rank, step) per fault; ValueError naming the bad one."""
+    """'generate_sequences:1:2,update_actor:1:2' -> one (method, rank, step) per fault; ValueError naming the bad
+    one."""
     faults = [parse_fault_spec(part) for part in spec.split(",")]
     if len(set(faults)) != len(faults):
         raise ValueError(f"trainer.fault_injection={spec!r} names the same fault twice; each fires once per run")

@@ -1,8 +1,9 @@
 """Fault injection for tests of automatic restart: kill this worker process at a chosen (method, rank, step).
 
 Configured with ``trainer.fault_injection="update_actor:1:3"`` (method, rank, global step; several, comma-separated,
-kill several times). Each kill happens once per run folder: a marker file written just before the SIGKILL stops the restarted workers from dying again at the same
-step, which is what a real one-off fault (an OOM kill, a lost node) looks like.
+kill several times). Each kill happens once per run folder: a marker file written just before the SIGKILL stops the
+restarted workers from dying again at the same step, which is what a real one-off fault (an OOM kill, a lost node)
+looks like.
 
 The spec's parser lives in hybridflow/common/faults.py, so config validation can check it without importing workers.
 """

@@ -36,6 +36,7 @@ def main(runs_dir: str, model: str, train: str, val: str, modes: str) -> None:
         return groups
 
     placement.build_worker_groups = recording
+    keep = ("weights/version", "rollout/mismatch_max_abs", "rollout/staleness_max", "perf/weight_transfer_MBps")
     try:
         for mode in modes.split(","):
             run_dir = f"{runs_dir}/{mode}"
@@ -46,8 +47,6 @@ def main(runs_dir: str, model: str, train: str, val: str, modes: str) -> None:
             seen.clear()
             run_training(cfg, progress=False)
             rows = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
-            keep = ("weights/version", "rollout/mismatch_max_abs", "rollout/staleness_max",
-                    "perf/weight_transfer_MBps")
             print(json.dumps({"mode": mode, "nodes": len([n for n in ray.nodes() if n["Alive"]]), **seen,
                               "rows": [{k: r.get(k) for k in keep} for r in rows]}), flush=True)
     finally:
