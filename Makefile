@@ -28,9 +28,12 @@ demo: setup
 # The main suite, then the vLLM rollout tests in their own virtualenv (vLLM pins other versions).
 test: test-main test-vllm
 
+# Two test processes (pytest-xdist), each test file in one of them: a file's module fixtures are built once, and
+# the second process uses the cores the first leaves idle (Python overhead, processes starting, waits).
+TEST_WORKERS ?= 2
 test-main: setup
 	$(BIN)/ruff check hybridflow tests benchmarks examples
-	$(BIN)/python -m pytest -q --durations=20 tests --ignore=tests/vllm_rollout
+	$(BIN)/python -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile tests --ignore=tests/vllm_rollout
 
 vllm-env:
 	bash scripts/setup_vllm_env.sh
