@@ -15,32 +15,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # before torch is imported; Ray workers and CLI subprocesses of the tests inherit it.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# The files that take longest (serial seconds on a 2-core host, benchmarks/results/cpu-2026-12-05-s24), run first.
-# With pytest-xdist's --dist loadfile the files are handed out in collection order, and whatever is handed out last
-# runs alone at the end; this is a scheduling hint only (a renamed file just loses its place).
-_LONGEST_FILES = (
-    "tests/workers/test_separate_rollout.py",
-    "tests/engines/test_train_model_parallel.py",
-    "tests/trainer/test_resume_and_restart.py",
-    "tests/engines/test_real_model_smollm2.py",
-    "tests/engines/test_tensor_parallel_rollout.py",
-    "tests/engines/test_rollout_compiled.py",
-    "tests/workers/test_placement_e2e.py",
-    "tests/trainer/test_builtin_task.py",
-    "tests/agents/test_agent_training.py",
-    "tests/trainer/test_reward_loop.py",
-    "tests/single_controller/test_worker_group.py",
-    "tests/trainer/test_two_rank_main_job.py",
-    "tests/reliability/test_failure_classification.py",
-    "tests/reliability/test_network.py",
-)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """Longest files first (a stable sort: every file's tests stay together and in their order)."""
-    place = {path: i for i, path in enumerate(_LONGEST_FILES)}
-    items.sort(key=lambda item: place.get(item.nodeid.split("::", 1)[0], len(place)))
-
 
 @pytest.fixture(scope="session")
 def ray_session():
