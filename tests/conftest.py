@@ -1,4 +1,4 @@
-"""Shared fixtures: one local Ray cluster per test session (ray.init costs seconds), tiny models on disk."""
+"""Shared fixtures: one local Ray cluster per test process (ray.init costs seconds), tiny models on disk."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray cluster shared by every test of the session (dashboard off, listening on loopback only)."""
+    """A local Ray cluster shared by every test of this pytest process (under xdist, one per worker; dashboard off,
+    listening on loopback only)."""
     import ray
 
     from hybridflow.single_controller.local_ray import start_local_ray
