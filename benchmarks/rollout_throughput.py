@@ -19,6 +19,11 @@ Sampling at temperature 1 (with --top-p / --top-k when given, for every backend)
 tokens/s counts the tokens actually generated (response_mask), and each configuration reports the best of --repeats
 runs after one warm-up call. --interleave times the backends' calls in turns (their best and every call's rate are
 reported), instead of one backend's repeats after another's.
+
+For a dense --size model, ``matmul_floor`` gives two ceilings per dtype and batch size, the weight matmuls alone with
+the native engine's kernels: a decode step's (``matmul_floor_new_tokens_per_s``) and a whole call's, the prefill of
+its prompt tokens and then --new-tokens decode steps (``matmul_floor_with_prefill_new_tokens_per_s``). Divided by hf's
+rate (``speedups``), they bound what any engine with these kernels could be over hf here.
 """
 
 from __future__ import annotations
@@ -138,6 +143,66 @@ def engine_options(options: list[str]) -> dict:
     return kwargs
 
 
+def _matmul_pass(size: str, dtype: str, rows: int, head_rows: int | None = None):
+    """A callable that runs the model's weight matmuls once (q/k/v/o and the MLP of every layer over `rows` rows, the
+    output head over `head_rows`, default `rows`) with the native engine's kernels; see matmul_floor."""
+    spec = SIZES[size]
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    h, inter = spec.hidden_size, spec.intermediate_size or 4 * spec.hidden_size
+    kv = h // spec.num_heads * spec.num_kv_heads
+    shapes = [(h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter)] * spec.num_layers + [(spec.vocab_size, h)]
+    weights = [torch.randn(o, i, dtype=torch_dtype, device=device.current_device()) * 0.02 for o, i in shapes]
+    xs = {i: torch.randn(rows, i, dtype=torch_dtype, device=device.current_device()) for _, i in shapes}
+    head_x = xs[h] if head_rows is None else xs[h][:head_rows].contiguous()
+    inputs = [xs[w.shape[1]] for w in weights[:-1]] + [head_x]
+    if dtype == "int8":
+        from hybridflow.engines.rollout.int8_linear import int8_linear, pack_int8
+
+        layers = [pack_int8(w, None) for w in weights[:-1]]
+
+        def step():
+            for x, packed in zip(inputs, layers):
+                int8_linear(x, packed)
+            torch.nn.functional.linear(head_x, weights[-1])
+    elif dtype == "fp32" and device.device_name() == "cpu" and onednn_available(torch_dtype) and cpu_linear.load():
+        kernel = cpu_linear.load()
+        panels = [kernel.pack(w) for w in weights]
+
+        def step():
+            for x, p in zip(inputs, panels):
+                kernel.linear(x, p, None)
+    elif dtype != "int8" and device.device_name() == "cpu" and onednn_available(torch_dtype):
+        # the native engine's fp32 CPU matmuls (and bf16 on CPUs with bf16 units) use oneDNN-packed weights
+        # (onednn_linear.py): its floor is theirs
+        packed = [pack_onednn(w) for w in weights]
+
+        def step():
+            for x, p in zip(inputs, packed):
+                onednn_linear(x, p, None)
+    else:
+
+        def step():
+            for x, w in zip(inputs, weights):
+                torch.nn.functional.linear(x, w)
+
+    return step
+
+
+def _best_seconds(fn, calls: int) -> float:
+    """The best of three timings of `calls` calls of fn (after one warm-up call): a busy moment must not lower a
+    floor."""
+    fn()
+    best = float("inf")
+    for _ in range(3):
+        device.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        device.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def matmul_floor(size: str, dtype: str, batch: int, steps: int = 20) -> float:
     """New tokens/s if a decode step cost only its weight matmuls (q/k/v/o, MLP, lm_head) at this batch size.
 
@@ -146,53 +211,35 @@ def matmul_floor(size: str, dtype: str, batch: int, steps: int = 20) -> float:
     for fp32 on CPU its panel kernel (cpu_linear.py; oneDNN where that cannot be built), for bf16 on CPUs with bf16
     units its oneDNN-packed weights.
     """
-    spec = SIZES[size]
-    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    h, inter = spec.hidden_size, spec.intermediate_size or 4 * spec.hidden_size
-    kv = h // spec.num_heads * spec.num_kv_heads
-    shapes = [(h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter)] * spec.num_layers + [(spec.vocab_size, h)]
-    weights = [torch.randn(o, i, dtype=torch_dtype, device=device.current_device()) * 0.02 for o, i in shapes]
-    xs = {i: torch.randn(batch, i, dtype=torch_dtype, device=device.current_device()) for _, i in shapes}
-    if dtype == "int8":
-        from hybridflow.engines.rollout.int8_linear import int8_linear, pack_int8
+    return round(batch * steps / _best_seconds(_matmul_pass(size, dtype, batch), steps), 1)
 
-        layers = [(w.shape[1], pack_int8(w, None)) for w in weights[:-1]]
 
-        def step():
-            for width, packed in layers:
-                int8_linear(xs[width], packed)
-            torch.nn.functional.linear(xs[h], weights[-1])
-    elif dtype == "fp32" and device.device_name() == "cpu" and onednn_available(torch_dtype) and cpu_linear.load():
-        kernel = cpu_linear.load()
-        panels = [(w.shape[1], kernel.pack(w)) for w in weights]
+def prefill_matmul_seconds(size: str, dtype: str, prompt_tokens: int, prompts: int) -> float:
+    """Seconds of a prefill's weight matmuls alone: each layer's projections over all `prompt_tokens` prompt tokens
+    in one product each, and the output head over the last token of each of the `prompts` prompts (the kernels of
+    matmul_floor). Every engine prefills the prompts before the first new token."""
+    return _best_seconds(_matmul_pass(size, dtype, prompt_tokens, head_rows=prompts), 1)
 
-        def step():
-            for width, p in panels:
-                kernel.linear(xs[width], p, None)
-    elif dtype != "int8" and device.device_name() == "cpu" and onednn_available(torch_dtype):
-        # the native engine's fp32 CPU matmuls (and bf16 on CPUs with bf16 units) use oneDNN-packed weights
-        # (onednn_linear.py): its floor is theirs
-        packed = [(w.shape[1], pack_onednn(w)) for w in weights]
 
-        def step():
-            for width, p in packed:
-                onednn_linear(xs[width], p, None)
-    else:
+def prompt_token_counts(path: str, batch_sizes: list[int], n: int, prompt_len: tuple[int, int]) -> dict[int, int]:
+    """Prompt tokens each batch size's call prefills: its batch / n distinct prompts (make_prompts, the seeds the
+    measured calls use), each prefilled once however many samples share it."""
+    from transformers import AutoTokenizer
 
-        def step():
-            for w in weights:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return {batch: int(make_prompts(tokenizer, batch // n, *prompt_len, seed=batch).batch["attention_mask"].sum())
+            for batch in batch_sizes if batch % n == 0}
 
-    step()
-    best = float("inf")
-    for _ in range(3):  # the best of three: a busy moment must not lower the floor
-        device.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        device.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return round(batch * steps / best, 1)
+
+def matmul_ceiling(args: argparse.Namespace, dtype: str, batch: int, prompt_tokens: int) -> dict:
+    """The floor row of one dtype and batch size: the decode step's matmuls alone (matmul_floor), and a whole
+    call's (its prefill's matmuls, then --new-tokens decode steps for every row) as new tokens/s."""
+    rate = matmul_floor(args.size, dtype, batch)
+    prefill_s = prefill_matmul_seconds(args.size, dtype, prompt_tokens, batch // args.n)
+    call_s = prefill_s + args.new_tokens * batch / rate
+    return {"dtype": dtype, "batch": batch, "matmul_floor_new_tokens_per_s": rate, "prompt_tokens": prompt_tokens,
+            "prefill_matmul_s": round(prefill_s, 4),
+            "matmul_floor_with_prefill_new_tokens_per_s": round(batch * args.new_tokens / call_s, 1)}
 
 
 def main() -> None:
@@ -230,6 +277,7 @@ def main() -> None:
     results, errors = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or write_tiny_model(os.path.join(tmp, args.size), args.size, seed=0, arch=args.arch)
+        prompt_tokens = prompt_token_counts(path, batch_sizes, args.n, (min_len, max_len))
         if args.interleave:
             results = run_interleaved(path, backends, dtypes, batch_sizes, (min_len, max_len), args, errors)
             backends = []  # measured above
@@ -258,9 +306,7 @@ def main() -> None:
 
     # the floor is a dense model's matmuls; a routed-expert model's depend on the routing, so it gets none
     floors = [] if args.arch.endswith("_moe") or args.model else [
-        {"dtype": dtype, "batch": batch, "matmul_floor_new_tokens_per_s": matmul_floor(args.size, dtype, batch)}
-        for dtype in dtypes
-        for batch in batch_sizes
+        matmul_ceiling(args, dtype, batch, prompt_tokens[batch]) for dtype in dtypes for batch in batch_sizes
     ]
     speedups = {}
     for row in results:
@@ -277,13 +323,15 @@ def main() -> None:
                 row["new_tokens_per_s"] / ref32["new_tokens_per_s"], 2
             )
     # The most any engine using these matmul kernels could be over hf: decode steps that are only their weight matmuls
-    # (no attention, prefill, sampling or bookkeeping) against hf's measured rate. A goal above it cannot be met here.
+    # (no attention, sampling or bookkeeping) against hf's measured rate, without the prefill (matmul_floor) and with
+    # it (matmul_floor_with_prefill: every call prefills its prompts first). A goal above them cannot be met here.
     for floor in floors:
         ref = next((r for r in results if r["backend"] == "hf" and r["dtype"] == floor["dtype"]
                     and r["batch"] == floor["batch"]), None)
         if ref is not None:
-            speedups[f"matmul_floor/{floor['dtype']}/batch{floor['batch']}_vs_hf"] = round(
-                floor["matmul_floor_new_tokens_per_s"] / ref["new_tokens_per_s"], 2)
+            for key in ("matmul_floor", "matmul_floor_with_prefill"):
+                speedups[f"{key}/{floor['dtype']}/batch{floor['batch']}_vs_hf"] = round(
+                    floor[f"{key}_new_tokens_per_s"] / ref["new_tokens_per_s"], 2)
     import transformers
 
     doc = {
