@@ -14,6 +14,7 @@ and an architecture neither transformers' GGUF reader nor hybridflow's engines k
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import mmap
@@ -176,6 +177,33 @@ def _check_trainable(path: str, arch: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def _parsed_once(path: str):
+    """Within the block, every ``gguf.GGUFReader(path)`` after the first returns the first one.
+
+    transformers parses a GGUF file with gguf's reader once to pick the tokenizer's class, once for the config and once
+    for the weights, and the reader is slow on a large vocabulary (it builds a numpy view per token and per merge:
+    seconds each for SmolLM2's 49k tokens, most of an import). The reader is a read-only view of the file (its fields,
+    and its tensors as a memory map), so the three share one. Other files and modes get a reader of their own.
+    """
+    import gguf
+
+    original, first = gguf.GGUFReader, []
+
+    def reader(file, mode="r"):
+        if mode != "r" or os.path.realpath(file) != os.path.realpath(path):
+            return original(file, mode)
+        if not first:
+            first.append(original(file, mode))
+        return first[0]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def import_gguf(gguf_path: str, out_dir: str, *, dtype: str = "fp32") -> ImportedModel:
     """Write `gguf_path` as a Hugging Face folder at `out_dir` (weights dequantized to `dtype`)."""
     import torch
@@ -190,8 +218,9 @@ def import_gguf(gguf_path: str, out_dir: str, *, dtype: str = "fp32") -> Importe
         raise GGUFImportError(f"{out_dir} exists and is not empty; give a new folder (nothing was written)")
     folder, name = os.path.split(gguf_path)
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype)
+    with _parsed_once(gguf_path):
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch_dtype)
     config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
     config.dtype = torch_dtype
     state = loaded.state_dict()

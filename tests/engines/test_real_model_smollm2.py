@@ -174,6 +174,40 @@ def test_the_header_walk_reads_either_byte_order(tmp_path, endian):
         gguf_architecture(path)
 
 
+def _small_gguf(path: str) -> str:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, "qwen2")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "bc"])
+    writer.add_tensor("a", np.arange(15, dtype=np.float32).reshape(3, 5))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_one_import_parses_its_file_once(tmp_path):
+    """transformers opens the file three times during an import (tokenizer, config, weights); inside _parsed_once
+    they share the first reader, other files and writable modes do not, and gguf's reader is itself again after."""
+    import gguf
+
+    from hybridflow.engines.gguf_import import _parsed_once
+
+    a, b = _small_gguf(str(tmp_path / "a.gguf")), _small_gguf(str(tmp_path / "b.gguf"))
+    original = gguf.GGUFReader
+    with _parsed_once(a):
+        first = gguf.GGUFReader(a)
+        assert gguf.GGUFReader(os.path.join(str(tmp_path), ".", "a.gguf")) is first
+        assert gguf.GGUFReader(b) is not first and gguf.GGUFReader(a, "c") is not first
+        assert [t.name for t in first.tensors] == ["a"] and first.tensors[0].data.sum() == 105
+    assert gguf.GGUFReader is original
+    with pytest.raises(RuntimeError), _parsed_once(a):
+        raise RuntimeError
+    assert gguf.GGUFReader is original
+
+
 def test_rollout_log_probs_are_exact_over_the_real_vocabulary(smollm2):
     """The reported log-prob over 49,152 tokens is within fp32 rounding of the fp64 value (torch's CPU fp32
     log_softmax was off by up to 1.7e-5 here, the larger part of the train-inference mismatch on this model)."""
