@@ -277,7 +277,9 @@ def main() -> None:
     results, errors = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or write_tiny_model(os.path.join(tmp, args.size), args.size, seed=0, arch=args.arch)
-        prompt_tokens = prompt_token_counts(path, batch_sizes, args.n, (min_len, max_len))
+        # the floor is a dense model's matmuls; a routed-expert model's depend on the routing, so it gets none
+        dense = not (args.arch.endswith("_moe") or args.model)
+        prompt_tokens = prompt_token_counts(path, batch_sizes, args.n, (min_len, max_len)) if dense else {}
         if args.interleave:
             results = run_interleaved(path, backends, dtypes, batch_sizes, (min_len, max_len), args, errors)
             backends = []  # measured above
@@ -304,9 +306,8 @@ def main() -> None:
                     print(json.dumps(row), file=sys.stderr)
                 del engine
 
-    # the floor is a dense model's matmuls; a routed-expert model's depend on the routing, so it gets none
-    floors = [] if args.arch.endswith("_moe") or args.model else [
-        matmul_ceiling(args, dtype, batch, prompt_tokens[batch]) for dtype in dtypes for batch in batch_sizes
+    floors = [
+        matmul_ceiling(args, dtype, batch, prompt_tokens[batch]) for dtype in dtypes for batch in batch_sizes if dense
     ]
     speedups = {}
     for row in results:
