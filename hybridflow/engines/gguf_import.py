@@ -15,6 +15,7 @@ and an architecture neither transformers' GGUF reader nor hybridflow's engines k
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import math
 import mmap
@@ -179,29 +180,53 @@ def _check_trainable(path: str, arch: str) -> None:
 
 @contextlib.contextmanager
 def _parsed_once(path: str):
-    """Within the block, every ``gguf.GGUFReader(path)`` after the first returns the first one.
+    """Within the block, what transformers reads of the GGUF file at `path` is read once.
 
-    transformers parses a GGUF file with gguf's reader once to pick the tokenizer's class, once for the config and once
-    for the weights, and the reader is slow on a large vocabulary (it builds a numpy view per token and per merge:
-    seconds each for SmolLM2's 49k tokens, most of an import). The reader is a read-only view of the file (its fields,
-    and its tensors as a memory map), so the three share one. Other files and modes get a reader of their own.
+    An import asks transformers for the tokenizer, the config and the weights, and each parses the file again:
+    - gguf's reader is built three times, and it is slow on a large vocabulary (a numpy view per token and per merge:
+      seconds each for SmolLM2's 49k tokens). It is a read-only view of the file (its fields, and its tensors as a
+      memory map), so the three share the first; other files and modes get a reader of their own.
+    - The metadata (config and tokenizer fields, every token turned into a Python string) is parsed for the tokenizer's
+      class and again for the config: the second call gets a copy of the first's result.
+    - Mapping the weights' names builds gguf's name table (every tensor name of every block, formatted) once per
+      submodule of the model, hundreds of times: the table for an architecture and block count is built once.
+    Everything is put back when the block ends, on an error too.
     """
     import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
-    original, first = gguf.GGUFReader, []
+    original_reader, original_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    original_load = hf_gguf.load_gguf_checkpoint
+    first, name_maps, metadata = [], {}, []
+
+    def ours(file) -> bool:
+        return os.path.realpath(file) == os.path.realpath(path)
 
     def reader(file, mode="r"):
-        if mode != "r" or os.path.realpath(file) != os.path.realpath(path):
-            return original(file, mode)
+        if mode != "r" or not ours(file):
+            return original_reader(file, mode)
         if not first:
-            first.append(original(file, mode))
+            first.append(original_reader(file, mode))
         return first[0]
 
-    gguf.GGUFReader = reader
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in name_maps:
+            name_maps[arch, n_blocks] = original_map(arch, n_blocks)
+        return name_maps[arch, n_blocks]
+
+    def load(file, *args, **kwargs):
+        if args or kwargs not in ({}, {"return_tensors": False}) or not ours(file):
+            return original_load(file, *args, **kwargs)
+        if not metadata:
+            metadata.append(original_load(file, return_tensors=False))
+        return copy.deepcopy(metadata[0])  # callers may change what they get
+
+    gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = reader, name_map, load
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = (
+            original_reader, original_map, original_load)
 
 
 def import_gguf(gguf_path: str, out_dir: str, *, dtype: str = "fp32") -> ImportedModel:

@@ -181,24 +181,47 @@ def test_the_header_walk_reads_either_byte_order(tmp_path, endian):
         gguf_architecture(path)
 
 
-def test_one_import_parses_its_file_once(tmp_path):
+def test_one_import_parses_its_file_once(tmp_path, monkeypatch):
     """transformers opens the file three times during an import (tokenizer, config, weights); inside _parsed_once
-    they share the first reader, other files and writable modes do not, and gguf's reader is itself again after."""
+    they share the first reader, the config's metadata is a copy of the tokenizer's and gguf's name table is built
+    once per architecture and block count; other files and modes get their own, and all is itself again after."""
     import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
     from hybridflow.engines.gguf_import import _parsed_once
 
+    calls = []  # (what, argument) of every real parse, seen through the functions _parsed_once wraps
+
+    def counted(what, fn):
+        def call(first, *args, **kwargs):
+            calls.append((what, str(first)))
+            return fn(first, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counted("names", gguf.get_tensor_name_map))
+    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", counted("metadata", hf_gguf.load_gguf_checkpoint))
     a, b = _small_gguf(str(tmp_path / "a.gguf")), _small_gguf(str(tmp_path / "b.gguf"))
-    original = gguf.GGUFReader
+    originals = gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint
+    arch = gguf.MODEL_ARCH.QWEN2
     with _parsed_once(a):
         first = gguf.GGUFReader(a)
         assert gguf.GGUFReader(os.path.join(str(tmp_path), ".", "a.gguf")) is first
         assert gguf.GGUFReader(b) is not first and gguf.GGUFReader(a, "c") is not first
         assert [t.name for t in first.tensors] == ["a", "b"] and first.tensors[1].data.sum() == 7
-    assert gguf.GGUFReader is original
+        names = gguf.get_tensor_name_map(arch, 2)
+        assert gguf.get_tensor_name_map(arch, 2) is names and gguf.get_tensor_name_map(arch, 3) is not names
+        assert names.get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
+        meta = hf_gguf.load_gguf_checkpoint(a, return_tensors=False)
+        again = hf_gguf.load_gguf_checkpoint(a)
+        assert again == meta and again is not meta and again["config"] is not meta["config"]
+        assert meta["config"]["model_type"] == "qwen2" and meta["config"]["rope_theta"] == 1e6
+        assert meta["tokenizer"]["tokens"] == ["a", "bc"]
+        assert hf_gguf.load_gguf_checkpoint(b) == meta  # the same content, from a file of its own
+    assert calls == [("names", str(arch)), ("names", str(arch)), ("metadata", a), ("metadata", b)]
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint) == originals
     with pytest.raises(RuntimeError), _parsed_once(a):
         raise RuntimeError
-    assert gguf.GGUFReader is original
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint) == originals
 
 
 def test_rollout_log_probs_are_exact_over_the_real_vocabulary(smollm2):
