@@ -13,7 +13,7 @@ install = $(UV) $(1) || { echo "uv could not install (above); pip installs inste
 $(STAMP): pyproject.toml Makefile scripts/torch-constraint.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# The CPU wheel first, with pip: a plain `torch` requirement would pull a multi-GB CUDA build. uv comes with it.
-	$(BIN)/pip install -q --no-compile torch==2.13.0 uv==0.13.9
+	$(BIN)/pip install -q --no-compile -c scripts/torch-constraint.txt torch uv==0.13.9
 	# The rest with uv, which downloads, installs and compiles in parallel where pip used one core throughout, holding
 	# torch at the build just installed.
 	$(call install,-c scripts/torch-constraint.txt -e '.[$(EXTRAS)]')
