@@ -34,6 +34,17 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def rank_pool(ray_session):
+    """Up to four rank processes kept for a test file, for tests that drive SPMD ranks themselves
+    (tests/rank_pool.py). Not for the session: an idle Ray worker still uses ~1% of a core."""
+    from rank_pool import RankPool
+
+    pool = RankPool()
+    yield pool
+    pool.kill()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
     """A ~0.14M-parameter random-init Qwen2 + character tokenizer, written once per session."""

@@ -7,7 +7,8 @@ import sys
 
 import ray
 import torch
-from test_train_distributed import OPTIM, WORLD, _free_port, make_batch, on_all, seq_mean_pg_loss
+from rank_pool import on_all
+from test_train_distributed import OPTIM, WORLD, make_batch, seq_mean_pg_loss
 
 from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine
 from hybridflow.trainer.config import load_config
@@ -16,14 +17,7 @@ from hybridflow.workers.engine_config import engine_config
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-@ray.remote(num_cpus=1)
 class PrefetchRank:
-    def __init__(self, rank: int, init_method: str) -> None:
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
-
     def run(self, model_path: str, prefetch: bool, shards: list, probe) -> dict:
         engine = FSDPEngine(EngineConfig(model_path=model_path, optim=OPTIM, forward_prefetch=prefetch))
         layers = engine.model.hf.model.layers
@@ -37,19 +31,14 @@ class PrefetchRank:
                 "state": engine.full_state_dict()}
 
 
-def test_two_ranks_prefetch_the_next_layer_and_train_the_same(ray_session, tiny_model_path):
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    actors = [PrefetchRank.remote(r, init_method) for r in range(WORLD)]
-    try:
-        batches = [make_batch(rows=8, prompt_len=8, response_len=12, seed=40 + i) for i in range(2)]
-        shards = [[b[r * 4 : (r + 1) * 4] for b in batches] for r in range(WORLD)]
-        probe = make_batch(rows=4, prompt_len=8, response_len=12, seed=77)
-        probes = [probe[0:2], probe[2:4]]
+def test_two_ranks_prefetch_the_next_layer_and_train_the_same(rank_pool, tiny_model_path):
+    batches = [make_batch(rows=8, prompt_len=8, response_len=12, seed=40 + i) for i in range(2)]
+    shards = [[b[r * 4 : (r + 1) * 4] for b in batches] for r in range(WORLD)]
+    probe = make_batch(rows=4, prompt_len=8, response_len=12, seed=77)
+    probes = [probe[0:2], probe[2:4]]
+    with rank_pool.spmd(WORLD, PrefetchRank) as actors:
         plain = on_all(actors, "run", [tiny_model_path] * WORLD, [False] * WORLD, shards, probes)
         fetched = on_all(actors, "run", [tiny_model_path] * WORLD, [True] * WORLD, shards, probes)
-    finally:
-        for a in actors:
-            ray.kill(a)
     assert all(r["wired"] and r["any_prefetch"] for r in fetched) and not any(r["any_prefetch"] for r in plain)
     for a, b in zip(plain, fetched):
         assert a["norms"] == b["norms"]  # the same collectives, earlier: the same numbers

@@ -9,7 +9,8 @@ import pytest
 import ray
 import torch
 from e2e_helpers import make_batch as engine_batch
-from test_train_distributed import OPTIM, WORLD, _free_port, make_batch, on_all, seq_mean_pg_loss
+from rank_pool import on_all
+from test_train_distributed import OPTIM, WORLD, make_batch, seq_mean_pg_loss
 
 from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine
 from hybridflow.trainer.config import ConfigError, load_config
@@ -18,14 +19,7 @@ from hybridflow.workers.engine_config import engine_config
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-@ray.remote(num_cpus=1)
 class ReduceRank:
-    def __init__(self, rank: int, init_method: str) -> None:
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
-
     def run(self, model_path: str, reduce_dtype: str, shards: list) -> dict:
         engine = FSDPEngine(EngineConfig(model_path=model_path, optim=OPTIM, reduce_dtype=reduce_dtype))
         policy = engine.model.hf.model.layers[0]._get_fsdp_state()._mp_policy
@@ -33,17 +27,12 @@ class ReduceRank:
         return {"reduce_dtype": policy.reduce_dtype, "norms": norms}
 
 
-def test_gradients_are_reduced_in_bf16_when_asked(ray_session, tiny_model_path):
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    actors = [ReduceRank.remote(r, init_method) for r in range(WORLD)]
-    try:
-        batch = make_batch(rows=8, prompt_len=8, response_len=12, seed=50)
-        shards = [[batch[r * 4 : (r + 1) * 4]] for r in range(WORLD)]
+def test_gradients_are_reduced_in_bf16_when_asked(rank_pool, tiny_model_path):
+    batch = make_batch(rows=8, prompt_len=8, response_len=12, seed=50)
+    shards = [[batch[r * 4 : (r + 1) * 4]] for r in range(WORLD)]
+    with rank_pool.spmd(WORLD, ReduceRank) as actors:
         fp32 = on_all(actors, "run", [tiny_model_path] * WORLD, ["fp32"] * WORLD, shards)
         bf16 = on_all(actors, "run", [tiny_model_path] * WORLD, ["bf16"] * WORLD, shards)
-    finally:
-        for a in actors:
-            ray.kill(a)
     assert {r["reduce_dtype"] for r in fp32} <= {None, torch.float32} and {r["reduce_dtype"] for r in bf16} == {torch.bfloat16}
     a, b = fp32[0]["norms"][0], bf16[0]["norms"][0]
     assert a != b and b == pytest.approx(a, rel=2e-2)  # bf16 rounding of the summed gradients, nothing more

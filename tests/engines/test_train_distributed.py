@@ -1,13 +1,14 @@
-"""FSDPEngine on 2 ranks: two real Ray actors, a gloo process group, FSDP2 sharding. Compared against world size 1."""
+"""FSDPEngine on 2 ranks: two real Ray actors (the session's rank pool), a gloo process group, FSDP2 sharding.
+Compared against world size 1."""
 
 from __future__ import annotations
 
-import socket
 import sys
 
 import pytest
 import ray
 import torch
+from rank_pool import on_all
 
 from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.protocol import DataProto
@@ -53,16 +54,10 @@ def seq_mean_pg_loss(micro: DataProto, outputs: dict[str, torch.Tensor]):
     return loss, {"loss": loss.detach(), "dp_size": micro.meta_info["dp_size"]}
 
 
-@ray.remote(num_cpus=1)
 class EngineRank:
-    """One SPMD rank: joins the gloo group and owns an FSDPEngine."""
+    """One SPMD rank's FSDPEngine (on a process of the rank pool, in its gloo group)."""
 
-    def __init__(self, rank: int, init_method: str) -> None:
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
-        self.rank = rank
+    def __init__(self) -> None:
         self.engine = None
 
     def build(self, model_path: str, **overrides) -> None:
@@ -97,25 +92,10 @@ class EngineRank:
         self.engine.load_checkpoint(directory)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def ranks(ray_session):
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    actors = [EngineRank.remote(r, init_method) for r in range(WORLD)]
-    yield actors
-    for a in actors:
-        ray.kill(a)
-
-
-def on_all(actors, method: str, *per_rank_args, **kwargs):
-    """Call `method` on every rank at once (collectives need all ranks); per_rank_args[i] goes to rank i."""
-    refs = [getattr(a, method).remote(*(args[r] for args in per_rank_args), **kwargs) for r, a in enumerate(actors)]
-    return ray.get(refs, timeout=300)
+def ranks(rank_pool):
+    with rank_pool.spmd(WORLD, EngineRank) as actors:
+        yield actors
 
 
 def test_two_ranks_train_like_one_rank_on_the_same_global_batch(ranks, tiny_model_path, tmp_path):

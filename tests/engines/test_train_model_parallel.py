@@ -1,16 +1,16 @@
-"""Tensor-parallel and Ulysses sequence-parallel training on 2 and 4 real ranks (Ray actors, gloo, FSDP2 + DTensor)
-against the same engine on one rank: gradients, grad norm, log-probs/entropy, a training step, weight export and a
-checkpoint round trip. Start-up errors name the numbers to change."""
+"""Tensor-parallel and Ulysses sequence-parallel training on 2 and 4 real ranks (Ray actors of the session's rank
+pool, gloo, FSDP2 + DTensor) against the same engine on one rank: gradients, grad norm, log-probs/entropy, a training
+step, weight export and a checkpoint round trip. Start-up errors name the numbers to change."""
 
 from __future__ import annotations
 
-import socket
 import sys
 
 import pytest
 import ray
 import torch
 from e2e_helpers import make_batch
+from rank_pool import on_all
 
 from hybridflow.engines.fsdp_engine import EngineConfig, FSDPEngine, OptimConfig
 from hybridflow.engines.hf_model import hf_name
@@ -52,14 +52,8 @@ def full_grads(engine: FSDPEngine) -> dict[str, torch.Tensor]:
     return out
 
 
-@ray.remote(num_cpus=1)
 class ParallelRank:
-    def __init__(self, rank: int, world: int, init_method: str, path: str, tp: int, sp: int,
-                 role: str = "actor") -> None:
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    def __init__(self, path: str, tp: int, sp: int, role: str = "actor") -> None:
         self.engine = FSDPEngine(EngineConfig(model_path=path, role=role, optim=OPTIM, tensor_parallel_size=tp,
                                               ulysses_sequence_parallel_size=sp, **ENGINE))
         self.loss = value_loss if role == "critic" else pg_loss
@@ -94,17 +88,6 @@ class ParallelRank:
         self.engine.load_checkpoint(directory)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _on_all(actors, method, *per_rank):
-    return ray.get([getattr(a, method).remote(*(arg[r] for arg in per_rank)) for r, a in enumerate(actors)],
-                   timeout=600)
-
-
 CASES = [
     # world, tp, sp, arch, tied embeddings
     pytest.param(2, 2, 1, "qwen2", True, id="tp2-qwen2"),
@@ -119,7 +102,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("world, tp, sp, arch, tied", CASES)
-def test_model_parallel_training_equals_one_rank(ray_session, tmp_path, world, tp, sp, arch, tied):
+def test_model_parallel_training_equals_one_rank(rank_pool, tmp_path, world, tp, sp, arch, tied):
     path = write_tiny_model(tmp_path / "model", TinyModelSpec(arch=arch, tie_word_embeddings=tied), seed=1)
     batch = make_batch(rows=ROWS, prompt_len=8, response_len=16, seed=5)
     probe = make_batch(rows=ROWS, prompt_len=8, response_len=16, seed=6)
@@ -131,62 +114,52 @@ def test_model_parallel_training_equals_one_rank(ray_session, tmp_path, world, t
     single.train_step(batch, pg_loss)
     ref_state = single.full_state_dict()
 
-    init = f"tcp://127.0.0.1:{_port()}"
-    actors = [ParallelRank.remote(r, world, init, path, tp, sp) for r in range(world)]
-    try:
+    with rank_pool.spmd(world, ParallelRank, path, tp, sp) as actors:
         per = ROWS // world
         shards = [batch[r * per : (r + 1) * per] for r in range(world)]
-        got = _on_all(actors, "grads", shards)
+        got = on_all(actors, "grads", shards)
         for grads, norm in got:
             assert norm == pytest.approx(ref_norm, rel=1e-5)
             assert grads.keys() == ref_grads.keys()
             worst = max((float((grads[k] - ref_grads[k]).abs().max()), k) for k in grads)
             assert worst[0] <= 1e-5, worst
-        names, local, full = _on_all(actors, "q_proj_layout")[0]
+        names, local, full = on_all(actors, "q_proj_layout")[0]
         if tp > 1:  # really split: each rank holds 1/(tp * fsdp ranks) of q_proj, on a mesh with a tp dim
             assert "tp" in names and local[0] * world == full[0]
 
-        outs = _on_all(actors, "log_probs", [probe[r * per : (r + 1) * per] for r in range(world)])
+        outs = on_all(actors, "log_probs", [probe[r * per : (r + 1) * per] for r in range(world)])
         for key in ("log_probs", "entropy"):
             assert float((torch.cat([o[key] for o in outs]) - ref_lp[key]).abs().max()) <= 1e-5
 
-        _on_all(actors, "train", shards)
-        states = _on_all(actors, "state")
+        on_all(actors, "train", shards)
+        states = on_all(actors, "state")
         for state in states:
             assert list(state) == list(ref_state)
             assert max(float((state[k] - ref_state[k]).abs().max()) for k in state) <= 1e-5
 
         if world == 4 and tp > 1 and sp > 1:  # resume: a checkpoint restores the exact sharded state
             ckpt = str(tmp_path / "ckpt")
-            _on_all(actors, "save", [ckpt] * world)
-            _on_all(actors, "train", shards)
-            assert _on_all(actors, "state")[0]["model.norm.weight"].ne(states[0]["model.norm.weight"]).any()
-            _on_all(actors, "load", [ckpt] * world)
-            back = _on_all(actors, "state")[0]
+            on_all(actors, "save", [ckpt] * world)
+            on_all(actors, "train", shards)
+            assert on_all(actors, "state")[0]["model.norm.weight"].ne(states[0]["model.norm.weight"]).any()
+            on_all(actors, "load", [ckpt] * world)
+            back = on_all(actors, "state")[0]
             assert all(torch.equal(back[k], states[0][k]) for k in back)
-    finally:
-        for a in actors:
-            ray.kill(a)
 
 
 @pytest.mark.parametrize("tp, sp", [(2, 1), (1, 2)], ids=["tp2", "sp2"])
-def test_critic_values_and_gradients_with_tp_or_sp_equal_one_rank(ray_session, tiny_model_path, tp, sp):
+def test_critic_values_and_gradients_with_tp_or_sp_equal_one_rank(rank_pool, tiny_model_path, tp, sp):
     batch = make_batch(rows=ROWS, prompt_len=8, response_len=16, seed=7)
     single = FSDPEngine(EngineConfig(model_path=tiny_model_path, role="critic", optim=OPTIM, **ENGINE))
     ref_values = single.compute_values(batch)
     single.forward_backward(batch, value_loss)
     ref_grads = full_grads(single)
-    init = f"tcp://127.0.0.1:{_port()}"
-    actors = [ParallelRank.remote(r, 2, init, tiny_model_path, tp, sp, "critic") for r in range(2)]
-    try:
+    with rank_pool.spmd(2, ParallelRank, tiny_model_path, tp, sp, "critic") as actors:
         shards = [batch[: ROWS // 2], batch[ROWS // 2 :]]
-        values = torch.cat(_on_all(actors, "values", shards))
+        values = torch.cat(on_all(actors, "values", shards))
         assert float((values - ref_values).abs().max()) <= 1e-5
-        grads, _ = _on_all(actors, "grads", shards)[0]
+        grads, _ = on_all(actors, "grads", shards)[0]
         assert max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads) <= 1e-5
-    finally:
-        for a in actors:
-            ray.kill(a)
 
 
 def test_start_up_errors_name_the_numbers():

@@ -1,0 +1,123 @@
+"""Rank processes kept for a test file, for the engine tests that drive SPMD ranks themselves (FSDP2, tensor and
+sequence parallel training on 2 or 4 gloo ranks) rather than through a WorkerGroup.
+
+A Ray actor spends seconds of CPU importing torch, transformers and FSDP before its first call, and these tests used
+to start 2 to 4 of them per case. The pool keeps up to four processes for a test file (conftest's ``rank_pool``).
+Each use forms a new gloo process group of the size it asks for on the first processes and places an object of the
+test's own class on every rank; leaving drops the objects and destroys the group. A use that raises (a failed
+assertion, a rank's error, a timeout) kills the processes, so the next use starts new ones: nothing of a failed case
+can reach the next.
+"""
+
+from __future__ import annotations
+
+import gc
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import ray
+
+# Ray workers cannot import this module by name (pytest put tests/ on sys.path only here): ship it by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CALL_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# No logical CPU held: the processes sit idle between uses, and groups placed by the cluster's other users (run_training,
+# WorkerGroup tests) must find its CPUs free.
+@ray.remote(num_cpus=0)
+class RankHost:
+    def __init__(self) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.obj = None
+
+    def join(self, rank: int, world: int, init_method: str, cls: type, args: tuple, kwargs: dict) -> None:
+        import torch.distributed as dist
+
+        self.leave()
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+        self.obj = cls(*args, **kwargs)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.obj, method)(*args, **kwargs)
+
+    def leave(self) -> None:
+        import torch.distributed as dist
+
+        self.obj = None
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _Method:
+    def __init__(self, host, name: str) -> None:
+        self.host, self.name = host, name
+
+    def remote(self, *args: Any, **kwargs: Any):
+        return self.host.call.remote(self.name, *args, **kwargs)
+
+
+class Rank:
+    """One rank's object, called like a Ray actor: ``rank.method.remote(...)`` returns an ObjectRef."""
+
+    def __init__(self, host) -> None:
+        self._host = host
+
+    def __getattr__(self, name: str) -> _Method:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return _Method(self._host, name)
+
+
+class RankPool:
+    MAX_WORLD = 4
+
+    def __init__(self) -> None:
+        self.hosts: list = []
+
+    def _hosts(self, world: int) -> list:
+        if not 1 <= world <= self.MAX_WORLD:
+            raise ValueError(f"the rank pool holds 1 to {self.MAX_WORLD} ranks; asked for {world}")
+        while len(self.hosts) < world:
+            self.hosts.append(RankHost.remote())
+        return self.hosts[:world]
+
+    def kill(self) -> None:
+        for host in self.hosts:
+            ray.kill(host)
+        self.hosts = []
+
+    @contextmanager
+    def spmd(self, world: int, cls: type, *args: Any, **kwargs: Any) -> Iterator[list[Rank]]:
+        """``world`` ranks in a new gloo group, each holding ``cls(*args, **kwargs)`` (built after the group is up,
+        so it may call ``torch.distributed`` in its constructor)."""
+        hosts = self._hosts(world)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        clean = False
+        try:
+            ray.get([h.join.remote(r, world, init_method, cls, args, kwargs) for r, h in enumerate(hosts)],
+                    timeout=CALL_TIMEOUT_S)
+            yield [Rank(h) for h in hosts]
+            ray.get([h.leave.remote() for h in hosts], timeout=CALL_TIMEOUT_S)
+            clean = True
+        finally:
+            if not clean:
+                self.kill()
+
+
+def on_all(ranks: list[Rank], method: str, *per_rank_args: list, **kwargs: Any) -> list:
+    """Call ``method`` on every rank at once (collectives need all of them); ``per_rank_args[i]`` goes to rank i."""
+    refs = [getattr(a, method).remote(*(args[r] for args in per_rank_args), **kwargs) for r, a in enumerate(ranks)]
+    return ray.get(refs, timeout=CALL_TIMEOUT_S)
