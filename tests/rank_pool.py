@@ -11,8 +11,8 @@ can reach the next.
 
 from __future__ import annotations
 
+import datetime
 import gc
-import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,12 +24,7 @@ import ray
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 CALL_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LOOPBACK = "127.0.0.1"
 
 
 # No logical CPU held: the processes sit idle between uses, and groups placed by the cluster's other users (run_training,
@@ -42,11 +37,21 @@ class RankHost:
         torch.set_num_threads(1)
         self.obj = None
 
-    def join(self, rank: int, world: int, init_method: str, cls: type, args: tuple, kwargs: dict) -> None:
+    def hold_port(self) -> int:
+        """A port for the next group's rendezvous store, listened on by this process (rank 0's) until the store takes
+        it: a port only looked up could be taken by another socket on the host before the store starts."""
+        from hybridflow.common.ports import hold_free_port
+
+        return hold_free_port(LOOPBACK)
+
+    def join(self, rank: int, world: int, port: int, cls: type, args: tuple, kwargs: dict) -> None:
         import torch.distributed as dist
 
+        from hybridflow.common.ports import tcp_store
+
         self.leave()
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+        store = tcp_store(LOOPBACK, port, world, rank == 0, datetime.timedelta(seconds=CALL_TIMEOUT_S))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         self.obj = cls(*args, **kwargs)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -104,10 +109,10 @@ class RankPool:
         """``world`` ranks in a new gloo group, each holding ``cls(*args, **kwargs)`` (built after the group is up,
         so it may call ``torch.distributed`` in its constructor)."""
         hosts = self._hosts(world)
-        init_method = f"tcp://127.0.0.1:{free_port()}"
         clean = False
         try:
-            ray.get([h.join.remote(r, world, init_method, cls, args, kwargs) for r, h in enumerate(hosts)],
+            port = ray.get(hosts[0].hold_port.remote(), timeout=CALL_TIMEOUT_S)
+            ray.get([h.join.remote(r, world, port, cls, args, kwargs) for r, h in enumerate(hosts)],
                     timeout=CALL_TIMEOUT_S)
             yield [Rank(h) for h in hosts]
             ray.get([h.leave.remote() for h in hosts], timeout=CALL_TIMEOUT_S)
