@@ -37,7 +37,7 @@ def ray_session():
 @pytest.fixture(scope="module")
 def rank_pool(ray_session):
     """Up to four rank processes kept for a test file, for tests that drive SPMD ranks themselves
-    (tests/rank_pool.py). Not for the session: an idle Ray worker still uses ~1% of a core."""
+    (tests/rank_pool.py). Not for the session: an idle Ray worker process still takes CPU time."""
     from rank_pool import RankPool
 
     pool = RankPool()
