@@ -66,26 +66,6 @@ class RankHost:
             dist.destroy_process_group()
 
 
-class _Method:
-    def __init__(self, host, name: str) -> None:
-        self.host, self.name = host, name
-
-    def remote(self, *args: Any, **kwargs: Any):
-        return self.host.call.remote(self.name, *args, **kwargs)
-
-
-class Rank:
-    """One rank's object, called like a Ray actor: ``rank.method.remote(...)`` returns an ObjectRef."""
-
-    def __init__(self, host) -> None:
-        self._host = host
-
-    def __getattr__(self, name: str) -> _Method:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return _Method(self._host, name)
-
-
 class RankPool:
     MAX_WORLD = 4
 
@@ -105,16 +85,16 @@ class RankPool:
         self.hosts = []
 
     @contextmanager
-    def spmd(self, world: int, cls: type, *args: Any, **kwargs: Any) -> Iterator[list[Rank]]:
+    def spmd(self, world: int, cls: type, *args: Any, **kwargs: Any) -> Iterator[list]:
         """``world`` ranks in a new gloo group, each holding ``cls(*args, **kwargs)`` (built after the group is up,
-        so it may call ``torch.distributed`` in its constructor)."""
+        so it may call ``torch.distributed`` in its constructor); call them with ``on_all``."""
         hosts = self._hosts(world)
         clean = False
         try:
             port = ray.get(hosts[0].hold_port.remote(), timeout=CALL_TIMEOUT_S)
             ray.get([h.join.remote(r, world, port, cls, args, kwargs) for r, h in enumerate(hosts)],
                     timeout=CALL_TIMEOUT_S)
-            yield [Rank(h) for h in hosts]
+            yield hosts
             ray.get([h.leave.remote() for h in hosts], timeout=CALL_TIMEOUT_S)
             clean = True
         finally:
@@ -122,7 +102,8 @@ class RankPool:
                 self.kill()
 
 
-def on_all(ranks: list[Rank], method: str, *per_rank_args: list, **kwargs: Any) -> list:
-    """Call ``method`` on every rank at once (collectives need all of them); ``per_rank_args[i]`` goes to rank i."""
-    refs = [getattr(a, method).remote(*(args[r] for args in per_rank_args), **kwargs) for r, a in enumerate(ranks)]
+def on_all(ranks: list, method: str, *per_rank_args: list, **kwargs: Any) -> list:
+    """Call ``method`` of every rank's object at once (collectives need all of them); ``per_rank_args[i]`` goes to
+    rank i."""
+    refs = [h.call.remote(method, *(args[r] for args in per_rank_args), **kwargs) for r, h in enumerate(ranks)]
     return ray.get(refs, timeout=CALL_TIMEOUT_S)

@@ -1,4 +1,4 @@
-"""FSDPEngine on 2 ranks: two real Ray actors (the session's rank pool), a gloo process group, FSDP2 sharding.
+"""FSDPEngine on 2 ranks: two real Ray actors (the file's rank pool), a gloo process group, FSDP2 sharding.
 Compared against world size 1."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Tensor-parallel and Ulysses sequence-parallel training on 2 and 4 real ranks (Ray actors of the session's rank
-pool, gloo, FSDP2 + DTensor) against the same engine on one rank: gradients, grad norm, log-probs/entropy, a training
+"""Tensor-parallel and Ulysses sequence-parallel training on 2 and 4 real ranks (Ray actors of the file's rank pool,
+gloo, FSDP2 + DTensor) against the same engine on one rank: gradients, grad norm, log-probs/entropy, a training
 step, weight export and a checkpoint round trip. Start-up errors name the numbers to change."""
 
 from __future__ import annotations
