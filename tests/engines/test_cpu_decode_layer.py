@@ -3,10 +3,12 @@ call, or two C calls a layer where the C activation is not torch's. An engine's 
 with and without it on every dense architecture, with a shared (n > 1) and an unshared prompt cache, with rows
 stopping and being compacted mid-call, and after a weight update; the C SiLU and GELU-tanh are torch's bit for bit;
 routed-experts (MoE) layers run their experts as one C call with the same bits; it is not used where its kernels do
-not all run (bf16, without the attention kernel), and those engines still generate."""
+not all run (bf16, without the attention kernel), and those engines still generate. The decode loop in C gives the
+Python loop's bits, and stays in Python for top-k and top-p."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from hybridflow.engines.rollout import SamplingParams, cpu_decode_layer, create_rollout_engine
-from hybridflow.engines.tiny import write_tiny_model
+from hybridflow.engines.tiny import SIZES, write_tiny_model
 from hybridflow.protocol import DataProto
 
 DENSE = ["qwen2", "qwen3", "llama", "mistral", "phi3", "gemma2", "gemma3_text"]
@@ -95,6 +97,51 @@ def test_an_engine_gives_the_same_bits_with_and_without_the_layer_driver(kernel,
     _assert_same(with_kernel, _generate(engine, None))
     # rows did stop and were compacted in the third call
     assert (with_kernel[2].batch["response_mask"].sum(-1) < 16).any()
+
+
+def _count_loop_runs(monkeypatch) -> list[int]:
+    """Counts the runs of the decode loop in C (cpu_decode_layer.DecodeLoop.run)."""
+    count, real = [0], cpu_decode_layer.DecodeLoop.run
+
+    def run(self, *args, **kwargs):
+        count[0] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_decode_layer.DecodeLoop, "run", run)
+    return count
+
+
+# PARAMS, plus a temperature and a call longer than the draws the loop is given at once (sampling.StepUniforms'
+# tables of 64 steps): the loop returns for the next table and goes on
+LOOP_PARAMS = [*PARAMS, SamplingParams(temperature=0.7, max_new_tokens=150, n=2, seed=8)]
+
+
+@pytest.mark.parametrize("arch,window", [("qwen2", None), ("mistral", 5), ("gemma3_text", 6)])
+def test_the_decode_loop_in_c_gives_the_python_loops_bits(kernel, tmp_path, monkeypatch, arch, window):
+    """The loop in C (choose, record, stop and decode without returning to Python between steps) against the Python
+    loop over the same one-call steps: the same tokens, log-probs and lengths, greedy and sampled, with an unshared
+    and a shared prompt cache, with rows stopping and being dropped mid-call (the loop returns, the rows are dropped,
+    it runs again on the rest), past its first table of draws, and with sliding windows that cut into the prompt."""
+    spec = dataclasses.replace(SIZES["tiny"], sliding_window=window)
+    engine = _engine(write_tiny_model(str(tmp_path / arch), spec, seed=0, arch=arch))
+    runs = _count_loop_runs(monkeypatch)
+    in_c = [engine.generate(_prompts(engine), params) for params in LOOP_PARAMS]
+    assert runs[0] > len(LOOP_PARAMS)  # every call ran it, and it ran again after the rows were dropped
+    assert (in_c[2].batch["response_mask"].sum(-1) < 16).any()
+    assert in_c[3].batch["responses"].shape[1] == 150
+    monkeypatch.setattr(kernel, "loop", lambda *args, **kwargs: None)  # the Python loop
+    _assert_same(in_c, [engine.generate(_prompts(engine), params) for params in LOOP_PARAMS])
+
+
+def test_the_decode_loop_stays_in_python_for_top_k_and_top_p(kernel, tmp_path, monkeypatch):
+    engine = _engine(write_tiny_model(str(tmp_path / "qwen2"), "tiny", seed=0, arch="qwen2"))
+    runs = _count_loop_runs(monkeypatch)
+    for params in (SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=6, n=2, seed=1),
+                   SamplingParams(temperature=1.0, top_k=5, max_new_tokens=6, n=2, seed=1)):
+        assert engine.generate(_prompts(engine), params).batch["responses"].shape[1] == 6
+    assert runs[0] == 0
+    engine.generate(_prompts(engine), SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=1))
+    assert runs[0] == 1
 
 
 def test_a_weight_update_is_read_by_the_next_steps(kernel, tmp_path):

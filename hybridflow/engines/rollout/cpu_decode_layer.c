@@ -319,3 +319,96 @@ int decode_step_f32(const struct model *m, const struct layer *layers, long n_la
     m->panel(s->h, R, hid, head, vocab, NULL, logits);
     return 0;
 }
+
+/* ---- the decode loop (cpu_decode_layer.py's `loop`) ------------------------------------------------------------ */
+
+typedef long (*sample_fn)(long R, long V, const float *logits, long ld, float temperature, int greedy, const double *u,
+                          int64_t *tokens, float *log_probs, double *block_sums, int nthreads);
+
+/* A decode loop's state between steps: what native_rollout.py's loop keeps in tensors, by address. Rows are the
+   running slots; none is dropped inside a call (the caller drops stopped rows between calls). */
+struct loop {
+    sample_fn sample;               /* cpu_sampling.c's sample_rows_f32 */
+    long vocab;                     /* the head's rows: a logits row */
+    float temperature;              /* 1 when greedy */
+    int greedy;
+    const double *uniforms;         /* [uniforms_end - uniforms_first, R]: the draws of a step, one row per step */
+    long uniforms_first, uniforms_end;
+    long max_new;
+    const int64_t *stop_ids;        /* [n_stop] */
+    long n_stop;
+    double compact_fraction;        /* return when done >= this fraction of the rows (and some are done) */
+    int64_t *out_tokens;            /* [output rows, max_new] */
+    float *out_log_probs;           /* [output rows, max_new] */
+    int64_t *out_lengths;           /* [output rows] */
+    const int64_t *row_index;       /* [R] the output row of each running slot */
+    uint8_t *done;                  /* [R] whether a slot has stopped */
+    long n_done;                    /* slots stopped since the last drop */
+    int64_t *tokens;                /* [R] a step's chosen tokens */
+    float *log_probs;               /* [R] */
+    double *sums;                   /* [R, blocks]: sample_fn's scratch */
+    float *logits;                  /* [R, vocab]: the decode steps' logits */
+    int64_t *positions;             /* [R]: the positions of the next decode step, advanced in place */
+    const int32_t *pads;            /* [R] left padding of each row's prompt */
+    const long *windows;            /* [layers] a layer's sliding window, 0: full attention */
+    int32_t *starts;                /* [layers, R]: a step's first attended column per layer and row */
+    long prompt_len, offset;        /* kv_cache.py's */
+    int shared;                     /* a shared prompt cache (segment A the prompts, B the generated tokens) */
+    long step;                      /* out: the step the call stopped at */
+};
+
+/* Steps from `step` on, whose logits [R, vocab] are `logits` (the prefill's, or a decode step's): choose each row's
+   token, record it (token, log-prob, and the length where it is a stop token), then decode the next step with those
+   tokens, as native_rollout.py's loop does step by step. Returns 1 after the last step or once every row has
+   stopped; 0 after recording a step at which enough rows have stopped to drop them (the caller drops them and
+   decodes that step); 2 before choosing a step whose draws are not in `uniforms`; -1 when a token is outside the
+   embedding; -2 when a row of logits is no distribution (a NaN, +inf or only -inf). L->step: the step it stopped at;
+   on 2 the step's logits are in L->logits. */
+long decode_loop_f32(const struct model *m, const struct layer *layers, long n_layers, struct step *s, struct loop *L,
+                     long step, const float *logits, const float *embed, long vocab_rows, float embed_scale,
+                     const float *final_norm, const float *head) {
+    const long R = s->R, V = L->vocab;
+    const int32_t *starts[n_layers > 0 ? n_layers : 1];
+    for (;; step++) {
+        L->step = step;
+        if (!L->greedy && step >= L->uniforms_end) return 2;
+        const double *u = L->greedy ? NULL : L->uniforms + (step - L->uniforms_first) * R;
+        if (L->sample(R, V, logits, V, L->temperature, L->greedy, u, L->tokens, L->log_probs, L->sums, s->threads))
+            return -2;
+        for (long r = 0; r < R; r++) {
+            const long at = L->row_index[r] * L->max_new + step;
+            L->out_tokens[at] = L->tokens[r];
+            L->out_log_probs[at] = L->log_probs[r];
+            if (L->done[r]) continue;
+            for (long j = 0; j < L->n_stop; j++)
+                if (L->tokens[r] == L->stop_ids[j]) {
+                    L->out_lengths[L->row_index[r]] = step + 1;
+                    L->done[r] = 1;
+                    L->n_done++;
+                    break;
+                }
+        }
+        if (step == L->max_new - 1 || L->n_done == R) return 1;
+        if (L->n_done && (double)L->n_done >= L->compact_fraction * (double)R) return 0;
+        /* decode step `step`: its K/V go to generated column `step`, it attends to `step + 1` generated keys */
+        const long length = step + 1;
+        s->lenA = (int)(L->shared ? L->prompt_len : L->offset + length);
+        s->lenB = (int)(L->shared ? length : 0);
+        for (long li = 0; li < n_layers; li++) {
+            const long window = L->windows[li];
+            if (!window) {
+                starts[li] = L->pads;
+                continue;
+            }
+            int32_t *start = L->starts + li * R; /* the pads, clamped to the window (cpu_attention.py's `starts`) */
+            const long first = L->prompt_len + length - window;
+            for (long r = 0; r < R; r++) start[r] = L->pads[r] < first ? (int32_t)first : L->pads[r];
+            starts[li] = start;
+        }
+        if (decode_step_f32(m, layers, n_layers, s, starts, L->tokens, embed, vocab_rows, embed_scale, final_norm,
+                            head, V, L->logits))
+            return -1;
+        for (long r = 0; r < R; r++) L->positions[r]++;
+        logits = L->logits;
+    }
+}

@@ -14,6 +14,10 @@ routed layer the router runs in torch after the first call (its softmax is torch
 gate, the weighted sum and the residual are the second (``layer_moe_out_f32``), grouped by expert as moe.py's
 dispatch groups them.
 
+``DecodeLoop`` goes one level up: where the steps are one call each and tokens are chosen greedily or by temperature
+alone, a generate call's loop (choose each row's token, record it, check the stop tokens, decode the next step) runs
+in C too, returning to native_rollout.py only to drop stopped rows, for the next table of draws, or at the end.
+
 Exactness: the C driver calls the same kernels as the eager step (through their function pointers) with the same
 arguments in the same order; a residual is one fp32 add per element either way. So tokens and log-probs are the same
 bits as without it (tests/engines/test_cpu_decode_layer.py).
@@ -35,13 +39,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hybridflow.engines.rollout import cpu_sampling
 from hybridflow.engines.rollout.c_kernels import load_library
 from hybridflow.engines.rollout.cpu_attention import DecodeAttentionKernel
 from hybridflow.engines.rollout.cpu_linear import PanelLinearKernel, PanelWeight
 from hybridflow.engines.rollout.cpu_step_ops import StepOpsKernel
 from hybridflow.engines.rollout.moe import route
+from hybridflow.engines.rollout.sampling import NOT_A_DISTRIBUTION
 
-__all__ = ["DecodeLayerKernel", "load"]
+__all__ = ["DecodeLayerKernel", "DecodeLoop", "load"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +78,16 @@ class _MoeLayer(ctypes.Structure):
 class _MoeStep(ctypes.Structure):
     _fields_ = [("experts", _long), ("k", _long), ("inter", _long), ("act", _int), ("act_fma", _int)] + [
         (name, _ptr) for name in ("token", "weight", "rows", "gate_up", "act_out", "y", "sum")]
+
+
+class _Loop(ctypes.Structure):
+    _fields_ = [("sample", _ptr), ("vocab", _long), ("temperature", _float), ("greedy", _int), ("uniforms", _ptr),
+                ("uniforms_first", _long), ("uniforms_end", _long), ("max_new", _long), ("stop_ids", _ptr),
+                ("n_stop", _long), ("compact_fraction", ctypes.c_double)] + [
+        (name, _ptr) for name in ("out_tokens", "out_log_probs", "out_lengths", "row_index", "done")] + [
+        ("n_done", _long)] + [(name, _ptr) for name in ("tokens", "log_probs", "sums", "logits", "positions", "pads",
+                                                        "windows", "starts")] + [
+        ("prompt_len", _long), ("offset", _long), ("shared", _int), ("step", _long)]
 
 
 class _Step(ctypes.Structure):
@@ -131,6 +147,9 @@ class DecodeLayerKernel:
         self._decode_step.argtypes = [_ptr, _ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _float, _ptr, _ptr, _long,
                                       _ptr]
         self._decode_step.restype = _int
+        self._loop = lib.decode_loop_f32
+        self._loop.argtypes = [_ptr, _ptr, _long, _ptr, _ptr, _long, _ptr, _ptr, _long, _float, _ptr, _ptr]
+        self._loop.restype = _long
         self._moe_out = lib.layer_moe_out_f32
         self._moe_out.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
         self._moe_out.restype = _int
@@ -218,16 +237,10 @@ class DecodeLayerKernel:
         torch does here, a head not packed for the panel kernel), and the caller runs `layers`."""
         s = decoder.shape
         threads = torch.get_num_threads()
-        if not decoder.embed.is_contiguous() or s.moe:  # the router runs in torch between a routed layer's calls
+        prepared = self._one_call(decoder, cache, threads)
+        if prepared is None:
             return None
-        fma = self.activation_variant(s.activation, s.intermediate_size, threads)
-        head = decoder.packed_weights()["lm_head"]
-        if fma is None or not isinstance(head, PanelWeight) or head.panels.shape[1] != s.hidden_size:
-            return None
-        model, layers, _ = self._structs(decoder, cache)
-        kind, name = _ACTIVATIONS[s.activation]
-        model.act, model.act_fma = kind, fma
-        model.vact, model.vact_width = torch_vector_function(name)
+        model, layers, head = prepared
         lenA, lenB = DecodeAttentionKernel.lengths(cache, length)
         prompt_index = rows.prompt_index.to(torch.int64).contiguous() if cache.shared else None
         positions = positions.to(torch.int64).contiguous()
@@ -253,6 +266,38 @@ class DecodeLayerKernel:
         if cap is not None:  # Gemma 2, as the eager step's _logits: cap * tanh(logits / cap)
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def _one_call(self, decoder, cache, threads: int) -> tuple[_Model, ctypes.Array, PanelWeight] | None:
+        """The model struct (its gate set), the layer structs and the packed head for a decode step as one call on
+        `cache`; None where that does not apply (see `step`)."""
+        s = decoder.shape
+        if not decoder.embed.is_contiguous() or s.moe:  # the router runs in torch between a routed layer's calls
+            return None
+        fma = self.activation_variant(s.activation, s.intermediate_size, threads)
+        head = decoder.packed_weights()["lm_head"]
+        if fma is None or not isinstance(head, PanelWeight) or head.panels.shape[1] != s.hidden_size:
+            return None
+        model, layers, _ = self._structs(decoder, cache)
+        kind, name = _ACTIVATIONS[s.activation]
+        model.act, model.act_fma = kind, fma
+        model.vact, model.vact_width = torch_vector_function(name)
+        return model, layers, head
+
+    def loop(self, decoder, cache, prompt_bias: torch.Tensor, *, greedy: bool, temperature: float,
+             stop_ids: torch.Tensor, max_new: int, compact_fraction: float) -> DecodeLoop | None:
+        """A generate call's decode loop in C (`DecodeLoop`) for `decoder` on `cache`, choosing tokens greedily or by
+        plain temperature sampling (no top-k / top-p); None where it does not apply: where a step is not one C call
+        (`step`), the attention kernel does not read this cache, a prompt mask is not left padding, the logits are
+        soft-capped (Gemma 2: in torch after the step), or the sampling kernel did not build."""
+        threads = torch.get_num_threads()
+        attention = decoder.attention_kernel
+        sampler = cpu_sampling.load()
+        if (sampler is None or decoder.shape.final_softcap is not None or not self.applies_to(decoder)
+                or not attention.supports(cache) or self._one_call(decoder, cache, threads) is None
+                or attention.starts(prompt_bias, cache.prompt_len, 1, (None,)) is None):
+            return None
+        return DecodeLoop(self, decoder, cache, sampler, greedy=greedy, temperature=temperature, stop_ids=stop_ids,
+                          max_new=max_new, compact_fraction=compact_fraction)
 
     def layers(self, decoder, x: torch.Tensor, positions: torch.Tensor, cache, rows, starts: dict,
                length: int) -> torch.Tensor:
@@ -385,3 +430,75 @@ class DecodeLayerKernel:
         layers = (_Layer * len(layers))(*layers)  # one C array: decode_step_f32 walks it
         self._memo[decoder] = (weakref.ref(first), weakref.ref(cache), model, layers, experts)
         return model, layers, experts
+
+
+class DecodeLoop:
+    """A generate call's decode loop in C (``decode_loop_f32``): from a step whose logits are ready, each step's
+    tokens are chosen (cpu_sampling.c), recorded and checked against the stop tokens, and the next step decoded as
+    one C call (`DecodeLayerKernel.step`), without returning to Python between steps: at 16 rows of a tiny model the
+    Python loop around a step's C calls took as long as the calls. `run` returns after the last step, once every row
+    has stopped, or once enough rows have stopped that the caller drops them (native_rollout.py drops them and
+    decodes that step, then runs the loop again on the rows left). Same tokens and log-probs as the Python loop, bit
+    for bit: the same kernels on the same arguments in the same order (tests/engines/test_cpu_decode_layer.py)."""
+
+    def __init__(self, kernel: DecodeLayerKernel, decoder, cache, sampler: cpu_sampling.SamplingKernel, *,
+                 greedy: bool, temperature: float, stop_ids: torch.Tensor, max_new: int, compact_fraction: float):
+        self.kernel, self.decoder, self.cache, self.sampler = kernel, decoder, cache, sampler
+        self.greedy, self.temperature = greedy, 1.0 if greedy else float(temperature)
+        self.stop_ids = stop_ids.to(torch.int64).contiguous()
+        self.max_new, self.compact_fraction = max_new, compact_fraction
+        s = decoder.shape
+        self.windows = (ctypes.c_long * s.num_layers)(*(layer.window or 0 for layer in s.layers))
+        # the most keys a step attends to (the attention's scratch is sized for them once)
+        self.keys = cache.prompt_len + max_new if cache.shared else cache.offset + max_new
+
+    def run(self, rows, prompt_bias: torch.Tensor, logits: torch.Tensor, positions: torch.Tensor, step: int, out,
+            draws) -> tuple[int, torch.Tensor, bool]:
+        """Steps from `step` on for the running rows (kv_cache.RunningRows, their prompt masks [R, P]), whose
+        logits [R, V] are `logits` and whose next positions [R] int64 are `positions` (advanced in place); `out`:
+        native_rollout's record of the tokens (its tensors written in place); draws: sampling.StepUniforms, or None
+        when greedy. Returns (the step it stopped at, that step's tokens [R], whether the loop is finished)."""
+        decoder, cache, kernel = self.decoder, self.cache, self.kernel
+        s, threads = decoder.shape, torch.get_num_threads()
+        model, layers, head = kernel._one_call(decoder, cache, threads)
+        R, V = logits.shape[0], head.out_features
+        step_struct, *_ = kernel._step(decoder, R, threads, self.keys)
+        x = torch.empty(R, s.hidden_size)
+        prompt_index = rows.prompt_index.to(torch.int64).contiguous() if cache.shared else None
+        pads = decoder.attention_kernel.starts(prompt_bias, cache.prompt_len, 1, (None,))[None].contiguous()
+        step_struct.x, step_struct.positions, step_struct.prompt_index = x.data_ptr(), positions.data_ptr(), _data(
+            prompt_index)
+        work = {"tokens": torch.empty(R, dtype=torch.int64), "log_probs": torch.empty(R),
+                "sums": torch.empty(R, -(-V // cpu_sampling.BLOCK), dtype=torch.float64),
+                "logits": torch.empty(R, V), "starts": torch.empty(s.num_layers, R, dtype=torch.int32)}
+        state = _Loop(sample=self.sampler.address, vocab=V, temperature=self.temperature, greedy=int(self.greedy),
+                      max_new=self.max_new, stop_ids=self.stop_ids.data_ptr(), n_stop=self.stop_ids.numel(),
+                      compact_fraction=self.compact_fraction, out_tokens=out.tokens.data_ptr(),
+                      out_log_probs=out.log_probs.data_ptr(), out_lengths=out.lengths.data_ptr(),
+                      row_index=out.row_index.data_ptr(), done=out.done.data_ptr(), n_done=out.n_done,
+                      positions=positions.data_ptr(), pads=pads.data_ptr(), windows=ctypes.addressof(self.windows),
+                      prompt_len=cache.prompt_len, offset=cache.offset, shared=int(cache.shared),
+                      **{name: t.data_ptr() for name, t in work.items()})
+        logits = logits.float().contiguous()
+        scale = 0.0 if decoder.embed_scale is None else float(decoder.embed_scale)
+        while True:
+            if draws is not None:  # the draws of `step` on, as one [steps, R] table
+                table, end = draws.block(step)
+                state.uniforms, state.uniforms_first, state.uniforms_end = table.data_ptr(), step, end
+            status = kernel._loop(ctypes.addressof(model), ctypes.addressof(layers), len(layers),
+                                  ctypes.addressof(step_struct), ctypes.addressof(state), step, logits.data_ptr(),
+                                  decoder.embed.data_ptr(), decoder.embed.shape[0], scale, decoder.norm.data_ptr(),
+                                  head.panels.data_ptr())
+            step = state.step
+            if status != 2:  # 2: the draws ran out before `step`, whose logits are in work["logits"]
+                break
+            logits = work["logits"]
+        out.n_done = state.n_done
+        if status == -1:
+            tokens = work["tokens"]
+            bad = tokens[(tokens < 0) | (tokens >= decoder.embed.shape[0])]
+            raise IndexError(f"native rollout: token ids {bad.tolist()[:8]} are outside the embedding's "
+                             f"{decoder.embed.shape[0]} rows")
+        if status == -2:
+            raise ValueError(NOT_A_DISTRIBUTION)
+        return step, work["tokens"], status == 1

@@ -36,10 +36,10 @@ import torch
 
 from hybridflow.engines.rollout.c_kernels import load_library
 
-__all__ = ["SamplingKernel", "load"]
+__all__ = ["BLOCK", "SamplingKernel", "load"]
 
 _SOURCE = Path(__file__).with_name("cpu_sampling.c")
-_BLOCK = 64  # the C file's BLOCK
+BLOCK = 64  # the C file's BLOCK: a row's exps are summed per block of this many
 
 
 @functools.cache
@@ -61,6 +61,7 @@ class SamplingKernel:
         p, long_, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
         self._sample.argtypes = [long_, long_, p, long_, ctypes.c_float, int_, p, p, p, p, int_]
         self._sample.restype = long_
+        self.address = ctypes.cast(self._sample, ctypes.c_void_p).value  # sample_rows_f32, for C callers
         self._filtered = lib.sample_filtered_rows_f32
         self._filtered.argtypes = [long_, long_, p, long_, ctypes.c_float, long_, ctypes.c_double, p, p, p, int_]
         self._filtered.restype = long_
@@ -88,7 +89,7 @@ class SamplingKernel:
                 raise MemoryError(f"sampling: no memory for the top-k/top-p scratch of {R} rows x {V} tokens "
                                   f"(~{36 * V * min(R, torch.get_num_threads()) >> 20} MiB)")
             return None if undecided else (tokens, log_probs)
-        sums = torch.empty(R, -(-V // _BLOCK), dtype=torch.float64)
+        sums = torch.empty(R, -(-V // BLOCK), dtype=torch.float64)
         undecided = self._sample(R, V, logits.data_ptr(), logits.stride(0), float(temperature), int(greedy),
                                  None if greedy else uniforms.data_ptr(), tokens.data_ptr(), log_probs.data_ptr(),
                                  sums.data_ptr(), torch.get_num_threads())

@@ -367,9 +367,17 @@ class NativeRollout(RolloutEngine):
         logits = steps.prefill_logits
         positions = pos[:, -1].repeat_interleave(n) + 1
         out = _Responses(rows, max_new, self.pad_token_id, stop_ids)
-        for step in range(max_new):
-            tokens = out.record(step, *self._sample(logits, params, draws, step))
-            if out.finished(step):
+        in_c = None
+        if type(steps) is _EagerSteps and routes is None and self.tensor_parallel is None:
+            in_c = steps.c_loop(params, stop_ids, max_new)
+        step = 0
+        while True:
+            if in_c is not None:  # choose, record and decode in C up to the end, or until stopped rows are dropped
+                step, tokens, finished = in_c.run(steps.running, steps.row_bias, logits, positions, step, out, draws)
+            else:
+                tokens = out.record(step, *self._sample(logits, params, draws, step))
+                finished = out.finished(step)
+            if finished:
                 break
             keep = steps.maybe_drop_stopped(out, step)
             if keep is not None:
@@ -382,6 +390,7 @@ class NativeRollout(RolloutEngine):
             if routes is not None:
                 routes.step_done(out.row_index, step)
             positions = positions + 1
+            step += 1
         result = assemble_output(prompts, read, out.tokens, out.lengths, out.log_probs, n, self.pad_token_id)
         if routes is not None:
             mask = result.batch["attention_mask"]
@@ -473,6 +482,16 @@ class _EagerSteps:
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, step: int) -> torch.Tensor:
         return self.model.decode(tokens, positions, self.cache, self.running, self.row_bias, column=step)
+
+    def c_loop(self, params: SamplingParams, stop_ids: torch.Tensor, max_new: int):
+        """The decode loop in C (cpu_decode_layer.DecodeLoop) where its steps are one C call each and tokens are
+        chosen greedily or by temperature alone; None elsewhere (the loop stays in Python)."""
+        kernel = self.model.layer_kernel
+        if not isinstance(kernel, cpu_decode_layer.DecodeLayerKernel) or (not params.greedy and (params.top_k > 0 or params.top_p < 1)):
+            return None
+        return kernel.loop(self.model, self.cache, self.row_bias, greedy=params.greedy,
+                           temperature=params.temperature, stop_ids=stop_ids, max_new=max_new,
+                           compact_fraction=self.compact_fraction)
 
 
 class _StaticSteps:

@@ -19,7 +19,7 @@ import torch
 from hybridflow.engines.hf_model import log_probs_from_logits
 from hybridflow.engines.rollout import cpu_sampling
 
-__all__ = ["StepUniforms", "row_keys", "sample_tokens", "uniform_from_keys", "uniform_table"]
+__all__ = ["NOT_A_DISTRIBUTION", "StepUniforms", "row_keys", "sample_tokens", "uniform_from_keys", "uniform_table"]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -71,10 +71,16 @@ class StepUniforms:
             self.first, self.table = step, chunk.t().contiguous()
         return self.table[step - self.first]
 
+    def block(self, step: int) -> tuple[torch.Tensor, int]:
+        """The draws of steps `step`, `step` + 1, ... as one contiguous [steps, rows] table, and the step after its
+        last (a C decode loop reads them in place: cpu_decode_layer.py)."""
+        self.at(step)
+        return self.table[step - self.first :], self.first + self.table.shape[0]
+
     def keep(self, index: torch.Tensor) -> None:
         self.keys = self.keys[index]
         if self.table is not None:
-            self.table = self.table[:, index]
+            self.table = self.table[:, index].contiguous()
 
 
 # Rows are sampled in chunks of about this many logits, so that a chunk's probabilities and fp64 cumulative sums stay
@@ -86,7 +92,7 @@ _CHUNK_ELEMENTS = 1 << 20
 _CANDIDATES = 1024
 
 
-_NOT_A_DISTRIBUTION = ("sampling: a row of the model's logits holds a NaN or +inf, or only -inf, so it is no distribution "
+NOT_A_DISTRIBUTION = ("sampling: a row of the model's logits holds a NaN or +inf, or only -inf, so it is no distribution "
                        "to sample from; the weights have likely diverged (check the actor's grad_norm and learning "
                        "rate in the run's metrics, and resume from the last good checkpoint)")
 
@@ -210,7 +216,7 @@ def sample_tokens(
     if kernel and logits.device.type == "cpu" and (fast := cpu_sampling.load()):
         chosen = fast.choose(logits, u, 1.0 if greedy else temperature, top_k, top_p)
         if chosen is None:
-            raise ValueError(_NOT_A_DISTRIBUTION)
+            raise ValueError(NOT_A_DISTRIBUTION)
         return chosen
     chunks = -(-rows * vocab // _CHUNK_ELEMENTS)
     if chunks <= 1 or rows == 1:
@@ -230,7 +236,7 @@ def _sample_rows(
         tokens = logits.argmax(-1)
         log_probs = log_probs_from_logits(logits, tokens)  # finite for the argmax of any distribution
         if not bool(torch.isfinite(log_probs).all()):
-            raise ValueError(_NOT_A_DISTRIBUTION)
+            raise ValueError(NOT_A_DISTRIBUTION)
         return tokens, log_probs
     scaled = logits if temperature == 1.0 else logits / temperature  # x / 1.0 == x: skip a pass over [rows, V]
     # one logsumexp for the draw and the reported log-prob (log_probs_from_logits' formula, the same bits); the
@@ -238,7 +244,7 @@ def _sample_rows(
     # fp32 values order as their fp64 copies do, so candidates are chosen and sorted in fp32
     lse = torch.logsumexp(scaled, -1, keepdim=True)
     if not bool(torch.isfinite(lse).all()):
-        raise ValueError(_NOT_A_DISTRIBUTION)
+        raise ValueError(NOT_A_DISTRIBUTION)
     probs = (scaled - lse).exp_()
     if _filters(top_k, top_p, logits.shape[-1]):
         tokens = _draw_filtered(probs, u, top_k, top_p)
