@@ -39,20 +39,30 @@ def real_token_spans(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.
     """
     if attention_mask.dim() != 2:
         raise ValueError(f"attention_mask must be [batch, seq], got shape {tuple(attention_mask.shape)}")
-    mask = attention_mask.bool()
-    seq = mask.shape[1]
-    counts = mask.sum(dim=1)
-    if bool((counts == 0).any()):
-        row = int((counts == 0).nonzero()[0])
-        raise ValueError(f"row {row} has no real tokens (attention_mask all zero); drop empty rows before the engine")
-    ar = torch.arange(seq, device=mask.device)
-    starts = torch.where(mask, ar, seq).min(dim=1).values
-    ends = torch.where(mask, ar, -1).max(dim=1).values + 1
-    holes = (ends - starts) != counts
-    if bool(holes.any()):
-        row = int(holes.nonzero()[0])
+    if attention_mask.device.type == "cpu" and attention_mask.shape[1] > 0:
+        # the same in numpy: a few small torch ops cost ~5 us each in dispatch alone, and each of a step's forward
+        # passes asks this several times (planning, packing, shared prompts)
+        mask = attention_mask.numpy(force=True).astype(bool, copy=False)
+        counts = mask.sum(axis=1)
+        starts = mask.argmax(axis=1)  # the first real token (argmax of booleans: the first True)
+        ends = mask.shape[1] - mask[:, ::-1].argmax(axis=1)
+        empty, holes = (counts == 0).nonzero()[0], (ends - starts != counts).nonzero()[0]
+        starts, ends = torch.from_numpy(starts), torch.from_numpy(ends)
+    else:
+        mask = attention_mask.bool()
+        seq = mask.shape[1]
+        counts = mask.sum(dim=1)
+        ar = torch.arange(seq, device=mask.device)
+        starts = torch.where(mask, ar, seq).min(dim=1).values
+        ends = torch.where(mask, ar, -1).max(dim=1).values + 1
+        empty = (counts == 0).nonzero().flatten().tolist()
+        holes = ((ends - starts) != counts).nonzero().flatten().tolist()
+    if len(empty):
+        raise ValueError(f"row {int(empty[0])} has no real tokens (attention_mask all zero); drop empty rows before the "
+                         "engine")
+    if len(holes):
         raise ValueError(
-            f"row {row}: attention_mask has zeros between real tokens; the engine expects left-padded prompts "
+            f"row {int(holes[0])}: attention_mask has zeros between real tokens; the engine expects left-padded prompts "
             "followed by right-padded responses (rollout/base.py). Mask tokens out of the loss with response_mask "
             "instead of attention_mask"
         )
