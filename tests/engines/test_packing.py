@@ -58,6 +58,29 @@ def test_packed_layout_concatenates_rows_and_restarts_positions():
     assert packed.out_rows.tolist() == bucket.out_rows.tolist() and packed.out_cols.tolist() == bucket.out_cols.tolist()
 
 
+def test_the_same_rows_again_take_the_last_layout_and_other_rows_a_new_one():
+    """build_packed keeps its last layout for a pass over the same rows (equal values, not the same tensors), and
+    makes a new one for rows that differ in any of the three tensors or options, or that the caller changed in place
+    since (it compares against copies)."""
+    prompt_len, response_len = 4, 3
+    mask = rollout_mask([2, 4, 4], [3, 1, 2], prompt_len, response_len)
+    ids = torch.arange(1, 22).reshape(3, 7) * mask
+    ids[2, :prompt_len] = ids[1, :prompt_len]  # rows 1 and 2 share a prompt
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    first = packing.build_packed(ids, mask, pos, response_len, share_prompts=True)
+    assert first.shared is not None
+    assert packing.build_packed(ids.clone(), mask.clone(), pos.clone(), response_len, share_prompts=True) is first
+    assert packing.build_packed(ids, mask, pos, response_len) is not first  # other options
+    again = packing.build_packed(ids, mask, pos, response_len, share_prompts=True)
+    assert again is not first  # the last layout is the unshared one now
+    ids[0, -1] = 99  # in place: a new target token
+    changed = packing.build_packed(ids, mask, pos, response_len, share_prompts=True)
+    assert changed is not again and changed.target_ids.tolist()[2] == 99
+    fresh = packing._build_packed(ids, mask, pos, response_len, 0, True)
+    for name in ("input_ids", "position_ids", "select_cols", "target_ids", "out_rows", "out_cols", "cu_seq_lens"):
+        assert torch.equal(getattr(changed, name), getattr(fresh, name)), name
+
+
 def test_varlen_attention_is_block_diagonal_causal():
     """Row by row SDPA equals a dense block-diagonal causal mask over the packed row, and keeps rows apart."""
     g = torch.Generator().manual_seed(0)
