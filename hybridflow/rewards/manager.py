@@ -186,7 +186,9 @@ class RewardManager:
 
     def _decode(self, batch: DataProto) -> list[str]:
         responses, mask = batch.batch["responses"], self._response_mask(batch)
-        ids = [row[m.bool()].tolist() for row, m in zip(responses.cpu(), mask.cpu())]
+        # in numpy: per row a few torch ops cost more than the decoding itself
+        keep = mask.numpy(force=True).astype(bool, copy=False)
+        ids = [row[m].tolist() for row, m in zip(responses.numpy(force=True), keep)]
         backend = getattr(self.tokenizer, "_tokenizer", None)
         if hasattr(backend, "decode_batch") and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
             # The Rust tokenizer directly: transformers' batch_decode spends most of its time converting inputs.
