@@ -458,6 +458,8 @@ class DecodeLoop:
         logits [R, V] are `logits` and whose next positions [R] int64 are `positions` (advanced in place); `out`:
         native_rollout's record of the tokens (its tensors written in place); draws: sampling.StepUniforms, or None
         when greedy. Returns (the step it stopped at, that step's tokens [R], whether the loop is finished)."""
+        if positions.dtype != torch.int64 or not positions.is_contiguous():  # the C loop advances them in place
+            raise TypeError(f"DecodeLoop.run: positions must be contiguous int64, got {positions.dtype}")
         decoder, cache, kernel = self.decoder, self.cache, self.kernel
         s, threads = decoder.shape, torch.get_num_threads()
         model, layers, head = kernel._one_call(decoder, cache, threads)
