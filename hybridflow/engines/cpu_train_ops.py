@@ -41,6 +41,7 @@ import ctypes
 import functools
 import logging
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -279,6 +280,32 @@ def _rotary_operands(q: torch.Tensor, k: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and type(t.data) is torch.Tensor and t.stride(-1) == 1 for t in (q, k))
 
 
+# The tables of the last (cos, sin) pair: transformers computes them once per forward and passes the same tensors to
+# every layer, so the layers after the first reuse the first one's (weak references: the memo keeps nothing alive)
+_last_tables: list = [None]
+
+
+def _rotary_tables(cos: torch.Tensor, sin: torch.Tensor, batch: int) -> tuple[torch.Tensor, ...]:
+    """(cos rows [B T, dim], the signed sine, its transpose's, each q row's table row [batch T]) for cos and sin
+    [B, T, dim] (B 1 or `batch`)."""
+    key = (*(None if t.is_inference() else t._version for t in (cos, sin)), batch)  # inference tensors: no versions
+    last = _last_tables[0]
+    if last is not None and last[0]() is cos and last[1]() is sin and last[2] == key:
+        return last[3]
+    B, T, dim = cos.shape
+    half = dim // 2
+    cos_rows = cos.reshape(B * T, dim).contiguous()
+    sin_rows = sin.reshape(B * T, dim)
+    # the rotation folds rotate_half's sign into the table; its transpose reads the table rolled by half
+    signed_sin = torch.cat((-sin_rows[:, :half], sin_rows[:, half:]), dim=-1)
+    back_sin = torch.cat((sin_rows[:, half:], -sin_rows[:, :half]), dim=-1)
+    # row (b, t) of q reads table row b * T + t, or t where one table serves the whole batch
+    positions = torch.arange(B * T) if batch == B else torch.arange(T).repeat(batch)
+    tables = (cos_rows, signed_sin, back_sin, positions)
+    _last_tables[0] = (weakref.ref(cos), weakref.ref(sin), key, tables)
+    return tables
+
+
 def _fused_rotary(original):
     """transformers' apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1), fused where `_fused` holds."""
 
@@ -292,19 +319,10 @@ def _fused_rotary(original):
                 or cos.shape[-1] % 2 or cos.shape[-1] > min(q.shape[-1], k.shape[-1])
                 or not _fused(cos, sin) or not _rotary_operands(q, k)):
             return original(q, k, cos, sin, *args, **kwargs)
-        B, T, dim = cos.shape
-        half = dim // 2
         if q.dtype != torch.float32:  # bf16 q/k under autocast, fp32 tables: transformers' products promote to fp32
             q, k = q.float(), k.float()
-        cos_rows = cos.reshape(B * T, dim).contiguous()
-        sin_rows = sin.reshape(B * T, dim)
-        # the rotation folds rotate_half's sign into the table; its transpose reads the table rolled by half
-        signed_sin = torch.cat((-sin_rows[:, :half], sin_rows[:, half:]), dim=-1)
-        back_sin = torch.cat((sin_rows[:, half:], -sin_rows[:, :half]), dim=-1)
-        # row (b, t) of q reads table row b * T + t, or t where one table serves the whole batch
-        positions = torch.arange(B * T) if q.shape[0] == B else torch.arange(T).repeat(q.shape[0])
-        return (_RotaryFn.apply(q, cos_rows, signed_sin, back_sin, positions),
-                _RotaryFn.apply(k, cos_rows, signed_sin, back_sin, positions))
+        tables = _rotary_tables(cos, sin, q.shape[0])
+        return _RotaryFn.apply(q, *tables), _RotaryFn.apply(k, *tables)
 
     apply_rotary_pos_emb.hybridflow_fused = True
     return apply_rotary_pos_emb

@@ -2,8 +2,9 @@
 model's logits are transformers' bits and its gradients transformers' to rounding (the rotary path against
 transformers' own function), in fp32 and under bf16 autocast (gradients as close to fp32's as transformers'; the bf16
 SwiGLU kernel against fp64); partial rotary (Phi-3), per-row position tables, gradient checkpointing; the engine's
-choice and its error; other models in the process and other dtypes keep transformers' ops; an engine with them
-computes the same log-probs (bitwise) and the same update (to rounding) as one without, in fp32 and bf16."""
+choice and its error; the layers of one forward share its rotary tables; other models in the process and other
+dtypes keep transformers' ops; an engine with them computes the same log-probs (bitwise) and the same update (to
+rounding) as one without, in fp32 and bf16."""
 
 from __future__ import annotations
 
@@ -188,6 +189,24 @@ def test_the_engines_choice_and_its_error():
         fused_ops_here(cpu, torch.float16, True)
     with pytest.raises(ValueError, match="fused_cpu_ops=True needs fp32 or bf16 on a CPU"):
         fused_ops_here(torch.device("meta"), torch.float32, True)
+
+
+def test_the_layers_of_one_forward_share_its_rotary_tables():
+    """transformers passes one (cos, sin) pair to every layer of a forward: the tables derived from it are made
+    once, made again for another pair, for a pair written in place since, and for another batch size."""
+    cos, sin = torch.randn(1, 6, 8), torch.randn(1, 6, 8)
+    first = cpu_train_ops._rotary_tables(cos, sin, 2)
+    assert cpu_train_ops._rotary_tables(cos, sin, 2) is first
+    assert cpu_train_ops._rotary_tables(cos.clone(), sin, 2) is not first
+    assert cpu_train_ops._rotary_tables(cos, sin, 3) is not first
+    again = cpu_train_ops._rotary_tables(cos, sin, 2)
+    sin.mul_(-1)
+    changed = cpu_train_ops._rotary_tables(cos, sin, 2)
+    assert changed is not again and torch.equal(changed[1][:, 4:], sin[0, :, 4:])
+    assert torch.equal(changed[3], torch.arange(6).repeat(2))
+    with torch.inference_mode():  # no version counters there
+        cos, sin = torch.randn(1, 6, 8), torch.randn(1, 6, 8)
+        assert cpu_train_ops._rotary_tables(cos, sin, 1) is cpu_train_ops._rotary_tables(cos, sin, 1)
 
 
 def _fused_modules(eng) -> int:
