@@ -224,7 +224,10 @@ class ScoringPool:
         """One Outcome per task, in order."""
         results: list[Outcome | None] = [None] * len(tasks)
         queue = deque(range(len(tasks)))
-        chunk_size = max(1, min(64, math.ceil(len(tasks) / (4 * self.num_workers))))
+        # four chunks a worker balance the workers' loads; one worker gets the batch as one chunk (each chunk
+        # boundary is a round trip in which it waits)
+        chunks = 4 * self.num_workers if self.num_workers > 1 else 1
+        chunk_size = max(1, min(64, math.ceil(len(tasks) / chunks)))
         self._ensure_workers()
         remaining = len(tasks)
         while remaining:
