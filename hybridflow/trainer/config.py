@@ -404,6 +404,9 @@ class RewardModelConfig:
     reward_manager: str = "naive"  # naive | batch | dapo | prime (veRL's), see hybridflow/rewards/managers.py
     reward_kwargs: dict = field(default_factory=dict)  # veRL: the manager's own options, e.g. dapo's overlong_buffer_cfg
     overlong_buffer: OverlongBuffer = field(default_factory=OverlongBuffer)  # hybridflow's older key, any manager
+    # veRL's switch: true computes the rule scores in a background thread (their scorers run in the workers below)
+    # while the step's old-log-prob, reference and value passes run, joined before the advantages
+    launch_reward_fn_async: bool = False
     # rule-scoring workers
     num_workers: int = 2
     timeout_s: float = 10.0

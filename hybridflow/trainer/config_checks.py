@@ -139,6 +139,12 @@ def config_errors(cfg: HybridFlowConfig) -> list[str]:
             "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the KL penalty is "
             "known only after the group filter has run; filter on seq_reward (the shaped score) instead"
         )
+    if alg.filter_groups.enable and cfg.reward_model.launch_reward_fn_async:
+        errors.append(
+            "reward_model.launch_reward_fn_async=true with algorithm.filter_groups.enable=true: dynamic sampling needs "
+            "each batch's scores before it decides what to train on, so they cannot wait in the background; set one "
+            "of the two false"
+        )
     if alg.filter_groups.max_num_gen_batches < 0:
         errors.append("algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit)")
     from hybridflow.trainer.dynamic_sampling import dynamic_sampling_errors

@@ -5,6 +5,8 @@ One training step (``RLTrainer.train_step``) is, line for line, the HybridFlow d
     generate -> reward -> old log-probs -> ref log-probs -> values -> advantages -> update critic -> update actor
     -> sync weights
 
+(with reward_model.launch_reward_fn_async the rule scores are computed while the log-prob and value passes run).
+
 Where and when the generation runs (the hybrid engine, a rollout group of its own, overlapped with training one
 step ahead or produced continuously into a buffer) is the rollout driver's business (rollout_driver.py); the step
 reads the same in every mode.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -114,6 +117,9 @@ class RLTrainer:
                            t.dump_high_diff_dir)
         self.profiler = StepProfiler(cfg)  # veRL's profiler keys, tool=torch (profiling.py)
         self.rollout: SyncRollout | None = None  # built by fit(): it owns the prompt stream
+        # reward_model.launch_reward_fn_async: the thread that waits for the rule scores while the passes run
+        self.reward_thread = ThreadPoolExecutor(1, thread_name_prefix="hybridflow-reward") if (
+            cfg.reward_model.launch_reward_fn_async) else None
         self._rollout_state: dict | None = None  # from a checkpoint, until fit() builds the rollout driver
 
     # ------------------------------------------------------------------------------------------- one step
@@ -121,13 +127,15 @@ class RLTrainer:
         """One step of the dataflow -> (metrics, the trained batch: every row with its own text, scores, uid...)."""
         cfg, g, timing, metrics = self.cfg, self.groups, {}, {}
         step_start = time.perf_counter()
-        batch, gen_metrics = self.rollout_and_score(prompts, timing)  # times "generate" and "reward"
-        metrics.update(gen_metrics)
+        if self.reward_thread is not None:  # reward_model.launch_reward_fn_async: scored alongside the passes below
+            batch, reward_metrics = self.generate_once(prompts, salt=0, timing=timing), {}
+        else:
+            batch, reward_metrics = self.rollout_and_score(prompts, timing)  # times "generate" and "reward"
         metrics.update(self.rollout.metrics(batch))
-        metrics.update(agent_batch_metrics(batch, batch.batch.get("scores")))  # multi-turn rows only
         if cfg.trainer.balance_batch:
             metrics.update(balance_batch(batch, g.actor_rollout.world_size))
         batch.meta_info.update(self.step_meta())
+        scoring = self.score_in_background(batch) if self.reward_thread is not None else None
         if self.cfg.algorithm.rollout_correction.bypass_mode:  # the behaviour policy is the old policy
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
         elif not self.on_policy:
@@ -142,6 +150,11 @@ class RLTrainer:
         if g.critic is not None:
             with Timer("values", timing):
                 batch = batch.union(g.critic.compute_values(batch))
+        if scoring is not None:
+            with Timer("reward", timing):  # the wait only: the scores were computed alongside the passes above
+                batch = self.join_scores(batch, scoring, reward_metrics)
+        metrics.update(reward_metrics)
+        metrics.update(agent_batch_metrics(batch, batch.batch.get("scores")))  # multi-turn rows only
         with Timer("adv", timing):
             metrics.update(self.compute_advantage(batch))
             if cfg.algorithm.use_pf_ppo:  # PF-PPO: train on a reward-weighted resample of the rows
@@ -235,6 +248,12 @@ class RLTrainer:
         return batch, metrics
 
     def generate_and_score_once(self, prompts: DataProto, *, salt: int, metrics: dict, timing: dict) -> DataProto:
+        batch = self.generate_once(prompts, salt=salt, timing=timing)
+        with Timer("reward", timing):
+            return self.score(batch, metrics)
+
+    def generate_once(self, prompts: DataProto, *, salt: int, timing: dict) -> DataProto:
+        """n responses per prompt, as rows of the step's batch (not scored yet)."""
         n = self.cfg.actor_rollout_ref.rollout.n
         prompts.non_tensor_batch["uid"] = np.array(
             [f"{self.global_step}-{salt}-{i}" for i in range(len(prompts))], dtype=object
@@ -250,8 +269,7 @@ class RLTrainer:
         if self.estimator_needs_greedy_baseline:
             with Timer("generate_baseline", timing):
                 batch.batch["reward_baselines"] = self.greedy_baseline(prompts, salt).repeat_interleave(n)
-        with Timer("reward", timing):
-            return self.score(batch, metrics)
+        return batch
 
     def greedy_baseline(self, prompts: DataProto, salt: int) -> torch.Tensor:
         """ReMax: the reward of the greedy response to each prompt, [B]."""
@@ -286,6 +304,11 @@ class RLTrainer:
         Each row keeps what was scored with it: ``response_text`` (non-tensor), ``scores`` [B] (before shaping),
         ``acc`` [B] when the scorer or the manager gives one.
         """
+        batch, late = self.with_rm_scores(batch)
+        return self.apply_scores(batch, self.rule_scores(batch, late), metrics)
+
+    def with_rm_scores(self, batch: DataProto) -> tuple[DataProto, LateRMScores | None]:
+        """The reward model's scores on the batch, or on their way (the reward loop: ``late``, read when needed)."""
         late = None
         if self.groups.reward_model is not None:
             rm_out = self.groups.reward_model.compute_rm_score(batch)
@@ -293,12 +316,33 @@ class RLTrainer:
                 late = LateRMScores(rm_out)
             else:
                 batch = batch.union(rm_out)
+        return batch, late
+
+    def rule_scores(self, batch: DataProto, late: LateRMScores | None):
+        """The reward manager's result (rewards/manager.RewardResult) for the batch."""
         if late is not None and getattr(self.reward_fn, "takes_late_rm_scores", False):
-            result = self.reward_fn(batch, rm_scores=late)  # ... while the rule scores are computed
-        else:
-            if late is not None:
-                batch.batch["rm_scores"] = late()
-            result = self.reward_fn(batch)
+            return self.reward_fn(batch, rm_scores=late)  # ... while the rule scores are computed
+        if late is not None:
+            batch.batch["rm_scores"] = late()
+        return self.reward_fn(batch)
+
+    def score_in_background(self, batch: DataProto) -> Future:
+        """veRL's reward_model.launch_reward_fn_async: the reward model's part as usual, then the rule scores in the
+        reward thread, on a view of the batch (its own column dicts: the passes meanwhile add columns to `batch`);
+        `join_scores` waits for them. The scorers themselves run in the reward manager's worker processes."""
+        batch, late = self.with_rm_scores(batch)
+        view = DataProto(batch=batch.batch, non_tensor_batch=batch.non_tensor_batch, meta_info=batch.meta_info)
+        return self.reward_thread.submit(lambda: (view, self.rule_scores(view, late)))
+
+    def join_scores(self, batch: DataProto, scoring: Future, metrics: dict) -> DataProto:
+        """`score_in_background`'s scores (and the reward model's, where the manager read them late) on the batch."""
+        view, result = scoring.result()
+        if "rm_scores" in view.batch and "rm_scores" not in batch.batch:
+            batch.batch["rm_scores"] = view.batch["rm_scores"]
+        return self.apply_scores(batch, result, metrics)
+
+    def apply_scores(self, batch: DataProto, result, metrics: dict | None = None) -> DataProto:
+        """The reward manager's result as the batch's columns (and its metrics into `metrics`)."""
         batch.batch["token_level_scores"] = result.token_level_scores
         batch.batch["scores"] = result.scores
         if "acc" in result.extra and all(v is not None for v in result.extra["acc"]):
@@ -385,6 +429,8 @@ class RLTrainer:
             return self._fit(total_steps)
         finally:
             self.rollout.close()
+            if self.reward_thread is not None:
+                self.reward_thread.shutdown(wait=True)
 
     def _fit(self, total_steps: int) -> dict[str, float]:
         t = self.cfg.trainer
