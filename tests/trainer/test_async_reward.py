@@ -63,6 +63,6 @@ def test_the_passes_run_while_the_rule_scores_are_computed(arithmetic_files, tin
 
 
 def test_dynamic_sampling_needs_its_scores_at_once():
-    with pytest.raises(ConfigError, match="launch_reward_fn_async=true with algorithm.filter_groups.enable=true"):
+    with pytest.raises(ConfigError, match=r"launch_reward_fn_async=true with algorithm\.filter_groups\.enable=true"):
         load_config(["reward_model.launch_reward_fn_async=true", "algorithm.filter_groups.enable=true",
                      "actor_rollout_ref.rollout.n=4"])
