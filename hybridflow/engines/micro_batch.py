@@ -58,13 +58,13 @@ def real_token_spans(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.
         empty = (counts == 0).nonzero().flatten().tolist()
         holes = ((ends - starts) != counts).nonzero().flatten().tolist()
     if len(empty):
-        raise ValueError(f"row {int(empty[0])} has no real tokens (attention_mask all zero); drop empty rows before the "
-                         "engine")
+        raise ValueError(f"row {int(empty[0])} has no real tokens (attention_mask all zero); drop empty rows "
+                         "before the engine")
     if len(holes):
         raise ValueError(
-            f"row {int(holes[0])}: attention_mask has zeros between real tokens; the engine expects left-padded prompts "
-            "followed by right-padded responses (rollout/base.py). Mask tokens out of the loss with response_mask "
-            "instead of attention_mask"
+            f"row {int(holes[0])}: attention_mask has zeros between real tokens; the engine expects left-padded "
+            "prompts followed by right-padded responses (rollout/base.py). Mask tokens out of the loss with "
+            "response_mask instead of attention_mask"
         )
     return starts, ends
 

@@ -487,7 +487,8 @@ class _EagerSteps:
         """The decode loop in C (cpu_decode_layer.DecodeLoop) where its steps are one C call each and tokens are
         chosen greedily or by temperature alone; None elsewhere (the loop stays in Python)."""
         kernel = self.model.layer_kernel
-        if not isinstance(kernel, cpu_decode_layer.DecodeLayerKernel) or (not params.greedy and (params.top_k > 0 or params.top_p < 1)):
+        filtered = not params.greedy and (params.top_k > 0 or params.top_p < 1)
+        if filtered or not isinstance(kernel, cpu_decode_layer.DecodeLayerKernel):
             return None
         return kernel.loop(self.model, self.cache, self.row_bias, greedy=params.greedy,
                            temperature=params.temperature, stop_ids=stop_ids, max_new=max_new,
