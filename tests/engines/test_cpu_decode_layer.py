@@ -4,7 +4,7 @@ with and without it on every dense architecture, with a shared (n > 1) and an un
 stopping and being compacted mid-call, and after a weight update; the C SiLU and GELU-tanh are torch's bit for bit;
 routed-experts (MoE) layers run their experts as one C call with the same bits; it is not used where its kernels do
 not all run (bf16, without the attention kernel), and those engines still generate. The decode loop in C gives the
-Python loop's bits, and stays in Python for top-k and top-p."""
+Python loop's bits."""
 
 from __future__ import annotations
 
@@ -113,15 +113,18 @@ def _count_loop_runs(monkeypatch) -> list[int]:
 
 # PARAMS, plus a temperature and a call longer than the draws the loop is given at once (sampling.StepUniforms'
 # tables of 64 steps): the loop returns for the next table and goes on
-LOOP_PARAMS = [*PARAMS, SamplingParams(temperature=0.7, max_new_tokens=150, n=2, seed=8)]
+LOOP_PARAMS = [*PARAMS, SamplingParams(temperature=0.7, max_new_tokens=150, n=2, seed=8),
+               SamplingParams(temperature=0.9, top_p=0.8, max_new_tokens=12, n=2, seed=4),  # top-p, and top-k below
+               SamplingParams(temperature=1.0, top_k=5, top_p=0.95, max_new_tokens=12, n=3, seed=6)]
 
 
 @pytest.mark.parametrize("arch,window", [("qwen2", None), ("mistral", 5), ("gemma3_text", 6)])
 def test_the_decode_loop_in_c_gives_the_python_loops_bits(kernel, tmp_path, monkeypatch, arch, window):
     """The loop in C (choose, record, stop and decode without returning to Python between steps) against the Python
-    loop over the same one-call steps: the same tokens, log-probs and lengths, greedy and sampled, with an unshared
-    and a shared prompt cache, with rows stopping and being dropped mid-call (the loop returns, the rows are dropped,
-    it runs again on the rest), past its first table of draws, and with sliding windows that cut into the prompt."""
+    loop over the same one-call steps: the same tokens, log-probs and lengths, greedy and sampled (with top-k and
+    top-p too), with an unshared and a shared prompt cache, with rows stopping and being dropped mid-call (the loop
+    returns, the rows are dropped, it runs again on the rest), past its first table of draws, and with sliding
+    windows that cut into the prompt."""
     spec = dataclasses.replace(SIZES["tiny"], sliding_window=window)
     engine = _engine(write_tiny_model(str(tmp_path / arch), spec, seed=0, arch=arch))
     runs = _count_loop_runs(monkeypatch)
@@ -131,17 +134,6 @@ def test_the_decode_loop_in_c_gives_the_python_loops_bits(kernel, tmp_path, monk
     assert in_c[3].batch["responses"].shape[1] == 150
     monkeypatch.setattr(kernel, "loop", lambda *args, **kwargs: None)  # the Python loop
     _assert_same(in_c, [engine.generate(_prompts(engine), params) for params in LOOP_PARAMS])
-
-
-def test_the_decode_loop_stays_in_python_for_top_k_and_top_p(kernel, tmp_path, monkeypatch):
-    engine = _engine(write_tiny_model(str(tmp_path / "qwen2"), "tiny", seed=0, arch="qwen2"))
-    runs = _count_loop_runs(monkeypatch)
-    for params in (SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=6, n=2, seed=1),
-                   SamplingParams(temperature=1.0, top_k=5, max_new_tokens=6, n=2, seed=1)):
-        assert engine.generate(_prompts(engine), params).batch["responses"].shape[1] == 6
-    assert runs[0] == 0
-    engine.generate(_prompts(engine), SamplingParams(temperature=1.0, max_new_tokens=6, n=2, seed=1))
-    assert runs[0] == 1
 
 
 def test_a_weight_update_is_read_by_the_next_steps(kernel, tmp_path):

@@ -324,11 +324,16 @@ int decode_step_f32(const struct model *m, const struct layer *layers, long n_la
 
 typedef long (*sample_fn)(long R, long V, const float *logits, long ld, float temperature, int greedy, const double *u,
                           int64_t *tokens, float *log_probs, double *block_sums, int nthreads);
+typedef long (*filtered_fn)(long R, long V, const float *logits, long ld, float temperature, long top_k, double top_p,
+                            const double *u, int64_t *tokens, float *log_probs, int nthreads);
 
 /* A decode loop's state between steps: what native_rollout.py's loop keeps in tensors, by address. Rows are the
    running slots; none is dropped inside a call (the caller drops stopped rows between calls). */
 struct loop {
     sample_fn sample;               /* cpu_sampling.c's sample_rows_f32 */
+    filtered_fn filtered;           /* its sample_filtered_rows_f32 where top-k or top-p filters, else NULL */
+    long top_k;
+    double top_p;
     long vocab;                     /* the head's rows: a logits row */
     float temperature;              /* 1 when greedy */
     int greedy;
@@ -362,7 +367,8 @@ struct loop {
    tokens, as native_rollout.py's loop does step by step. Returns 1 after the last step or once every row has
    stopped; 0 after recording a step at which enough rows have stopped to drop them (the caller drops them and
    decodes that step); 2 before choosing a step whose draws are not in `uniforms`; -1 when a token is outside the
-   embedding; -2 when a row of logits is no distribution (a NaN, +inf or only -inf). L->step: the step it stopped at;
+   embedding; -2 when a row of logits is no distribution (a NaN, +inf or only -inf); -3 when the top-k / top-p
+   scratch could not be allocated. L->step: the step it stopped at;
    on 2 the step's logits are in L->logits. */
 long decode_loop_f32(const struct model *m, const struct layer *layers, long n_layers, struct step *s, struct loop *L,
                      long step, const float *logits, const float *embed, long vocab_rows, float embed_scale,
@@ -373,8 +379,13 @@ long decode_loop_f32(const struct model *m, const struct layer *layers, long n_l
         L->step = step;
         if (!L->greedy && step >= L->uniforms_end) return 2;
         const double *u = L->greedy ? NULL : L->uniforms + (step - L->uniforms_first) * R;
-        if (L->sample(R, V, logits, V, L->temperature, L->greedy, u, L->tokens, L->log_probs, L->sums, s->threads))
-            return -2;
+        const long undecided =
+            L->filtered ? L->filtered(R, V, logits, V, L->temperature, L->top_k, L->top_p, u, L->tokens, L->log_probs,
+                                      s->threads)
+                        : L->sample(R, V, logits, V, L->temperature, L->greedy, u, L->tokens, L->log_probs, L->sums,
+                                    s->threads);
+        if (undecided < 0) return -3;
+        if (undecided) return -2;
         for (long r = 0; r < R; r++) {
             const long at = L->row_index[r] * L->max_new + step;
             L->out_tokens[at] = L->tokens[r];

@@ -14,8 +14,7 @@ routed layer the router runs in torch after the first call (its softmax is torch
 gate, the weighted sum and the residual are the second (``layer_moe_out_f32``), grouped by expert as moe.py's
 dispatch groups them.
 
-``DecodeLoop`` goes one level up: where the steps are one call each and tokens are chosen greedily or by temperature
-alone, a generate call's loop (choose each row's token, record it, check the stop tokens, decode the next step) runs
+``DecodeLoop`` goes one level up: where the steps are one call each, a generate call's loop (choose each row's token, record it, check the stop tokens, decode the next step) runs
 in C too, returning to native_rollout.py only to drop stopped rows, for the next table of draws, or at the end.
 
 Exactness: the C driver calls the same kernels as the eager step (through their function pointers) with the same
@@ -81,7 +80,8 @@ class _MoeStep(ctypes.Structure):
 
 
 class _Loop(ctypes.Structure):
-    _fields_ = [("sample", _ptr), ("vocab", _long), ("temperature", _float), ("greedy", _int), ("uniforms", _ptr),
+    _fields_ = [("sample", _ptr), ("filtered", _ptr), ("top_k", _long), ("top_p", ctypes.c_double), ("vocab", _long),
+                ("temperature", _float), ("greedy", _int), ("uniforms", _ptr),
                 ("uniforms_first", _long), ("uniforms_end", _long), ("max_new", _long), ("stop_ids", _ptr),
                 ("n_stop", _long), ("compact_fraction", ctypes.c_double)] + [
         (name, _ptr) for name in ("out_tokens", "out_log_probs", "out_lengths", "row_index", "done")] + [
@@ -283,10 +283,10 @@ class DecodeLayerKernel:
         model.vact, model.vact_width = torch_vector_function(name)
         return model, layers, head
 
-    def loop(self, decoder, cache, prompt_bias: torch.Tensor, *, greedy: bool, temperature: float,
-             stop_ids: torch.Tensor, max_new: int, compact_fraction: float) -> DecodeLoop | None:
-        """A generate call's decode loop in C (`DecodeLoop`) for `decoder` on `cache`, choosing tokens greedily or by
-        plain temperature sampling (no top-k / top-p); None where it does not apply: where a step is not one C call
+    def loop(self, decoder, cache, prompt_bias: torch.Tensor, *, greedy: bool, temperature: float, top_k: int,
+             top_p: float, stop_ids: torch.Tensor, max_new: int, compact_fraction: float) -> DecodeLoop | None:
+        """A generate call's decode loop in C (`DecodeLoop`) for `decoder` on `cache`, choosing tokens as
+        cpu_sampling.SamplingKernel.choose does; None where it does not apply: where a step is not one C call
         (`step`), the attention kernel does not read this cache, a prompt mask is not left padding, the logits are
         soft-capped (Gemma 2: in torch after the step), or the sampling kernel did not build."""
         threads = torch.get_num_threads()
@@ -296,8 +296,8 @@ class DecodeLayerKernel:
                 or not attention.supports(cache) or self._one_call(decoder, cache, threads) is None
                 or attention.starts(prompt_bias, cache.prompt_len, 1, (None,)) is None):
             return None
-        return DecodeLoop(self, decoder, cache, sampler, greedy=greedy, temperature=temperature, stop_ids=stop_ids,
-                          max_new=max_new, compact_fraction=compact_fraction)
+        return DecodeLoop(self, decoder, cache, sampler, greedy=greedy, temperature=temperature, top_k=top_k,
+                          top_p=top_p, stop_ids=stop_ids, max_new=max_new, compact_fraction=compact_fraction)
 
     def layers(self, decoder, x: torch.Tensor, positions: torch.Tensor, cache, rows, starts: dict,
                length: int) -> torch.Tensor:
@@ -442,9 +442,11 @@ class DecodeLoop:
     for bit: the same kernels on the same arguments in the same order (tests/engines/test_cpu_decode_layer.py)."""
 
     def __init__(self, kernel: DecodeLayerKernel, decoder, cache, sampler: cpu_sampling.SamplingKernel, *,
-                 greedy: bool, temperature: float, stop_ids: torch.Tensor, max_new: int, compact_fraction: float):
+                 greedy: bool, temperature: float, top_k: int, top_p: float, stop_ids: torch.Tensor, max_new: int,
+                 compact_fraction: float):
         self.kernel, self.decoder, self.cache, self.sampler = kernel, decoder, cache, sampler
         self.greedy, self.temperature = greedy, 1.0 if greedy else float(temperature)
+        self.top_k, self.top_p = int(top_k), float(top_p)
         self.stop_ids = stop_ids.to(torch.int64).contiguous()
         self.max_new, self.compact_fraction = max_new, compact_fraction
         s = decoder.shape
@@ -473,7 +475,10 @@ class DecodeLoop:
         work = {"tokens": torch.empty(R, dtype=torch.int64), "log_probs": torch.empty(R),
                 "sums": torch.empty(R, -(-V // cpu_sampling.BLOCK), dtype=torch.float64),
                 "logits": torch.empty(R, V), "starts": torch.empty(s.num_layers, R, dtype=torch.int32)}
-        state = _Loop(sample=self.sampler.address, vocab=V, temperature=self.temperature, greedy=int(self.greedy),
+        # top-k / top-p as SamplingKernel.choose decides it: never when greedy, k only below the vocabulary
+        filtered = not self.greedy and (0 < self.top_k < V or self.top_p < 1.0)
+        state = _Loop(sample=self.sampler.address, filtered=self.sampler.filtered_address if filtered else None,
+                      top_k=self.top_k, top_p=self.top_p, vocab=V, temperature=self.temperature, greedy=int(self.greedy),
                       max_new=self.max_new, stop_ids=self.stop_ids.data_ptr(), n_stop=self.stop_ids.numel(),
                       compact_fraction=self.compact_fraction, out_tokens=out.tokens.data_ptr(),
                       out_log_probs=out.log_probs.data_ptr(), out_lengths=out.lengths.data_ptr(),
@@ -503,4 +508,6 @@ class DecodeLoop:
                              f"{decoder.embed.shape[0]} rows")
         if status == -2:
             raise ValueError(NOT_A_DISTRIBUTION)
+        if status == -3:
+            raise MemoryError(cpu_sampling.filtered_scratch_error(R, V))
         return step, work["tokens"], status == 1

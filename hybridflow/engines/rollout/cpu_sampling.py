@@ -36,7 +36,7 @@ import torch
 
 from hybridflow.engines.rollout.c_kernels import load_library
 
-__all__ = ["BLOCK", "SamplingKernel", "load"]
+__all__ = ["BLOCK", "SamplingKernel", "filtered_scratch_error", "load"]
 
 _SOURCE = Path(__file__).with_name("cpu_sampling.c")
 BLOCK = 64  # the C file's BLOCK: a row's exps are summed per block of this many
@@ -52,6 +52,11 @@ def load() -> SamplingKernel | None:
     return None if lib is None else SamplingKernel(lib)
 
 
+def filtered_scratch_error(rows: int, vocab: int) -> str:
+    return (f"sampling: no memory for the top-k/top-p scratch of {rows} rows x {vocab} tokens "
+            f"(~{36 * vocab * min(rows, torch.get_num_threads()) >> 20} MiB)")
+
+
 class SamplingKernel:
     """``choose(logits, uniforms, temperature, top_k, top_p)``: (tokens [R] int64, log_probs [R] fp32), or None where
     a row holds a NaN, a +inf or only -inf (the caller reports those) or the vocabulary is empty."""
@@ -61,10 +66,12 @@ class SamplingKernel:
         p, long_, int_ = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
         self._sample.argtypes = [long_, long_, p, long_, ctypes.c_float, int_, p, p, p, p, int_]
         self._sample.restype = long_
-        self.address = ctypes.cast(self._sample, ctypes.c_void_p).value  # sample_rows_f32, for C callers
         self._filtered = lib.sample_filtered_rows_f32
         self._filtered.argtypes = [long_, long_, p, long_, ctypes.c_float, long_, ctypes.c_double, p, p, p, int_]
         self._filtered.restype = long_
+        # for C callers (cpu_decode_layer.c's loop): sample_rows_f32 and sample_filtered_rows_f32
+        self.address = ctypes.cast(self._sample, ctypes.c_void_p).value
+        self.filtered_address = ctypes.cast(self._filtered, ctypes.c_void_p).value
 
     def choose(self, logits: torch.Tensor, uniforms: torch.Tensor | None, temperature: float, top_k: int = 0,
                top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -86,8 +93,7 @@ class SamplingKernel:
                                        float(top_p), uniforms.data_ptr(), tokens.data_ptr(), log_probs.data_ptr(),
                                        torch.get_num_threads())
             if undecided < 0:
-                raise MemoryError(f"sampling: no memory for the top-k/top-p scratch of {R} rows x {V} tokens "
-                                  f"(~{36 * V * min(R, torch.get_num_threads()) >> 20} MiB)")
+                raise MemoryError(filtered_scratch_error(R, V))
             return None if undecided else (tokens, log_probs)
         sums = torch.empty(R, -(-V // BLOCK), dtype=torch.float64)
         undecided = self._sample(R, V, logits.data_ptr(), logits.stride(0), float(temperature), int(greedy),

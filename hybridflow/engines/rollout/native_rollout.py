@@ -484,15 +484,14 @@ class _EagerSteps:
         return self.model.decode(tokens, positions, self.cache, self.running, self.row_bias, column=step)
 
     def c_loop(self, params: SamplingParams, stop_ids: torch.Tensor, max_new: int):
-        """The decode loop in C (cpu_decode_layer.DecodeLoop) where its steps are one C call each and tokens are
-        chosen greedily or by temperature alone; None elsewhere (the loop stays in Python)."""
+        """The decode loop in C (cpu_decode_layer.DecodeLoop) where its steps are one C call each; None elsewhere
+        (the loop stays in Python)."""
         kernel = self.model.layer_kernel
-        filtered = not params.greedy and (params.top_k > 0 or params.top_p < 1)
-        if filtered or not isinstance(kernel, cpu_decode_layer.DecodeLayerKernel):
+        if not isinstance(kernel, cpu_decode_layer.DecodeLayerKernel):
             return None
         return kernel.loop(self.model, self.cache, self.row_bias, greedy=params.greedy,
-                           temperature=params.temperature, stop_ids=stop_ids, max_new=max_new,
-                           compact_fraction=self.compact_fraction)
+                           temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, stop_ids=stop_ids,
+                           max_new=max_new, compact_fraction=self.compact_fraction)
 
 
 class _StaticSteps:
