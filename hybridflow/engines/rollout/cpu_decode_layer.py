@@ -466,6 +466,8 @@ class DecodeLoop:
         s, threads = decoder.shape, torch.get_num_threads()
         model, layers, head = kernel._one_call(decoder, cache, threads)
         R, V = logits.shape[0], head.out_features
+        if logits.shape[1] != V:  # the C loop reads rows of V logits
+            raise ValueError(f"DecodeLoop.run: logits of {logits.shape[1]} tokens for a head of {V}")
         step_struct, *_ = kernel._step(decoder, R, threads, self.keys)
         x = torch.empty(R, s.hidden_size)
         prompt_index = rows.prompt_index.to(torch.int64).contiguous() if cache.shared else None
