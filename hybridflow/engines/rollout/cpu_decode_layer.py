@@ -14,8 +14,9 @@ routed layer the router runs in torch after the first call (its softmax is torch
 gate, the weighted sum and the residual are the second (``layer_moe_out_f32``), grouped by expert as moe.py's
 dispatch groups them.
 
-``DecodeLoop`` goes one level up: where the steps are one call each, a generate call's loop (choose each row's token, record it, check the stop tokens, decode the next step) runs
-in C too, returning to native_rollout.py only to drop stopped rows, for the next table of draws, or at the end.
+``DecodeLoop`` goes one level up: where the steps are one call each, a generate call's loop (choose each row's
+token, record it, check the stop tokens, decode the next step) runs in C too, returning to native_rollout.py only to
+drop stopped rows, for the next table of draws, or at the end.
 
 Exactness: the C driver calls the same kernels as the eager step (through their function pointers) with the same
 arguments in the same order; a residual is one fp32 add per element either way. So tokens and log-probs are the same
@@ -480,7 +481,8 @@ class DecodeLoop:
         # top-k / top-p as SamplingKernel.choose decides it: never when greedy, k only below the vocabulary
         filtered = not self.greedy and (0 < self.top_k < V or self.top_p < 1.0)
         state = _Loop(sample=self.sampler.address, filtered=self.sampler.filtered_address if filtered else None,
-                      top_k=self.top_k, top_p=self.top_p, vocab=V, temperature=self.temperature, greedy=int(self.greedy),
+                      top_k=self.top_k, top_p=self.top_p, vocab=V, temperature=self.temperature,
+                      greedy=int(self.greedy),
                       max_new=self.max_new, stop_ids=self.stop_ids.data_ptr(), n_stop=self.stop_ids.numel(),
                       compact_fraction=self.compact_fraction, out_tokens=out.tokens.data_ptr(),
                       out_log_probs=out.log_probs.data_ptr(), out_lengths=out.lengths.data_ptr(),
