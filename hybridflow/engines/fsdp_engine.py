@@ -517,6 +517,12 @@ class FSDPEngine:
             routes = routes.masked_fill(padding[:, :, None, None], -1)
         return routes.reshape(-1, *routes.shape[2:]).to(self.device)
 
+    def _set_training(self, mode: bool) -> None:
+        """model.train(mode) where some module is in the other mode (each call walks the whole module tree and
+        transformers' override of it: ~0.4 ms a pass on a two-layer model)."""
+        if any(module.training != mode for module in self.model.modules()):
+            self.model.train(mode)
+
     @contextlib.contextmanager
     def _params_on_device(self):
         """param_offload on one rank: bring the model to the device for one call, send it back to host after."""
@@ -532,7 +538,7 @@ class FSDPEngine:
 
     def _run_no_grad(self, data: DataProto, **kwargs: Any) -> dict[str, torch.Tensor]:
         data, own = self._gather_rows(data)
-        self.model.eval()
+        self._set_training(False)
         results: dict[str, torch.Tensor] = {}
         with torch.no_grad(), self._params_on_device():
             for group in self._plan(data, inference=True):
@@ -578,7 +584,7 @@ class FSDPEngine:
         """
         if not self.trainable:
             raise ValueError("train_step was called on a ref engine (no optimizer); build it with role='actor'")
-        self.optimizer.zero_grad(set_to_none=True)
+        self._drop_grads()
         with self._params_on_device():
             result, local_nonfinite = self._accumulate(data, loss_fn)
             grad_norm = self._clip_grad_norm()
@@ -587,7 +593,7 @@ class FSDPEngine:
             skipped = nonfinite > 0 or not math.isfinite(grad_norm)
             if not skipped:
                 self._optimizer_step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self._drop_grads()
         self.global_step += 1
         result.update({"grad_norm": grad_norm, "lr": lr, "skipped_nonfinite": 1.0 if skipped else 0.0})
         return result
@@ -601,6 +607,12 @@ class FSDPEngine:
             raise ValueError("forward_backward was called on a ref engine (no optimizer); build it with role='actor'")
         with self._params_on_device():
             return self._accumulate(data, loss_fn)[0]
+
+    def _drop_grads(self) -> None:
+        """optimizer.zero_grad(set_to_none=True) without its profiler range and dynamo guard (~0.1 ms a call)."""
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
 
     def _optimizer_step(self) -> None:
         """optimizer.step(), with the AdamW state brought to the parameters' device first under optimizer_offload."""
@@ -629,7 +641,7 @@ class FSDPEngine:
         }
         data, _ = self._gather_rows(data)  # after the global counts: those count each row once
 
-        self.model.train()
+        self._set_training(True)
         per_micro: list[dict[str, float]] = []
         local_nonfinite = 0.0
         for group in self._plan(data):

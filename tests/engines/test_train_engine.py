@@ -128,6 +128,25 @@ def test_train_step_updates_and_reports(tiny_model_path):
     assert all(p.grad is None for p in eng.model.parameters())
 
 
+def test_passes_put_every_module_in_their_mode(tiny_model_path):
+    """Log-prob passes run in eval mode and updates in train mode, module by module, even after a caller switched
+    one submodule itself (the engine only skips the switch when every module is already in the mode)."""
+    eng = engine(tiny_model_path, micro_batch_size_per_gpu=4)
+    data = make_batch(rows=4, prompt_len=6, response_len=5, seed=4)
+    seen = []
+    hook = eng.model.register_forward_pre_hook(lambda module, args: seen.append(
+        {m.training for m in module.modules()}))
+    eng.compute_log_prob(data, temperature=1.0)
+    next(iter(eng.model.modules())).train()  # the root alone back in train mode
+    eng.compute_log_prob(data, temperature=1.0)
+    eng.train_step(data, pg_loss)
+    list(eng.model.modules())[-1].eval()  # one leaf in eval mode
+    eng.train_step(data, pg_loss)
+    eng.compute_log_prob(data, temperature=1.0)
+    hook.remove()
+    assert seen == [{False}, {False}, {True}, {True}, {False}]
+
+
 @pytest.mark.parametrize("scale", [1e-3, 1e3], ids=["under-max-norm", "over-max-norm"])
 def test_gradient_clipping_is_torchs_bit_for_bit(tiny_model_path, scale):
     """The engine's clip (which skips the multiply by a coefficient of 1) against torch's clip_grad_norm_."""
