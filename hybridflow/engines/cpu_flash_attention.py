@@ -203,14 +203,17 @@ def shared_layout(groups: list[tuple[int, int, list[tuple[int, int]]]], tokens: 
     starts and lengths): each prompt attends causally to itself, each response fully to its prompt and causally to
     itself. None when the groups do not cover the `tokens` packed tokens once each."""
     sequences, offsets = [], [0]
-    covered = torch.zeros(tokens, dtype=torch.int32)
     for start, length, responses in groups:
-        parts = [(start, length, 0, 0)] + [(rs, rl, start, length) for rs, rl in responses if rl > 0]
-        for qs, lq, _, _ in parts:
-            covered[qs:qs + lq] += 1
-        sequences += parts
+        sequences += [(start, length, 0, 0)] + [(rs, rl, start, length) for rs, rl in responses if rl > 0]
         offsets.append(len(sequences))
-    if not bool((covered == 1).all()):
+    end = 0  # the queries' spans, in order, must tile [0, tokens)
+    for qs, lq, _, _ in sorted(sequences):
+        if lq == 0:
+            continue
+        if qs != end:
+            return None
+        end = qs + lq
+    if end != tokens:
         return None
     return load().layout(sequences, offsets)
 

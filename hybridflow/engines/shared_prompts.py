@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -72,54 +73,58 @@ def shared_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
     (the groups' bounds, int32), ``max_length`` and ``shared`` (SharedPrompts)."""
     b, seq = input_ids.shape
     prompt_len = seq - response_length
-    starts, ends = real_token_spans(attention_mask)
+    starts, ends = (t.numpy(force=True) for t in real_token_spans(attention_mask))
     if prompt_len < 1 or bool((starts >= prompt_len).any()):
         return None
+    # Index arithmetic on [b] vectors in numpy: a few dozen torch ops on tensors this small cost ~10 us each in
+    # dispatch alone, and this runs once a micro-batch.
     # rows of one prompt: the same left-padded ids, mask and positions over the prompt columns
-    prompts = torch.cat([input_ids[:, :prompt_len].masked_fill(attention_mask[:, :prompt_len] == 0, -1),
-                         position_ids[:, :prompt_len]], dim=1).cpu()
-    _, group_of = torch.unique(prompts, dim=0, return_inverse=True)
-    starts, ends, group_of = starts.cpu(), ends.cpu(), group_of.cpu()
-    resp_lens = (ends - prompt_len).clamp(min=0, max=response_length)
+    prompts = np.concatenate([np.where(attention_mask[:, :prompt_len].numpy(force=True) == 0, -1,
+                                       input_ids[:, :prompt_len].numpy(force=True)),
+                              position_ids[:, :prompt_len].numpy(force=True)], axis=1).astype(np.int64)
+    first_of: dict[bytes, int] = {}
+    group_of = np.array([first_of.setdefault(row.tobytes(), i) for i, row in enumerate(prompts)], dtype=np.int64)
+    resp_lens = np.clip(ends - prompt_len, 0, response_length)
     group_of = _within_mask_budget(group_of, prompt_len - starts, resp_lens)
-    if int(group_of.max()) + 1 == b:
+    if len(np.unique(group_of)) == b:
         return None
-    # groups in the order of their first row, rows of a group in their order
-    first_row = torch.full((b,), b, dtype=torch.long).scatter_reduce(0, group_of, torch.arange(b), "amin")
-    rank = torch.argsort(first_row[group_of] * b + torch.arange(b))  # rows sorted by (group's first row, row)
-    ordered_groups = group_of[rank]
-    leaders = torch.ones(b, dtype=torch.bool)
+    # groups in the order of their first row, rows of a group in their order (group_of holds each group's first
+    # row, or a fresh id past b for a row split off its group, which then is its own first row)
+    first_row = np.where(group_of < b, group_of, np.arange(b))
+    rank = np.argsort(first_row * b + np.arange(b))  # rows sorted by (group's first row, row)
+    ordered_groups = first_row[rank]
+    leaders = np.ones(b, dtype=bool)
     leaders[1:] = ordered_groups[1:] != ordered_groups[:-1]
     prompt_lens = (prompt_len - starts)[rank]
     # packed length of each row in group order: its response, plus its group's prompt when it leads the group
-    span = resp_lens[rank] + torch.where(leaders, prompt_lens, 0)
-    offset = torch.cumsum(span, 0) - span
-    group_start = torch.cummax(torch.where(leaders, offset, 0), 0).values  # the leader's offset, carried forward
-    resp_start_sorted = offset + torch.where(leaders, prompt_lens, 0)
-    resp_start, prompt_last = torch.empty(b, dtype=torch.long), torch.empty(b, dtype=torch.long)
+    lead_prompt_lens = np.where(leaders, prompt_lens, 0)
+    span = resp_lens[rank] + lead_prompt_lens
+    offset = np.cumsum(span) - span
+    group_start = np.maximum.accumulate(np.where(leaders, offset, 0))  # the leader's offset, carried forward
+    resp_start_sorted = offset + lead_prompt_lens
+    resp_start, prompt_last = np.empty(b, dtype=np.int64), np.empty(b, dtype=np.int64)
     resp_start[rank] = resp_start_sorted
     prompt_last[rank] = group_start + prompt_lens - 1
     # the source of every packed token in the flattened [b, seq] input: leaders' prompts, then each row's response
-    src_row = torch.repeat_interleave(rank, span)
-    within = torch.arange(int(span.sum())) - torch.repeat_interleave(offset, span)
-    lead_prompt = torch.repeat_interleave(torch.where(leaders, prompt_lens, 0), span)
-    col = torch.where(within < lead_prompt, starts[src_row] + within, prompt_len + within - lead_prompt)
-    index = (src_row * seq + col).to(input_ids.device)
+    src_row = np.repeat(rank, span)
+    within = np.arange(int(span.sum())) - np.repeat(offset, span)
+    lead_prompt = np.repeat(lead_prompt_lens, span)
+    col = np.where(within < lead_prompt, starts[src_row] + within, prompt_len + within - lead_prompt)
+    index = torch.from_numpy(src_row * seq + col).to(input_ids.device)
     groups, bounds = [], [0]
-    lead_at = [*torch.nonzero(leaders).flatten().tolist(), b]
+    lead_at = [*np.flatnonzero(leaders).tolist(), b]
     starts_l, plens_l, rs_l, rl_l = (group_start.tolist(), prompt_lens.tolist(), resp_start_sorted.tolist(),
                                      resp_lens[rank].tolist())
     for lo, hi in itertools.pairwise(lead_at):
         groups.append((starts_l[lo], plens_l[lo], [(rs_l[i], rl_l[i]) for i in range(lo, hi)]))
         bounds.append(starts_l[lo] + plens_l[lo] + sum(rl_l[lo:hi]))
-    sizes = torch.tensor(bounds)
     return {
         "input_ids": input_ids.reshape(-1)[index][None, :],
         "position_ids": position_ids.reshape(-1)[index][None, :],
-        "prompt_last": prompt_last.to(input_ids.device),
-        "response_start": resp_start.to(input_ids.device),
-        "cu_seq_lens": sizes.to(dtype=torch.int32, device=input_ids.device),
-        "max_length": int((sizes[1:] - sizes[:-1]).max()),
+        "prompt_last": torch.from_numpy(prompt_last).to(input_ids.device),
+        "response_start": torch.from_numpy(resp_start).to(input_ids.device),
+        "cu_seq_lens": torch.tensor(bounds, dtype=torch.int32, device=input_ids.device),
+        "max_length": max(hi - lo for lo, hi in itertools.pairwise(bounds)),
         "shared": SharedPrompts(groups=groups, tokens=bounds[-1]),
     }
 
@@ -131,24 +136,25 @@ def shared_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
 MASK_BUDGET = 1 << 26
 
 
-def _within_mask_budget(group_of: torch.Tensor, prompt_lens: torch.Tensor, resp_lens: torch.Tensor) -> torch.Tensor:
-    """`group_of` [b] with the masked-form groups whose masks would pass MASK_BUDGET (in order of their first row)
-    split into single rows."""
-    group_of = group_of.clone()
-    used, next_id = 0, int(group_of.max()) + 1
+def _within_mask_budget(group_of: np.ndarray, prompt_lens: np.ndarray, resp_lens: np.ndarray) -> np.ndarray:
+    """`group_of` [b] (numpy) with the masked-form groups whose masks would pass MASK_BUDGET (in order of their first
+    row) split into single rows, each under a fresh id (b and up)."""
+    group_of = group_of.copy()
+    used, next_id = 0, len(group_of)
     for group in dict.fromkeys(group_of.tolist()):  # in order of their first row
-        rows = torch.nonzero(group_of == group).flatten()
+        rows = np.flatnonzero(group_of == group)
         if len(rows) < 2:
             continue
         lengths = resp_lens[rows]
         longest = int(lengths.max())
-        if longest == 0 or _repeat_form(int(prompt_lens[rows[0]]), len(rows), longest):
+        prompt = int(prompt_lens[rows[0]])
+        if longest == 0 or _repeat_form(prompt, len(rows), longest):
             continue  # no mask
-        size = (1 if bool((lengths == longest).all()) else len(rows)) * longest * (int(prompt_lens[rows[0]]) + longest)
+        size = (1 if bool((lengths == longest).all()) else len(rows)) * longest * (prompt + longest)
         if used + size <= MASK_BUDGET:
             used += size
             continue
-        group_of[rows[1:]] = torch.arange(next_id, next_id + len(rows) - 1)
+        group_of[rows[1:]] = np.arange(next_id, next_id + len(rows) - 1)
         next_id += len(rows) - 1
     return group_of
 

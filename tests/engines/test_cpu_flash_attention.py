@@ -104,6 +104,8 @@ def test_the_shared_layout_of_groups_and_its_refusal():
     assert layout.groups.tolist() == [0, 3, 5]
     assert fa.shared_layout([(0, 3, [(3, 2)])], 6) is None  # token 5 is in no group
     assert fa.shared_layout([(0, 3, [(2, 2)])], 4) is None  # token 2 twice
+    assert fa.shared_layout([(0, 3, [(3, 5)])], 6) is None  # a response past the packed row's last token
+    assert fa.shared_layout([(2, 3, [(5, 1)])], 6) is None  # tokens 0 and 1 in no group
 
 
 def test_what_it_takes():
