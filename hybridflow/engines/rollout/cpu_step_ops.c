@@ -101,7 +101,7 @@ void rms_norm_bf16(long R, long H, long n, const bf16 *x, long sr, long sh, cons
  * vectors go to accumulator 0, then accumulators 1-3 are added to it; the sum is the leftover elements' running
  * sum plus the accumulator's lanes in order. Each lane is a plain float sum, so this is bitwise torch's result. */
 #define MAX_LANES 16
-static float torch_sum_of_squares(const float *x, long n, int V) {
+static inline __attribute__((always_inline)) float torch_sum_of_squares(const float *x, long n, int V) {
     const long vectors = n / V, groups = vectors / 4;
     long bits = 1;
     if (groups > 2) {
@@ -157,7 +157,12 @@ int rms_norm_f32(long R, long H, long n, const float *x, long sr, long sh, const
         const float *xt = x + (t / H) * sr + (t % H) * sh;
         float *yt = y + t * n;
         /* a row shorter than a vector is summed as scalars, in the same grouping (torch's scalar path) */
-        const float mean = torch_sum_of_squares(xt, n, n >= lanes ? lanes : 1) / (float)n;
+        const int V = n >= lanes ? lanes : 1;
+        /* the usual widths spelled out: with V a constant the compiler keeps the lanes in vector registers */
+        const float sum = V == 16  ? torch_sum_of_squares(xt, n, 16)
+                          : V == 8 ? torch_sum_of_squares(xt, n, 8)
+                                   : torch_sum_of_squares(xt, n, V);
+        const float mean = sum / (float)n;
         const float inv = 1.0f / sqrtf(mean + eps);
         for (long k = 0; k < n; k++) yt[k] = xt[k] * inv * w[k];
     }
