@@ -255,6 +255,7 @@ class FSDPEngine:
                 and flash_attention_here(self.device, config.cpu_flash_attention)):
             use_flash_attention(hf_model)
         self.model: nn.Module = self._wrap(hf_model)
+        self._module_list: list[nn.Module] | None = None  # _set_training's, listed on first use
         self.model.entropy_checkpointing = config.entropy_checkpointing
         self.model.logits_checkpointing = config.logits_checkpointing
         self.model.row_multiple = ROW_MULTIPLE if config.batch_invariant else 1
@@ -519,8 +520,11 @@ class FSDPEngine:
 
     def _set_training(self, mode: bool) -> None:
         """model.train(mode) where some module is in the other mode (each call walks the whole module tree and
-        transformers' override of it: ~0.4 ms a pass on a two-layer model)."""
-        if any(module.training != mode for module in self.model.modules()):
+        transformers' override of it: ~0.4 ms a pass on a two-layer model). The tree is fixed once the engine is
+        built, so its modules are listed once."""
+        if self._module_list is None:
+            self._module_list = list(self.model.modules())
+        if any(module.training != mode for module in self._module_list):
             self.model.train(mode)
 
     @contextlib.contextmanager
