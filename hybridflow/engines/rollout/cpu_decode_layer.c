@@ -203,6 +203,7 @@ int layer_moe_out_f32(const struct model *m, const struct moe_layer *e, const st
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 #define TORCH_GRAIN 32768       /* at::internal::GRAIN_SIZE: TensorIterator loops this long run on several threads */
 #define TORCH_GELU_PARALLEL 16384 /* GELU's own threshold, above which its grain is the elements over the threads */
+#define ACT_PARALLEL_FROM 4096   /* elements from which act_mul_f32 runs its rows on several threads */
 #define GELU_BETA ((float)(M_SQRT2 * M_2_SQRTPI * 0.5))
 #define GELU_KAPPA ((float)0.044715)
 
@@ -278,7 +279,9 @@ int act_mul_f32(int act, int fma, const void *vfn, int width, const float *gate_
         if (team > threads) team = threads;
         chunk = (numel + team - 1) / team;
     }
-#pragma omp parallel for num_threads(threads) schedule(static) if (numel >= TORCH_GELU_PARALLEL)
+    /* the rows split over this kernel's own threads from a few thousand elements (a 16-row decode step of a small
+       MLP): each row's runs follow torch's chunks above, not this split, so the bits do not depend on it */
+#pragma omp parallel for num_threads(threads) schedule(static) if (numel >= ACT_PARALLEL_FROM)
     for (long r = 0; r < R; r++) {
         const float *gate = gate_up + r * 2 * inter, *up = gate + inter;
         float *y = out + r * inter;
