@@ -137,7 +137,7 @@ def test_passes_put_every_module_in_their_mode(tiny_model_path):
     hook = eng.model.register_forward_pre_hook(lambda module, args: seen.append(
         {m.training for m in module.modules()}))
     eng.compute_log_prob(data, temperature=1.0)
-    next(iter(eng.model.modules())).train()  # the root alone back in train mode
+    list(eng.model.modules())[-1].training = True  # one leaf alone back in train mode
     eng.compute_log_prob(data, temperature=1.0)
     eng.train_step(data, pg_loss)
     list(eng.model.modules())[-1].eval()  # one leaf in eval mode
