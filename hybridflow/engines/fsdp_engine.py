@@ -519,9 +519,9 @@ class FSDPEngine:
         return routes.reshape(-1, *routes.shape[2:]).to(self.device)
 
     def _set_training(self, mode: bool) -> None:
-        """model.train(mode) where some module is in the other mode (each call walks the whole module tree and
-        transformers' override of it: ~0.4 ms a pass on a two-layer model). The tree is fixed once the engine is
-        built, so its modules are listed once."""
+        """model.train(mode) where some module is in the other mode: each call walks the whole module tree through
+        transformers' override (68 us on the tiny two-layer model, against ~2 us for this check). The tree is fixed
+        once the engine is built, so its modules are listed once."""
         if self._module_list is None:
             self._module_list = list(self.model.modules())
         if any(module.training != mode for module in self._module_list):
@@ -588,7 +588,7 @@ class FSDPEngine:
         """
         if not self.trainable:
             raise ValueError("train_step was called on a ref engine (no optimizer); build it with role='actor'")
-        self._drop_grads()
+        self.optimizer.zero_grad(set_to_none=True)
         with self._params_on_device():
             result, local_nonfinite = self._accumulate(data, loss_fn)
             grad_norm = self._clip_grad_norm()
@@ -597,7 +597,7 @@ class FSDPEngine:
             skipped = nonfinite > 0 or not math.isfinite(grad_norm)
             if not skipped:
                 self._optimizer_step()
-            self._drop_grads()
+            self.optimizer.zero_grad(set_to_none=True)
         self.global_step += 1
         result.update({"grad_norm": grad_norm, "lr": lr, "skipped_nonfinite": 1.0 if skipped else 0.0})
         return result
@@ -611,12 +611,6 @@ class FSDPEngine:
             raise ValueError("forward_backward was called on a ref engine (no optimizer); build it with role='actor'")
         with self._params_on_device():
             return self._accumulate(data, loss_fn)[0]
-
-    def _drop_grads(self) -> None:
-        """optimizer.zero_grad(set_to_none=True) without its profiler range and dynamo guard (~0.1 ms a call)."""
-        for group in self.optimizer.param_groups:
-            for param in group["params"]:
-                param.grad = None
 
     def _optimizer_step(self) -> None:
         """optimizer.step(), with the AdamW state brought to the parameters' device first under optimizer_offload."""
