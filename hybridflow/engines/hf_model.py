@@ -165,7 +165,10 @@ class HeadOnPositions(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
             **(attention_kwargs or {}),
         ).last_hidden_state
-        selected = hidden[select_rows, select_cols]  # [N, H]
+        # [N, H], gathered by flat row index: its backward is one scatter-add, where indexing by the (row, col) pair
+        # takes index_put's accumulating path, several times slower on CPU; the positions are distinct, so either
+        # way each gradient row is 0 + its one value: the same bits
+        selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, select_rows * hidden.shape[1] + select_cols)
         empty = hidden[:0, 0, 0].float()  # stays on the autograd graph, so an all-empty micro-batch can backward
         return self.head_outputs(selected, target_ids, temperature, calculate_entropy, chunk_size, empty,
                                  calculate_sum_pi_squared)
@@ -194,7 +197,8 @@ class HeadOnPositions(nn.Module):
             logits = head(pad_rows(chunk, self.row_multiple))[: chunk.shape[0]]
             if cap:
                 logits = torch.tanh(logits / cap) * cap
-            return logits.float() / temperature
+            # x / 1 is x, bit for bit (and so is its gradient): at temperature 1 the division would only copy [N, V]
+            return logits.float() if temperature == 1.0 else logits.float() / temperature
 
         def chunk_outputs(chunk: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
             logits = scaled_logits(chunk)
