@@ -131,6 +131,18 @@ def median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def ms_per_call(fn, calls: int, repeats: int) -> float:
+    """Milliseconds per call of fn(): the median over `repeats` timings of `calls` calls each, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+    return round(1e3 * median(times), 4)
+
+
 def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> dict:
     """Least squares ``y = slope * x + intercept`` and the coefficient of determination R^2."""
     n = len(xs)

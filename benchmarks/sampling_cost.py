@@ -15,26 +15,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import StdoutToStderr, document, log, median
+from benchmarks._common import StdoutToStderr, document, log, ms_per_call
 from hybridflow import device
 from hybridflow.engines.rollout.sampling import StepUniforms, row_keys, sample_tokens, uniform_from_keys
-
-
-def _ms_per_call(fn, calls: int, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls)
-    return round(1e3 * median(times), 4)
 
 
 def zipf_logits(rows: int, vocab: int, g: torch.Generator) -> torch.Tensor:
@@ -67,7 +55,7 @@ def measure(vocab: int, rows: int, calls: int, repeats: int) -> dict:
     for _ in range(2):
         for name, kw in (("sample", {}), ("sample_t0.7", {"temperature": 0.7}), ("greedy", {"greedy": True})):
             for path in ("kernel", "torch"):
-                ms = _ms_per_call(sample(1.0, kernel=path == "kernel", **kw), calls, repeats)
+                ms = ms_per_call(sample(1.0, kernel=path == "kernel", **kw), calls, repeats)
                 key = f"{name}_{path}_ms"
                 paths[key] = min(ms, paths.get(key, ms))
     # top-p 0.9 and top-k 50, C against torch's ops, on the random logits (standard deviation 3: flat, top-p keeps
@@ -78,13 +66,13 @@ def measure(vocab: int, rows: int, calls: int, repeats: int) -> dict:
                          ("zipf_top_p_0.9", {"top_p": 0.9, "rows_of": peaked}),
                          ("zipf_top_k_50", {"top_p": 1.0, "top_k": 50, "rows_of": peaked})):
             for path in ("kernel", "torch"):
-                ms = _ms_per_call(sample(kernel=path == "kernel", **kw), few, repeats)
+                ms = ms_per_call(sample(kernel=path == "kernel", **kw), few, repeats)
                 key = f"{name}_{path}_ms"
                 paths[key] = min(ms, paths.get(key, ms))
     return {
         **paths,
-        "sample_ms": _ms_per_call(sample(1.0), calls, repeats),
-        "per_step_hashing_ms": _ms_per_call(lambda: uniform_from_keys(keys, 7), calls, repeats),
+        "sample_ms": ms_per_call(sample(1.0), calls, repeats),
+        "per_step_hashing_ms": ms_per_call(lambda: uniform_from_keys(keys, 7), calls, repeats),
     }
 
 

@@ -9,6 +9,8 @@ tokens, so neither the LM head nor the log-softmax is spent on prompt or padding
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -23,6 +25,7 @@ __all__ = [
     "hf_name",
     "load_model",
     "load_tokenizer",
+    "log_prob_kernel_applies",
     "log_probs_and_entropy",
     "log_probs_from_logits",
 ]
@@ -80,9 +83,48 @@ def load_model(path: str, role: str, attn_implementation: str = "sdpa", dtype: t
     return model
 
 
+@functools.cache
+def _log_prob_kernel():
+    from hybridflow.engines.rollout import cpu_sampling  # the rollout's sampling kernel (built on first use)
+
+    return cpu_sampling.load()
+
+
+def log_prob_kernel_applies(logits: torch.Tensor) -> bool:
+    """Whether `log_probs_from_logits` takes the C path for these (fp32) logits: plain [N, V] CPU tensors with
+    contiguous rows, outside torch.compile, where the sampling kernel builds."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and type(logits) is torch.Tensor and logits.stride(-1) == 1 and not torch.compiler.is_compiling()
+            and _log_prob_kernel() is not None)
+
+
+class _KernelLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target_ids):
+        kernel = _log_prob_kernel()
+        targets = target_ids.to(torch.int64).contiguous()
+        log_probs, lse = kernel.log_probs(logits, targets)
+        ctx.save_for_backward(logits, targets, lse)
+        return log_probs
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, targets, lse = ctx.saved_tensors
+        return _log_prob_kernel().log_probs_backward(logits, targets, lse, grad), None
+
+
 def log_probs_from_logits(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
-    """``logits [N, V]`` (already divided by the temperature), ``target_ids [N]`` -> ``log p(target) [N]`` float32."""
+    """``logits [N, V]`` (already divided by the temperature), ``target_ids [N]`` -> ``log p(target) [N]`` float32.
+
+    On CPU (`log_prob_kernel_applies`) one C call each way (rollout/cpu_sampling.c's last section): the row's max and
+    its exps summed in fp64 give ``lse``, and ``logits[target] - lse`` is rounded once, which is the value the native
+    rollout's sampling reports for the same logits, bit for bit; the backward is one pass over ``[N, V]`` (torch's
+    formula below is about ten, with a zero-filled buffer for the gather's gradient). Elsewhere torch's
+    ``logits[target] - logsumexp(logits)`` in fp32.
+    """
     logits = logits.float()
+    if log_prob_kernel_applies(logits):
+        return _KernelLogProbs.apply(logits, target_ids)
     return logits.gather(-1, target_ids[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
@@ -100,6 +142,8 @@ def log_probs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor) -> tup
     keeps two ``[N, V]`` fp32 buffers for backward; this shares the one log-softmax.
     """
     logits = logits.float()
+    if log_prob_kernel_applies(logits):  # the log-prob's C path, so its bits do not depend on the entropy
+        return log_probs_from_logits(logits, target_ids), entropy_from_logits(logits)
     # z - logsumexp(z), log_probs_from_logits' formula: the log-prob has the same bits with entropy on or off (and
     # as the rollout's sampling.py reports it)
     log_p = logits - torch.logsumexp(logits, dim=-1, keepdim=True)

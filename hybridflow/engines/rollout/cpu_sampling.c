@@ -74,6 +74,17 @@ static void row_block_exp(const float *z, long V, long b, float temperature, int
     for (long i = n; i < BLOCK; i++) e[i] = 0.f;
 }
 
+/* the fp64 sum of a block's BLOCK exps in an order the source fixes (eight running sums, lane j taking elements
+ * j, j + 8, ..., then added pairwise as written; this file has no fast math, so the compiler keeps that order however
+ * it vectorises), so that every caller (the draws and the training engine's log-probs below) gets the same
+ * normaliser for a row, bit for bit */
+static inline __attribute__((always_inline)) double block_sum(const float *e) {
+    double a[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+    for (int i = 0; i < BLOCK; i += 8)
+        for (int j = 0; j < 8; j++) a[j] += (double)e[i + j];
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
 /* logits [R, V] (row stride ld); u [R] in [0, 1) (ignored when greedy); tokens [R]; log_probs [R]; block_sums
  * [R, ceil(V / BLOCK)] of scratch. Returns the number of rows left undecided (NaN, +inf, only -inf). */
 long sample_rows_f32(long R, long V, const float *logits, long ld, float temperature, int greedy, const double *u,
@@ -95,9 +106,7 @@ long sample_rows_f32(long R, long V, const float *logits, long ld, float tempera
         double total = 0.0;
         for (long b = 0; b < blocks; b++) {
             row_block_exp(z, V, b, temperature, scaled, m, e);
-            double acc = 0.0;
-#pragma omp simd reduction(+ : acc)
-            for (int i = 0; i < BLOCK; i++) acc += (double)e[i];
+            const double acc = block_sum(e);
             sums[b] = acc;
             total += acc;
         }
@@ -335,10 +344,7 @@ long sample_filtered_rows_f32(long R, long V, const float *logits, long ld, floa
             for (long b = 0; b < blocks; b++) {
                 float *eb = e + b * BLOCK;
                 row_block_exp(z, V, b, temperature, scaled, m, eb);
-                double acc = 0.0;
-#pragma omp simd reduction(+ : acc)
-                for (int i = 0; i < BLOCK; i++) acc += (double)eb[i];
-                total += acc;
+                total += block_sum(eb);
                 const long n = V - b * BLOCK < BLOCK ? V - b * BLOCK : BLOCK;
                 for (long i = 0; i < n; i++) {
                     const int bin = (int)(fbits(eb[i]) >> SHIFT1);
@@ -379,4 +385,62 @@ long sample_filtered_rows_f32(long R, long V, const float *logits, long ld, floa
         free(e), free(cand), free(work), free(mass), free(count);
     }
     return no_memory ? -1 : bad;
+}
+
+/* ---- The training engine's log-probs (hf_model.log_probs_from_logits on CPU) ----
+ *
+ * log p(t) = s[t] - lse with lse = m + log(total) summed as sample_rows_f32 sums it (the max, then the exps per block
+ * of BLOCK in fp64 by block_sum, the blocks in order) and the difference rounded once to fp32: for the same logits
+ * the value the draws report, bit for bit (s is already divided by the temperature: the caller's z / T is the same
+ * fp32 division as the draws'). A row whose max is +-inf gets lse = that max (torch's logsumexp), so a row of only
+ * -inf gives NaN, as torch's formula does. Forward: the row's max, then its exps (two passes, no [R, V] buffer);
+ * backward: one pass writing d[r, j] = g[r] * ([j == t] - exp(s[j] - lse)). Rows are independent of each other and
+ * of the thread count. */
+
+/* logits s [R, V] (row stride ld), targets [R] -> log_probs [R], lse [R] (fp64, for the backward). Returns the
+ * number of targets outside [0, V) (those rows are not computed). */
+long log_probs_f32(long R, long V, const float *s, long ld, const int64_t *targets, float *log_probs, double *lse,
+                   int nthreads) {
+    long bad = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : bad) if (R > 1 && R * V >= PARALLEL_FROM)
+    for (long r = 0; r < R; r++) {
+        const float *z = s + r * ld;
+        const int64_t t = targets[r];
+        if (t < 0 || t >= V) {
+            bad++;
+            continue;
+        }
+        float e[BLOCK];
+        const float m = row_max(z, V, 1.0f, 0);
+        const long blocks = (V + BLOCK - 1) / BLOCK;
+        double total = 0.0;
+        for (long b = 0; b < blocks; b++) {
+            row_block_exp(z, V, b, 1.0f, 0, m, e);
+            total += block_sum(e);
+        }
+        const double l = isinf(m) ? (double)m : (double)m + log(total);
+        lse[r] = l;
+        log_probs[r] = (float)((double)z[t] - l);
+    }
+    return bad;
+}
+
+/* d [R, V] (row stride ldd) = the gradient of log_probs_f32's output weighted by g [R]: g[r] * ([j == t] - p_j),
+ * p_j = exp(s[j] - lse) with lse rounded to fp32 (torch's logsumexp backward: fp32 throughout). Compiled for 512-bit
+ * vectors where the CPU has them (compilers prefer 256 there): the 16-lane vector expf; the draws keep exp_block's
+ * 8 lanes (their bits, and their speed, as they were). */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((target("prefer-vector-width=512")))
+#endif
+void log_probs_backward_f32(long R, long V, const float *s, long ld, const int64_t *targets, const double *lse,
+                            const float *g, float *d, long ldd, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (R > 1 && R * V >= PARALLEL_FROM)
+    for (long r = 0; r < R; r++) {
+        const float *z = s + r * ld;
+        float *dr = d + r * ldd;
+        const float l = (float)lse[r], gr = g[r];
+#pragma omp simd
+        for (long j = 0; j < V; j++) dr[j] = -gr * expf(z[j] - l);
+        dr[targets[r]] += gr;
+    }
 }

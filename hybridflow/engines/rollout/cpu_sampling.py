@@ -10,7 +10,8 @@ Semantics are sampling.py's: log-probs are log_softmax(logits / temperature) at 
 first index of the max, temperature-1 log-prob); draws are the inverse CDF at the given uniforms. Arithmetic differs
 by rounding only: the normaliser is summed in fp64 (the reported log-prob is closer to the fp64 value than torch's
 fp32 logsumexp), and the CDF is summed per block, so a draw sitting within rounding of a token boundary may pick its
-neighbour.
+neighbour. The training engine computes its log-probs on CPU with the same normaliser (`SamplingKernel.log_probs`,
+hf_model.log_probs_from_logits), so for the same logits the two agree bit for bit.
 
 Top-k and top-p keep sampling.py's tokens: the probabilities in descending order (equal ones in index order), the
 first top_k, then the shortest prefix whose mass reaches top_p of theirs, drawn by inverse CDF in that order. torch's
@@ -19,8 +20,7 @@ by walking a histogram of the exps' bits from the top, then the elements of the 
 mass passes its target (cpu_sampling.c). At 64 rows of SmolLM2's 49,152 tokens torch's top-p 0.9 took 26-89 ms a
 step, depending on how flat the logits are (``benchmarks/sampling_cost.py``). As there, masses are summed in another
 order than the sorted cumulative sum, and exp() may round two neighbours to one fp32 value in one path and not the
-other, so a cut or a draw within rounding of a boundary may pick the neighbouring token. The batch-invariant mode, whose log-probs equal the training engine's bit for bit, keeps torch's path
-(``sample_tokens(..., kernel=False)``).
+other, so a cut or a draw within rounding of a boundary may pick the neighbouring token.
 
 Build: on first use, for this CPU, cached per machine (c_kernels.py). Without a compiler, or when the build fails,
 `load` logs why once and returns None: sampling keeps torch's path.
@@ -69,6 +69,12 @@ class SamplingKernel:
         self._filtered = lib.sample_filtered_rows_f32
         self._filtered.argtypes = [long_, long_, p, long_, ctypes.c_float, long_, ctypes.c_double, p, p, p, int_]
         self._filtered.restype = long_
+        self._log_probs = lib.log_probs_f32
+        self._log_probs.argtypes = [long_, long_, p, long_, p, p, p, int_]
+        self._log_probs.restype = long_
+        self._log_probs_backward = lib.log_probs_backward_f32
+        self._log_probs_backward.argtypes = [long_, long_, p, long_, p, p, p, p, long_, int_]
+        self._log_probs_backward.restype = None
         # for C callers (cpu_decode_layer.c's loop): sample_rows_f32 and sample_filtered_rows_f32
         self.address = ctypes.cast(self._sample, ctypes.c_void_p).value
         self.filtered_address = ctypes.cast(self._filtered, ctypes.c_void_p).value
@@ -100,3 +106,27 @@ class SamplingKernel:
                                  None if greedy else uniforms.data_ptr(), tokens.data_ptr(), log_probs.data_ptr(),
                                  sums.data_ptr(), torch.get_num_threads())
         return None if undecided else (tokens, log_probs)
+
+    def log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [R, V] fp32 on CPU, last dimension contiguous (already divided by the temperature), targets [R]
+        -> (log_probs [R] fp32, lse [R] fp64): each the value `choose` reports for that token of those logits, bit
+        for bit (the C file's last section). An IndexError, as torch's gather's, for a target outside [0, V)."""
+        R, V = logits.shape
+        targets = targets.to(torch.int64).contiguous()
+        log_probs = torch.empty(R, dtype=torch.float32)
+        lse = torch.empty(R, dtype=torch.float64)
+        bad = self._log_probs(R, V, logits.data_ptr(), logits.stride(0), targets.data_ptr(), log_probs.data_ptr(),
+                              lse.data_ptr(), torch.get_num_threads())
+        if bad:
+            raise IndexError(f"log-probs: {bad} of {R} target ids are outside the vocabulary [0, {V}) of the logits")
+        return log_probs, lse
+
+    def log_probs_backward(self, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                           grad: torch.Tensor) -> torch.Tensor:
+        """The gradient [R, V] of `log_probs`'s output for its gradient grad [R] (contiguous fp32 tensors from it)."""
+        R, V = logits.shape
+        grad = grad.to(torch.float32).contiguous()
+        out = torch.empty(R, V, dtype=torch.float32)
+        self._log_probs_backward(R, V, logits.data_ptr(), logits.stride(0), targets.data_ptr(), lse.data_ptr(),
+                                 grad.data_ptr(), out.data_ptr(), V, torch.get_num_threads())
+        return out

@@ -12,8 +12,8 @@ Three things differ from them, each for the reason given in engines/batch_invari
 The projections are the decoder's own (native_model.py): the engine builds it with the training engine's
 library (batch_invariant.onednn_matmuls: oneDNN-packed weights on a CPU that has oneDNN, F.linear elsewhere).
 
-Sampling keeps torch's ops (native_rollout.NativeRollout._sample, ``kernel=False``): their log-probs are the
-training engine's formula, where cpu_sampling.py's C call sums the normaliser in fp64.
+Sampling is the eager steps' (sampling.sample_tokens): its reported log-probs are the training engine's function of
+the logits (hf_model.log_probs_from_logits), bit for bit, on the C path and on torch's.
 
 The prompt K/V are copied to each of a prompt's n samples (no shared-prompt segment: a row's keys are one run of
 columns, as in the training forward); this costs the cache memory n-fold, which is what fidelity costs here.

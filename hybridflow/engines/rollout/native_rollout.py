@@ -402,8 +402,7 @@ class NativeRollout(RolloutEngine):
     def _sample(self, logits: torch.Tensor, params: SamplingParams, draws: StepUniforms | None, step: int):
         tokens, log_probs = sample_tokens(logits, greedy=params.greedy, temperature=params.temperature,
                                           top_k=params.top_k, top_p=params.top_p, keys=None, step=step,
-                                          uniforms=None if draws is None else draws.at(step),
-                                          kernel=not self.batch_invariant)  # exact_decode.py
+                                          uniforms=None if draws is None else draws.at(step))
         return same_tokens(tokens, self.tensor_parallel), log_probs
 
 

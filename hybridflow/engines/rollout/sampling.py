@@ -7,16 +7,17 @@ how many other rows are in the batch or when they finished, and there is no Pyth
 Sampling is inverse-CDF: draw u ~ U[0, 1), return the first token whose cumulative (filtered) probability exceeds
 u * total. Reported log-probs are always log_softmax(logits / temperature) over the full vocabulary, gathered at the
 chosen token (top-k / top-p restrict what can be drawn; they do not renormalise the reported number). They are
-computed as ``z[token] - logsumexp(z)``, the training engine's formula (hf_model.log_probs_from_logits), not with
-``torch.log_softmax``: on CPU its fp32 kernel is ~10x less exact over a large vocabulary (up to 1.7e-5 from the fp64
-value over SmolLM2's 49,152 tokens, against 2e-6), which alone made the train-inference mismatch exceed 1e-5.
+computed by the training engine's function (hf_model.log_probs_from_logits: on CPU its C path, elsewhere
+``z[token] - logsumexp(z)``), not with ``torch.log_softmax``: on CPU its fp32 kernel is ~10x less exact over a large
+vocabulary (up to 1.7e-5 from the fp64 value over SmolLM2's 49,152 tokens, against 2e-6), which alone made the
+train-inference mismatch exceed 1e-5.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hybridflow.engines.hf_model import log_probs_from_logits
+from hybridflow.engines.hf_model import log_prob_kernel_applies, log_probs_from_logits
 from hybridflow.engines.rollout import cpu_sampling
 
 __all__ = ["NOT_A_DISTRIBUTION", "StepUniforms", "row_keys", "sample_tokens", "uniform_from_keys", "uniform_table"]
@@ -206,8 +207,8 @@ def sample_tokens(
     with the draws ``uniform_from_keys(keys, step)``, or ``uniforms`` [rows] float64 when given (taken from a
     ``uniform_table`` of the same keys). Each row's result depends on that row alone, so rows go in chunks.
     On CPU one C call chooses, top-k and top-p included (cpu_sampling.py: the same distribution and the same tokens,
-    rounded differently);
-    ``kernel=False`` keeps torch's ops, whose log-probs are the training engine's formula bit for bit.
+    rounded differently); ``kernel=False`` keeps torch's ops. Either way the log-probs are the training engine's
+    (hf_model.log_probs_from_logits of logits / temperature) bit for bit.
     """
     if keys is None and uniforms is None and not greedy:
         raise ValueError("sampling needs per-row random keys; pass keys=row_keys(...)")
@@ -250,4 +251,6 @@ def _sample_rows(
         tokens = _draw_filtered(probs, u, top_k, top_p)
     else:
         tokens = _inverse_cdf(probs, u)
+    if log_prob_kernel_applies(scaled):  # the training engine's C path there: its value, bit for bit
+        return tokens, log_probs_from_logits(scaled, tokens)
     return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - lse.squeeze(-1)
