@@ -49,7 +49,7 @@ from hybridflow.engines.batch_invariant import (
 from hybridflow.engines.checkpoint_io import load_engine_state, save_engine_state
 from hybridflow.engines.cpu_flash_attention import flash_attention_here, use_flash_attention
 from hybridflow.engines.cpu_train_ops import fused_ops_here, use_fused_ops
-from hybridflow.engines.hf_model import HeadOnPositions, hf_name, load_model, load_tokenizer
+from hybridflow.engines.hf_model import HeadOnPositions, drop_hub_kernels, hf_name, load_model, load_tokenizer
 from hybridflow.engines.lora import LoraSettings, adapter_disabled, apply_lora, base_name, merged_parameters
 from hybridflow.engines.moe_train import RouterTap, aux_loss_coef
 from hybridflow.engines.onednn_train import onednn_training, use_onednn_linears
@@ -218,6 +218,8 @@ class FSDPEngine:
         self.tokenizer = load_tokenizer(config.model_path)
         torch.manual_seed(config.seed)  # a fresh value head must be identical on every rank
         hf_model = load_model(config.model_path, config.role, dtype=PARAM_DTYPES[config.model_dtype])
+        if self.device.type == "cpu":
+            drop_hub_kernels(hf_model)
         if config.buffer_dtype != "fp32":
             _cast_buffers(hf_model, PARAM_DTYPES[config.buffer_dtype])
         self.hf_config = hf_model.config

@@ -20,6 +20,7 @@ from hybridflow.engines.batch_invariant import pad_rows
 __all__ = [
     "HF_PREFIX",
     "HeadOnPositions",
+    "drop_hub_kernels",
     "entropy_from_logits",
     "from_pretrained",
     "hf_name",
@@ -58,6 +59,18 @@ def from_pretrained(auto_class, path: str, attn_implementation: str = "sdpa", **
         if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(err):
             raise
         return auto_class.from_pretrained(path, attn_implementation="eager", **kwargs)
+
+
+def drop_hub_kernels(model: nn.Module) -> bool:
+    """Turn off transformers' hub-kernel layer swaps (the `kernels` package, on by default in transformers 5) on a
+    model that runs on CPU; returns whether they were on. Its kernel mapping has none for CPU, so there it changes no
+    forward, yet every train()/eval() switch kernelizes the model again (a walk of the module tree and a mapping
+    registration, several times the switch itself): the engines' passes switch the actor and the critic between
+    the two modes every step. Torch's forward stays everywhere, as with the kernels installed."""
+    if not getattr(model, "use_kernels", False):
+        return False
+    model.use_kernels = False  # transformers' setter: kernelize with an empty mapping once, then never again
+    return True
 
 
 def load_model(path: str, role: str, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32

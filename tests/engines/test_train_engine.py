@@ -147,6 +147,33 @@ def test_passes_put_every_module_in_their_mode(tiny_model_path):
     assert seen == [{False}, {False}, {True}, {True}, {False}]
 
 
+def test_switching_modes_on_cpu_does_not_kernelize_the_model_again(tiny_model_path, monkeypatch):
+    """transformers 5 kernelizes a model with the `kernels` package's hub layers at every train()/eval() switch; its
+    mapping has nothing for CPU, so the CPU engine turns that off: switches run no kernelize, and the outputs are the
+    plain model's."""
+    pytest.importorskip("kernels")
+    import transformers.modeling_utils as modeling_utils
+
+    if not hasattr(modeling_utils, "kernelize"):
+        pytest.skip("this transformers does not kernelize models")
+
+    eng = engine(tiny_model_path, micro_batch_size_per_gpu=4)
+    assert not getattr(eng.model.hf, "use_kernels", False)
+    calls = []
+    real = modeling_utils.kernelize
+    monkeypatch.setattr(modeling_utils, "kernelize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    data = make_batch(rows=4, prompt_len=6, response_len=5, seed=4)
+    first = eng.compute_log_prob(data, temperature=1.0)
+    eng.train_step(data, pg_loss)
+    eng.compute_log_prob(data, temperature=1.0)
+    assert calls == []
+    # the same log-probs as the model kernelized the way transformers loads it (no CPU kernels: torch's forward)
+    fresh = engine(tiny_model_path, micro_batch_size_per_gpu=4)
+    fresh.model.hf.use_kernels = True
+    again = fresh.compute_log_prob(data, temperature=1.0)
+    assert all(torch.equal(again[key], first[key]) for key in first)
+
+
 @pytest.mark.parametrize("scale", [1e-3, 1e3], ids=["under-max-norm", "over-max-norm"])
 def test_gradient_clipping_is_torchs_bit_for_bit(tiny_model_path, scale):
     """The engine's clip (which skips the multiply by a coefficient of 1) against torch's clip_grad_norm_."""
