@@ -5,10 +5,11 @@
 Per [rows x vocabulary] shape: milliseconds of ``hf_model.log_probs_from_logits`` on random fp32 logits, its forward
 alone (the reference and old-log-prob passes) and forward + backward (the update), on the C path (cpu_sampling.c's
 last section, the default on CPU) and on torch's ``logits[target] - logsumexp(logits)`` with autograd (the path on
-other devices). The shapes are the tiny model's update (1,024 response tokens of 288) and one chunk of SmolLM2's
-(49,152) and of Qwen3's (151,936) vocabulary, at the rows the engine's head takes per chunk on CPU (160 and 48:
-hf_model._CHUNK_LOGITS). Both paths alternate over --rounds rounds; the best of each is kept, with the max
-|difference| between the two paths' log-probs and gradients.
+other devices); then the same with the entropy (``log_probs_and_entropy``: the C call's one pass, against torch's
+shared log-softmax), as the old-log-prob pass and an entropy bonus take it. The shapes are the tiny model's update
+(1,024 response tokens of 288) and one chunk of SmolLM2's (49,152) and of Qwen3's (151,936) vocabulary, at the rows
+the engine's head takes per chunk on CPU (160 and 48: hf_model._CHUNK_LOGITS). The paths alternate over --rounds
+rounds; the best of each is kept, with the max |difference| between the two log-prob paths' values and gradients.
 """
 
 from __future__ import annotations
@@ -30,12 +31,24 @@ def _torch_formula(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def _torch_with_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """hf_model.log_probs_and_entropy's torch path (one shared log-softmax), summed into one output to backward."""
+    log_p = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    return log_p.gather(-1, targets[:, None]).squeeze(-1) - (log_p.exp() * log_p).sum(dim=-1)
+
+
+def _c_with_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    log_p, entropy = hf_model.log_probs_and_entropy(logits, targets)
+    return log_p + entropy
+
+
 def measure(rows: int, vocab: int, calls: int, repeats: int, rounds: int) -> dict:
     g = torch.Generator().manual_seed(rows + vocab)
     logits = (torch.randn(rows, vocab, generator=g) * 3).requires_grad_(True)
     targets = torch.randint(0, vocab, (rows,), generator=g)
     weights = torch.randn(rows, generator=g)
-    paths = {"c": hf_model.log_probs_from_logits, "torch": _torch_formula}
+    paths = {"c": hf_model.log_probs_from_logits, "torch": _torch_formula, "c_entropy": _c_with_entropy,
+             "torch_entropy": _torch_with_entropy}
 
     def forward(fn):
         def call():
@@ -64,6 +77,9 @@ def measure(rows: int, vocab: int, calls: int, repeats: int, rounds: int) -> dic
         **best,
         "forward_speedup": round(best["forward_torch_ms"] / best["forward_c_ms"], 2),
         "forward_backward_speedup": round(best["forward_backward_torch_ms"] / best["forward_backward_c_ms"], 2),
+        "with_entropy_forward_speedup": round(best["forward_torch_entropy_ms"] / best["forward_c_entropy_ms"], 2),
+        "with_entropy_forward_backward_speedup": round(
+            best["forward_backward_torch_entropy_ms"] / best["forward_backward_c_entropy_ms"], 2),
         "max_abs_log_prob_difference": float((c_lp - torch_lp).abs().max()),
         "max_abs_gradient_difference": float((c_grad - torch_grad).abs().max()),
     }

@@ -126,6 +126,24 @@ class _KernelLogProbs(torch.autograd.Function):
         return _log_prob_kernel().log_probs_backward(logits, targets, lse, grad), None
 
 
+class _KernelLogProbsAndEntropy(torch.autograd.Function):
+    """_KernelLogProbs plus the entropy from the same pass over the exps (one backward pass for both gradients)."""
+
+    @staticmethod
+    def forward(ctx, logits, target_ids):
+        targets = target_ids.to(torch.int64).contiguous()
+        log_probs, lse, entropy, mean = _log_prob_kernel().log_probs(logits, targets, entropy=True)
+        ctx.save_for_backward(logits, targets, lse, mean)
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad, entropy_grad):
+        logits, targets, lse, mean = ctx.saved_tensors
+        if grad is None:
+            grad = torch.zeros(logits.shape[0])
+        return _log_prob_kernel().log_probs_backward(logits, targets, lse, grad, entropy_grad, mean), None
+
+
 def log_probs_from_logits(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
     """``logits [N, V]`` (already divided by the temperature), ``target_ids [N]`` -> ``log p(target) [N]`` float32.
 
@@ -149,14 +167,16 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def log_probs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both from one ``[N, V]`` log-softmax: ``(log p(target) [N], entropy [N])`` float32.
+    """Both at once: ``(log p(target) [N], entropy [N])`` float32, the log-prob bit for bit `log_probs_from_logits`'.
 
-    Calling `log_probs_from_logits` and `entropy_from_logits` separately runs two vocabulary-wide reductions and
-    keeps two ``[N, V]`` fp32 buffers for backward; this shares the one log-softmax.
+    On CPU one C call each way (the entropy = lse - sum p z summed in fp64 in the log-prob's pass over the exps; only
+    the logits are kept for backward); elsewhere one ``[N, V]`` log-softmax shared by the two, where calling
+    `log_probs_from_logits` and `entropy_from_logits` separately would run two vocabulary-wide reductions and keep
+    two ``[N, V]`` fp32 buffers for backward.
     """
     logits = logits.float()
-    if log_prob_kernel_applies(logits):  # the log-prob's C path, so its bits do not depend on the entropy
-        return log_probs_from_logits(logits, target_ids), entropy_from_logits(logits)
+    if log_prob_kernel_applies(logits):  # log_probs_from_logits' C call, which sums the entropy in the same pass
+        return _KernelLogProbsAndEntropy.apply(logits, target_ids)
     # z - logsumexp(z), log_probs_from_logits' formula: the log-prob has the same bits with entropy on or off (and
     # as the rollout's sampling.py reports it)
     log_p = logits - torch.logsumexp(logits, dim=-1, keepdim=True)

@@ -1,7 +1,8 @@
 """The training engine's log-probs on CPU (hf_model.log_probs_from_logits' C path, cpu_sampling.c's last section):
 the value the native rollout's sampling reports for the same logits bit for bit, closer to fp64 than torch's
 formula, torch's gradient within rounding, rows independent of the batch and the thread count, torch's results on
-masked and broken rows, and a clear error for a target outside the vocabulary."""
+masked and broken rows, and a clear error for a target outside the vocabulary; the entropy from the same pass
+(log_probs_and_entropy), closer to fp64 than torch's, with its gradient."""
 
 from __future__ import annotations
 
@@ -101,9 +102,38 @@ def test_a_target_outside_the_vocabulary_is_a_clear_error():
         log_probs_from_logits(logits, torch.tensor([0, 50, 1]))
 
 
-def test_the_log_prob_has_the_same_bits_with_the_entropy_on():
-    logits, targets = _case(16, 288, 6)
+@pytest.mark.parametrize("vocab", [1, 63, 288, 49_152])
+def test_the_entropy_comes_from_the_same_pass_closer_to_fp64_with_its_gradient(vocab):
+    logits, targets = _case(24, vocab, 6)
+    logits.requires_grad_(True)
     log_p, entropy = log_probs_and_entropy(logits, targets)
-    assert torch.equal(log_p, log_probs_from_logits(logits, targets))
-    exact = -(torch.log_softmax(logits.double(), -1).exp() * torch.log_softmax(logits.double(), -1)).sum(-1)
-    assert torch.allclose(entropy.double(), exact, atol=1e-5)
+    assert torch.equal(log_p, log_probs_from_logits(logits, targets))  # the log-prob's bits with the entropy on
+    exact_lp = torch.log_softmax(logits.detach().double(), -1)
+    exact = -(exact_lp.exp() * exact_lp).sum(-1)
+    torch_entropy = -(torch.log_softmax(logits, -1).exp() * torch.log_softmax(logits, -1)).sum(-1)
+    error = (entropy.detach().double() - exact).abs().max()
+    assert error <= 1e-6 and error <= (torch_entropy.detach().double() - exact).abs().max() + 1e-7
+    # both gradients in one backward pass, against fp64's
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(24, generator=g), torch.randn(24, generator=g)
+    (grad,) = torch.autograd.grad((log_p * a).sum() + (entropy * b).sum(), logits)
+    wide = logits.detach().double().requires_grad_(True)
+    lp64 = torch.log_softmax(wide, -1)
+    ((lp64.gather(-1, targets[:, None]).squeeze(-1) * a).sum() - ((lp64.exp() * lp64).sum(-1) * b).sum()).backward()
+    assert (grad.double() - wide.grad).abs().max() <= 2e-6
+    # the entropy alone (its log-prob unused in the loss)
+    (only,) = torch.autograd.grad(log_probs_and_entropy(logits, targets)[1].sum(), logits)
+    (torch_only,) = torch.autograd.grad(torch_entropy.sum(), logits)
+    assert torch.allclose(only, torch_only, atol=1e-5)
+
+
+def test_masked_tokens_add_nothing_to_the_entropy_or_its_gradient():
+    logits, _ = _case(3, 300, 8)
+    logits[:, 100:] = float("-inf")
+    logits.requires_grad_(True)
+    log_p, entropy = log_probs_and_entropy(logits, torch.tensor([1, 2, 3]))
+    allowed = logits.detach()[:, :100]
+    assert torch.allclose(entropy, -(torch.log_softmax(allowed, -1).exp() * torch.log_softmax(allowed, -1)).sum(-1),
+                          atol=1e-6)
+    (grad,) = torch.autograd.grad(log_p.sum() + entropy.sum(), logits)
+    assert torch.isfinite(grad).all() and not grad[:, 100:].any()

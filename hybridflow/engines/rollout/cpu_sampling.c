@@ -397,10 +397,12 @@ long sample_filtered_rows_f32(long R, long V, const float *logits, long ld, floa
  * backward: one pass writing d[r, j] = g[r] * ([j == t] - exp(s[j] - lse)). Rows are independent of each other and
  * of the thread count. */
 
-/* logits s [R, V] (row stride ld), targets [R] -> log_probs [R], lse [R] (fp64, for the backward). Returns the
- * number of targets outside [0, V) (those rows are not computed). */
+/* logits s [R, V] (row stride ld), targets [R] -> log_probs [R], lse [R] (fp64, for the backward); with entropy
+ * (else NULL) also entropy [R] = lse - sum_j p_j s[j] and mean_s [R] = that sum (fp64, for the backward), the sum
+ * taken in the same pass over the exps, in fp64 (tokens of probability 0 add nothing). Returns the number of targets
+ * outside [0, V) (those rows are not computed). */
 long log_probs_f32(long R, long V, const float *s, long ld, const int64_t *targets, float *log_probs, double *lse,
-                   int nthreads) {
+                   float *entropy, double *mean_s, int nthreads) {
     long bad = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : bad) if (R > 1 && R * V >= PARALLEL_FROM)
     for (long r = 0; r < R; r++) {
@@ -413,34 +415,58 @@ long log_probs_f32(long R, long V, const float *s, long ld, const int64_t *targe
         float e[BLOCK];
         const float m = row_max(z, V, 1.0f, 0);
         const long blocks = (V + BLOCK - 1) / BLOCK;
-        double total = 0.0;
+        double total = 0.0, weighted = 0.0;
         for (long b = 0; b < blocks; b++) {
             row_block_exp(z, V, b, 1.0f, 0, m, e);
             total += block_sum(e);
+            if (entropy) {
+                const float *zb = z + b * BLOCK;
+                const long n = V - b * BLOCK < BLOCK ? V - b * BLOCK : BLOCK;
+                double acc = 0.0;
+                for (long i = 0; i < n; i++)
+                    if (e[i] != 0.f) acc += (double)e[i] * (double)zb[i];
+                weighted += acc;
+            }
         }
         const double l = isinf(m) ? (double)m : (double)m + log(total);
         lse[r] = l;
         log_probs[r] = (float)((double)z[t] - l);
+        if (entropy) {
+            const double ms = isinf(m) ? NAN : weighted / total;
+            mean_s[r] = ms;
+            entropy[r] = (float)(l - ms);
+        }
     }
     return bad;
 }
 
-/* d [R, V] (row stride ldd) = the gradient of log_probs_f32's output weighted by g [R]: g[r] * ([j == t] - p_j),
- * p_j = exp(s[j] - lse) with lse rounded to fp32 (torch's logsumexp backward: fp32 throughout). Compiled for 512-bit
- * vectors where the CPU has them (compilers prefer 256 there): the 16-lane vector expf; the draws keep exp_block's
- * 8 lanes (their bits, and their speed, as they were). */
+/* d [R, V] (row stride ldd) = the gradient of log_probs_f32's outputs weighted by g [R] (the log-probs) and, when
+ * not NULL, g_entropy [R]: g[r] ([j == t] - p_j) + g_entropy[r] p_j (mean_s[r] - s[j]), p_j = exp(s[j] - lse) with
+ * lse and mean_s rounded to fp32 (torch's backward of its formulas is fp32 throughout). Compiled for 512-bit vectors
+ * where the CPU has them (compilers prefer 256 there): the 16-lane vector expf; the draws keep exp_block's 8 lanes
+ * (their bits, and their speed, as they were). */
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((target("prefer-vector-width=512")))
 #endif
 void log_probs_backward_f32(long R, long V, const float *s, long ld, const int64_t *targets, const double *lse,
-                            const float *g, float *d, long ldd, int nthreads) {
+                            const float *g, const float *g_entropy, const double *mean_s, float *d, long ldd,
+                            int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (R > 1 && R * V >= PARALLEL_FROM)
     for (long r = 0; r < R; r++) {
         const float *z = s + r * ld;
         float *dr = d + r * ldd;
-        const float l = (float)lse[r], gr = g[r];
+        const float l = (float)lse[r], gr = g[r], gh = g_entropy ? g_entropy[r] : 0.f;
+        if (gh == 0.f) {
 #pragma omp simd
-        for (long j = 0; j < V; j++) dr[j] = -gr * expf(z[j] - l);
+            for (long j = 0; j < V; j++) dr[j] = -gr * expf(z[j] - l);
+        } else {
+            const float ms = (float)mean_s[r];
+#pragma omp simd
+            for (long j = 0; j < V; j++) {
+                const float p = expf(z[j] - l);
+                dr[j] = p == 0.f ? 0.f : p * (gh * (ms - z[j]) - gr); /* a -inf logit: p = 0, no inf * 0 */
+            }
+        }
         dr[targets[r]] += gr;
     }
 }

@@ -70,10 +70,10 @@ class SamplingKernel:
         self._filtered.argtypes = [long_, long_, p, long_, ctypes.c_float, long_, ctypes.c_double, p, p, p, int_]
         self._filtered.restype = long_
         self._log_probs = lib.log_probs_f32
-        self._log_probs.argtypes = [long_, long_, p, long_, p, p, p, int_]
+        self._log_probs.argtypes = [long_, long_, p, long_, p, p, p, p, p, int_]
         self._log_probs.restype = long_
         self._log_probs_backward = lib.log_probs_backward_f32
-        self._log_probs_backward.argtypes = [long_, long_, p, long_, p, p, p, p, long_, int_]
+        self._log_probs_backward.argtypes = [long_, long_, p, long_, p, p, p, p, p, p, long_, int_]
         self._log_probs_backward.restype = None
         # for C callers (cpu_decode_layer.c's loop): sample_rows_f32 and sample_filtered_rows_f32
         self.address = ctypes.cast(self._sample, ctypes.c_void_p).value
@@ -107,26 +107,36 @@ class SamplingKernel:
                                  sums.data_ptr(), torch.get_num_threads())
         return None if undecided else (tokens, log_probs)
 
-    def log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def log_probs(self, logits: torch.Tensor, targets: torch.Tensor, entropy: bool = False) -> tuple[torch.Tensor, ...]:
         """logits [R, V] fp32 on CPU, last dimension contiguous (already divided by the temperature), targets [R]
-        -> (log_probs [R] fp32, lse [R] fp64): each the value `choose` reports for that token of those logits, bit
-        for bit (the C file's last section). An IndexError, as torch's gather's, for a target outside [0, V)."""
+        -> (log_probs [R] fp32, lse [R] fp64), each log-prob the value `choose` reports for that token of those
+        logits, bit for bit (the C file's last section); with entropy also (entropy [R] fp32, mean [R] fp64: the
+        probability-weighted mean logit, for the backward). An IndexError, as torch's gather's, for a target outside
+        [0, V)."""
         R, V = logits.shape
         targets = targets.to(torch.int64).contiguous()
         log_probs = torch.empty(R, dtype=torch.float32)
         lse = torch.empty(R, dtype=torch.float64)
+        ent = torch.empty(R, dtype=torch.float32) if entropy else None
+        mean = torch.empty(R, dtype=torch.float64) if entropy else None
         bad = self._log_probs(R, V, logits.data_ptr(), logits.stride(0), targets.data_ptr(), log_probs.data_ptr(),
-                              lse.data_ptr(), torch.get_num_threads())
+                              lse.data_ptr(), None if ent is None else ent.data_ptr(),
+                              None if mean is None else mean.data_ptr(), torch.get_num_threads())
         if bad:
             raise IndexError(f"log-probs: {bad} of {R} target ids are outside the vocabulary [0, {V}) of the logits")
-        return log_probs, lse
+        return (log_probs, lse) if not entropy else (log_probs, lse, ent, mean)
 
-    def log_probs_backward(self, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
-                           grad: torch.Tensor) -> torch.Tensor:
-        """The gradient [R, V] of `log_probs`'s output for its gradient grad [R] (contiguous fp32 tensors from it)."""
+    def log_probs_backward(self, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
+                           entropy_grad: torch.Tensor | None = None, mean: torch.Tensor | None = None) -> torch.Tensor:
+        """The gradient [R, V] of `log_probs`'s outputs for the log-probs' gradient grad [R] and, with entropy, the
+        entropy's entropy_grad [R] (None: no entropy term); the other tensors are `log_probs`' own."""
         R, V = logits.shape
         grad = grad.to(torch.float32).contiguous()
+        if entropy_grad is not None:
+            entropy_grad = entropy_grad.to(torch.float32).contiguous()
         out = torch.empty(R, V, dtype=torch.float32)
         self._log_probs_backward(R, V, logits.data_ptr(), logits.stride(0), targets.data_ptr(), lse.data_ptr(),
-                                 grad.data_ptr(), out.data_ptr(), V, torch.get_num_threads())
+                                 grad.data_ptr(), None if entropy_grad is None else entropy_grad.data_ptr(),
+                                 None if mean is None else mean.data_ptr(), out.data_ptr(), V,
+                                 torch.get_num_threads())
         return out
