@@ -397,6 +397,19 @@ long sample_filtered_rows_f32(long R, long V, const float *logits, long ld, floa
  * backward: one pass writing d[r, j] = g[r] * ([j == t] - exp(s[j] - lse)). Rows are independent of each other and
  * of the thread count. */
 
+/* sum_i e[i] z[i] over a block's n <= BLOCK values in fp64, in block_sum's fixed order (eight running sums, then
+ * pairwise); a value of probability 0 adds nothing (a -inf logit would give 0 * -inf) */
+static inline __attribute__((always_inline)) double block_weighted_sum(const float *e, const float *z, long n) {
+    double a[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+    if (n == BLOCK) {
+        for (int i = 0; i < BLOCK; i += 8)
+            for (int j = 0; j < 8; j++) a[j] += (double)e[i + j] * (double)(e[i + j] != 0.f ? z[i + j] : 0.f);
+    } else {
+        for (long i = 0; i < n; i++) a[i % 8] += (double)e[i] * (double)(e[i] != 0.f ? z[i] : 0.f);
+    }
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
 /* logits s [R, V] (row stride ld), targets [R] -> log_probs [R], lse [R] (fp64, for the backward); with entropy
  * (else NULL) also entropy [R] = lse - sum_j p_j s[j] and mean_s [R] = that sum (fp64, for the backward), the sum
  * taken in the same pass over the exps, in fp64 (tokens of probability 0 add nothing). Returns the number of targets
@@ -419,14 +432,8 @@ long log_probs_f32(long R, long V, const float *s, long ld, const int64_t *targe
         for (long b = 0; b < blocks; b++) {
             row_block_exp(z, V, b, 1.0f, 0, m, e);
             total += block_sum(e);
-            if (entropy) {
-                const float *zb = z + b * BLOCK;
-                const long n = V - b * BLOCK < BLOCK ? V - b * BLOCK : BLOCK;
-                double acc = 0.0;
-                for (long i = 0; i < n; i++)
-                    if (e[i] != 0.f) acc += (double)e[i] * (double)zb[i];
-                weighted += acc;
-            }
+            if (entropy)
+                weighted += block_weighted_sum(e, z + b * BLOCK, V - b * BLOCK < BLOCK ? V - b * BLOCK : BLOCK);
         }
         const double l = isinf(m) ? (double)m : (double)m + log(total);
         lse[r] = l;
