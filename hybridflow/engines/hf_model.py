@@ -61,16 +61,14 @@ def from_pretrained(auto_class, path: str, attn_implementation: str = "sdpa", **
         return auto_class.from_pretrained(path, attn_implementation="eager", **kwargs)
 
 
-def drop_hub_kernels(model: nn.Module) -> bool:
+def drop_hub_kernels(model: nn.Module) -> None:
     """Turn off transformers' hub-kernel layer swaps (the `kernels` package, on by default in transformers 5) on a
-    model that runs on CPU; returns whether they were on. Its kernel mapping has none for CPU, so there it changes no
+    model that runs on CPU. Its kernel mapping has none for CPU, so there it changes no
     forward, yet every train()/eval() switch kernelizes the model again (a walk of the module tree and a mapping
     registration, several times the switch itself): the engines' passes switch the actor and the critic between
     the two modes every step. Torch's forward stays everywhere, as with the kernels installed."""
-    if not getattr(model, "use_kernels", False):
-        return False
-    model.use_kernels = False  # transformers' setter: kernelize with an empty mapping once, then never again
-    return True
+    if getattr(model, "use_kernels", False):
+        model.use_kernels = False  # transformers' setter: kernelize with an empty mapping once, then never again
 
 
 def load_model(path: str, role: str, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
@@ -112,36 +110,21 @@ def log_prob_kernel_applies(logits: torch.Tensor) -> bool:
 
 
 class _KernelLogProbs(torch.autograd.Function):
+    """The C call each way: log-probs, and with `entropy` the entropy from the same pass over the exps (its backward
+    writes both gradients in one pass). Returns (log_probs, entropy or None)."""
+
     @staticmethod
-    def forward(ctx, logits, target_ids):
-        kernel = _log_prob_kernel()
+    def forward(ctx, logits, target_ids, entropy: bool):
         targets = target_ids.to(torch.int64).contiguous()
-        log_probs, lse = kernel.log_probs(logits, targets)
-        ctx.save_for_backward(logits, targets, lse)
-        return log_probs
-
-    @staticmethod
-    def backward(ctx, grad):
-        logits, targets, lse = ctx.saved_tensors
-        return _log_prob_kernel().log_probs_backward(logits, targets, lse, grad), None
-
-
-class _KernelLogProbsAndEntropy(torch.autograd.Function):
-    """_KernelLogProbs plus the entropy from the same pass over the exps (one backward pass for both gradients)."""
-
-    @staticmethod
-    def forward(ctx, logits, target_ids):
-        targets = target_ids.to(torch.int64).contiguous()
-        log_probs, lse, entropy, mean = _log_prob_kernel().log_probs(logits, targets, entropy=True)
-        ctx.save_for_backward(logits, targets, lse, mean)
-        return log_probs, entropy
+        out = _log_prob_kernel().log_probs(logits, targets, entropy=entropy)
+        ctx.save_for_backward(logits, targets, out[1], out[3] if entropy else None)
+        return out[0], out[2] if entropy else None
 
     @staticmethod
     def backward(ctx, grad, entropy_grad):
         logits, targets, lse, mean = ctx.saved_tensors
-        if grad is None:
-            grad = torch.zeros(logits.shape[0])
-        return _log_prob_kernel().log_probs_backward(logits, targets, lse, grad, entropy_grad, mean), None
+        entropy_grad = entropy_grad if mean is not None else None
+        return _log_prob_kernel().log_probs_backward(logits, targets, lse, grad, entropy_grad, mean), None, None
 
 
 def log_probs_from_logits(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
@@ -155,7 +138,7 @@ def log_probs_from_logits(logits: torch.Tensor, target_ids: torch.Tensor) -> tor
     """
     logits = logits.float()
     if log_prob_kernel_applies(logits):
-        return _KernelLogProbs.apply(logits, target_ids)
+        return _KernelLogProbs.apply(logits, target_ids, False)[0]
     return logits.gather(-1, target_ids[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
@@ -176,7 +159,7 @@ def log_probs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor) -> tup
     """
     logits = logits.float()
     if log_prob_kernel_applies(logits):  # log_probs_from_logits' C call, which sums the entropy in the same pass
-        return _KernelLogProbsAndEntropy.apply(logits, target_ids)
+        return _KernelLogProbs.apply(logits, target_ids, True)
     # z - logsumexp(z), log_probs_from_logits' formula: the log-prob has the same bits with entropy on or off (and
     # as the rollout's sampling.py reports it)
     log_p = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
