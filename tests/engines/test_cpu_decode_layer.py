@@ -4,7 +4,8 @@ with and without it on every dense architecture, with a shared (n > 1) and an un
 stopping and being compacted mid-call, and after a weight update; the C SiLU and GELU-tanh are torch's bit for bit;
 routed-experts (MoE) layers run their experts as one C call with the same bits; it is not used where its kernels do
 not all run (bf16, without the attention kernel), and those engines still generate. The decode loop in C gives the
-Python loop's bits."""
+Python loop's bits. In bf16 the C gate is torch's bit for bit, and the eager steps that take it (with the fused
+residual norms of cpu_step_ops) give the op-by-op steps' bits."""
 
 from __future__ import annotations
 
@@ -152,7 +153,7 @@ def test_a_weight_update_is_read_by_the_next_steps(kernel, tmp_path):
 def test_it_is_not_used_where_its_kernels_do_not_all_run(kernel, tmp_path):
     path = write_tiny_model(str(tmp_path / "qwen2"), "tiny", seed=0, arch="qwen2")
     bf16 = create_rollout_engine("native", path, dtype="bf16", seed=3)
-    assert bf16.model.layer_kernel is None  # bf16 projections are oneDNN's
+    assert not kernel.applies(bf16.model)  # bf16: only the MLP gate (native_model._fused_bf16_layers)
     fp32 = _engine(path, attention_kernel=False)
     assert not kernel.applies(fp32.model)  # the attention as torch matmuls: the eager layers run
     _generate(fp32, kernel)
@@ -200,7 +201,7 @@ def test_a_routed_experts_model_gives_the_same_bits_with_its_experts_in_c(kernel
 def test_a_routed_experts_model_keeps_torchs_dispatch_where_the_c_gate_differs(kernel, tmp_path, monkeypatch):
     engine = _engine(_moe_model(tmp_path, 2))
     s = engine.model.shape
-    key = (s.activation, s.moe_intermediate_size, torch.get_num_threads())
+    key = (s.activation, s.moe_intermediate_size, torch.get_num_threads(), torch.float32)
     one_call = _generate(engine, kernel)
     monkeypatch.setitem(kernel._act_checked, key, None)
     routed = _count_routed(monkeypatch, kernel)
@@ -268,7 +269,7 @@ def test_without_a_matching_activation_the_layers_run_two_calls_each(kernel, tmp
     torch's activation: the same bits again."""
     path = write_tiny_model(str(tmp_path / "llama"), "tiny", seed=0, arch="llama")
     engine = _engine(path)
-    key = ("silu", engine.model.shape.intermediate_size, torch.get_num_threads())
+    key = ("silu", engine.model.shape.intermediate_size, torch.get_num_threads(), torch.float32)
     assert kernel.activation_variant(*key) is not None
     one_call = _generate(engine, kernel)
     kernel._act_checked[key] = None
@@ -307,3 +308,40 @@ def test_scaled_embeddings_take_the_same_bits_in_one_call(kernel, tmp_path):
     engine.model.embed_scale = None
     assert not torch.equal(_generate(engine, kernel)[1].batch["rollout_log_probs"],
                            one_call[1].batch["rollout_log_probs"])  # the scale did change the outputs
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("rows,inter", [(1, 100), (16, 1536), (33, 1000), (64, 1536)])  # tails; split over threads
+def test_the_bf16_gate_is_torchs_bit_for_bit(kernel, activation, rows, inter):
+    g = torch.Generator().manual_seed(rows + inter)
+    gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(torch.bfloat16)
+    act = torch.nn.functional.silu if activation == "silu" else functools.partial(torch.nn.functional.gelu,
+                                                                                   approximate="tanh")
+    got = kernel.act_mul(gate_up, activation)
+    assert got is not None, "the C gate differs from torch's here"
+    assert torch.equal(got, act(gate_up[:, :inter]).mul_(gate_up[:, inter:]))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "gemma3_text", "phi3"])
+def test_bf16_steps_with_the_fused_residual_norms_and_gate_are_the_same_bits(kernel, tmp_path, arch):
+    """The eager bf16 step with each residual add and the next norm as one call and the gate as one
+    (native_model._fused_bf16_layers) against the same engine's op-by-op step."""
+    path = write_tiny_model(str(tmp_path / arch), dataclasses.replace(SIZES["tiny"], arch=arch), seed=0)
+    engine = create_rollout_engine("native", path, dtype="bf16", seed=3)
+    assert engine.model.layer_kernel is kernel and not kernel.applies(engine.model)
+    fused = [engine.generate(_prompts(engine), params) for params in PARAMS]
+    calls = [0]
+    real = engine.model._fused_bf16_layers
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    engine.model._fused_bf16_layers = counted
+    engine.generate(_prompts(engine), PARAMS[0])
+    assert calls[0] > 0
+    engine.model.layer_kernel = None
+    for want, params in zip(fused, PARAMS):
+        got = engine.generate(_prompts(engine), params)
+        assert torch.equal(got.batch["responses"], want.batch["responses"])
+        assert torch.equal(got.batch["rollout_log_probs"], want.batch["rollout_log_probs"])

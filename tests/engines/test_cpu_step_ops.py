@@ -2,8 +2,9 @@
 native_model._rotate bit for bit in fp32 and bf16 (strided q/k views of the fused projection, partial rotary dims, one
 thread and split over threads); the fp32 RMSNorm is native_model._rms_norm bit for bit (torch's order of summing the
 squares), and is not used where that cannot be reproduced; the bf16 RMSNorm is native_model._rms_norm up to one ulp
-at rare rounding boundaries (Llama's and Gemma's order); an engine's outputs are the same bits with and without the kernels in fp32, and its
-greedy tokens the same in bf16."""
+at rare rounding boundaries (Llama's and Gemma's order); an engine's outputs are the same bits with and without the
+kernels in fp32, and its greedy tokens the same in bf16. The bf16 decode step's residual add and the norm after it
+(add_rms_norm) are torch's bf16 add and the norm kernel, bit for bit."""
 
 from __future__ import annotations
 
@@ -129,3 +130,25 @@ def test_an_engine_gives_the_same_outputs_with_and_without_the_kernels(kernel, t
     greedy_k, _ = _outputs(bf16, kernel)
     greedy_t, _ = _outputs(bf16, None)
     assert torch.equal(greedy_k.batch["responses"], greedy_t.batch["responses"])
+
+
+@pytest.mark.parametrize("sandwich", [False, True])  # Gemma: the block output normalised before the add
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("shape", [(16, 512), (64, 512), (5, 100)])  # one thread, split over threads, a tail
+def test_the_bf16_residual_and_norm_are_torchs_add_and_the_norm_kernel(kernel, sandwich, offset, shape):
+    g = torch.Generator().manual_seed(shape[0] + 2 * sandwich + offset)
+    x, y = ((torch.randn(*shape, generator=g) * 3).to(torch.bfloat16) for _ in range(2))
+    w, yw = ((torch.randn(shape[-1], generator=g) * 0.2 + 1).to(torch.bfloat16) for _ in range(2))
+    block = kernel.rms_norm(y, yw, 1e-6, offset) if sandwich else y
+    want_x = x + block  # torch's bf16 add
+    want_h = kernel.rms_norm(want_x, w, 1e-6, offset)
+    h = kernel.add_rms_norm(x, y, yw if sandwich else None, w, 1e-6, offset)
+    assert torch.equal(x, want_x) and torch.equal(h, want_h)  # x updated in place
+
+
+def test_the_bf16_residual_refuses_mixed_or_strided_rows(kernel):
+    x, w = torch.zeros(4, 32, dtype=torch.bfloat16), torch.ones(32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous bf16 rows"):
+        kernel.add_rms_norm(x, torch.zeros(4, 64, dtype=torch.bfloat16)[:, ::2], None, w, 1e-6, False)
+    with pytest.raises(ValueError, match="contiguous bf16 rows"):
+        kernel.add_rms_norm(x, torch.zeros(4, 32), None, w, 1e-6, False)

@@ -18,7 +18,8 @@
    in the last bit on some inputs, so which elements take which path is reproduced too: a row is one run, split where
    torch's parallel loop splits the flat index range between threads (SiLU and GELU use different thresholds). Where
    torch's build fused x + kappa x^3 into one multiply-add, so does `fma`. cpu_decode_layer.py checks the result
-   against torch's before using it. */
+   against torch's before using it. act_mul_bf16 is the same for the eager bf16 decode step's gate (native_model.py),
+   which keeps torch's bf16 projections between its C calls. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -262,16 +263,10 @@ static void act_run(int act, int fma, const float *x, float *y, long n, const vo
     }
 }
 
-/* act [R, inter] = act(gate) * up for gate_up [R, 2 inter] (gate, then up, per row), as torch computes
-   `act(gate_up[:, :inter]).mul_(gate_up[:, inter:])` with `threads` threads. Returns 0, or -1 when no vector
-   function was given or the activation is unknown (the caller keeps torch's ops). */
-int act_mul_f32(int act, int fma, const void *vfn, int width, const float *gate_up, long R, long inter, float *out,
-                int threads) {
-    if (!vfn || (width != 16 && width != 8) || (act != ACT_SILU && act != ACT_GELU_TANH)) return -1;
-    /* torch splits the flat range [0, R * inter) in equal chunks, one per thread, once it is at least a grain long
-       (at::parallel_for in TensorIterator::for_each); each chunk loops row by row, so a chunk boundary inside a row
-       splits that row into two runs */
-    const long numel = R * inter;
+/* torch splits an elementwise op's flat range [0, numel) in equal chunks, one per thread, once it is at least a grain
+   long (at::parallel_for in TensorIterator::for_each); each chunk loops row by row, so a chunk boundary inside a row
+   splits that row into two runs. Returns the chunk length. */
+static long torch_chunk(int act, long numel, int threads) {
     long chunk = numel, grain = TORCH_GRAIN;
     if (act == ACT_GELU_TANH && numel > TORCH_GELU_PARALLEL) grain = numel / threads;
     if (threads > 1 && numel >= grain) {
@@ -279,6 +274,16 @@ int act_mul_f32(int act, int fma, const void *vfn, int width, const float *gate_
         if (team > threads) team = threads;
         chunk = (numel + team - 1) / team;
     }
+    return chunk;
+}
+
+/* act [R, inter] = act(gate) * up for gate_up [R, 2 inter] (gate, then up, per row), as torch computes
+   `act(gate_up[:, :inter]).mul_(gate_up[:, inter:])` with `threads` threads. Returns 0, or -1 when no vector
+   function was given or the activation is unknown (the caller keeps torch's ops). */
+int act_mul_f32(int act, int fma, const void *vfn, int width, const float *gate_up, long R, long inter, float *out,
+                int threads) {
+    if (!vfn || (width != 16 && width != 8) || (act != ACT_SILU && act != ACT_GELU_TANH)) return -1;
+    const long numel = R * inter, chunk = torch_chunk(act, numel, threads);
     /* the rows split over this kernel's own threads from a few thousand elements (a 16-row decode step of a small
        MLP): each row's runs follow torch's chunks above, not this split, so the bits do not depend on it */
 #pragma omp parallel for num_threads(threads) schedule(static) if (numel >= ACT_PARALLEL_FROM)
@@ -293,6 +298,80 @@ int act_mul_f32(int act, int fma, const void *vfn, int width, const float *gate_
             c = end;
         }
         for (long c = 0; c < inter; c++) y[c] = y[c] * up[c];
+    }
+    return 0;
+}
+
+/* act_mul_f32 in bf16: act [R, inter] = act(gate) * up for gate_up [R, 2 inter] bf16, as torch computes
+   `act(gate_up[:, :inter]).mul_(gate_up[:, inter:])` on bf16 tensors (the eager bf16 decode step's MLP gate). torch's
+   bf16 kernels compute in fp32 and round to bf16: the activation with the fp32 kernel's arithmetic, its vectorised loop
+   taking two bf16 vectors (four float vectors) at a time and the rest of each run with the scalar function, runs split
+   between threads as in act_mul_f32; then the product of the two bf16 values, rounded. Returns 0, or -1 as
+   act_mul_f32. */
+typedef uint16_t bf16;
+static inline float bf16_to_f32(bf16 h) {
+    union { uint32_t u; float f; } x;
+    x.u = (uint32_t)h << 16;
+    return x.f;
+}
+static inline bf16 f32_to_bf16(float f) { /* round to nearest even, NaN to torch's quiet NaN */
+    union { uint32_t u; float f; } x;
+    x.f = f;
+    if (isnan(f)) return 0x7fc0;
+    return (bf16)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+/* 16 lanes at a time in GCC's vector types (two registers on AVX2), each lane as the scalar functions above */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+static inline v16f load16_bf16(const bf16 *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    return (v16f)(__builtin_convertvector(h, v16u) << 16);
+}
+static inline v16h to16_bf16(v16f f) {
+    const v16u u = (v16u)f, nan = (v16u)(f != f);
+    return __builtin_convertvector(((((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)) & ~nan) | (nan & 0x7fc0u), v16h);
+}
+#define ACT_BLOCK 256 /* floats converted at a time; a multiple of every vector loop's step (4 x 16 and 4 x 8) */
+
+int act_mul_bf16(int act, int fma, const void *vfn, int width, const bf16 *gate_up, long R, long inter, bf16 *out,
+                 int threads) {
+    if (!vfn || (width != 16 && width != 8) || (act != ACT_SILU && act != ACT_GELU_TANH)) return -1;
+    const long numel = R * inter, step = 4L * width, chunk = torch_chunk(act, numel, threads);
+#pragma omp parallel for num_threads(threads) schedule(static) if (numel >= ACT_PARALLEL_FROM)
+    for (long r = 0; r < R; r++) {
+        const bf16 *gate = gate_up + r * 2 * inter, *up = gate + inter;
+        bf16 *y = out + r * inter;
+        float in[ACT_BLOCK], res[ACT_BLOCK];
+        for (long c = 0; c < inter;) {
+            const long flat = r * inter + c;
+            long end = (flat / chunk + 1) * chunk - r * inter; /* the run ends at torch's next chunk boundary */
+            if (end > inter) end = inter;
+            const long vector_end = c + (end - c) / step * step; /* the run's vector part: whole steps from its start */
+            for (long b = c; b < end; b += ACT_BLOCK) {
+                const long e = b + ACT_BLOCK < end ? b + ACT_BLOCK : end;
+                const long v = e < vector_end ? e : (vector_end > b ? vector_end : b);
+                long i = b;
+                for (; i + 16 <= e; i += 16) {
+                    const v16f g = load16_bf16(gate + i);
+                    memcpy(in + (i - b), &g, sizeof g);
+                }
+                for (; i < e; i++) in[i - b] = bf16_to_f32(gate[i]);
+                if (v > b) act_run(act, fma, in, res, v - b, vfn, width);
+                if (e > v) act_run(act, fma, in + (v - b), res + (v - b), e - v, NULL, 0); /* scalar */
+                for (i = b; i + 16 <= e; i += 16) {
+                    v16f a;
+                    memcpy(&a, res + (i - b), sizeof a);
+                    const v16h rounded = to16_bf16(a);
+                    const v16f product = (v16f)(__builtin_convertvector(rounded, v16u) << 16) * load16_bf16(up + i);
+                    const v16h h = to16_bf16(product);
+                    memcpy(y + i, &h, sizeof h);
+                }
+                for (; i < e; i++) y[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(res[i - b])) * bf16_to_f32(up[i]));
+            }
+            c = end;
+        }
     }
     return 0;
 }

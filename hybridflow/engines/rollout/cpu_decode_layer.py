@@ -144,6 +144,9 @@ class DecodeLayerKernel:
         self._act = lib.act_mul_f32
         self._act.argtypes = [_int, _int, _ptr, _int, _ptr, _long, _long, _ptr, _int]
         self._act.restype = _int
+        self._act_bf16 = lib.act_mul_bf16
+        self._act_bf16.argtypes = self._act.argtypes
+        self._act_bf16.restype = _int
         self._decode_step = lib.decode_step_f32
         self._decode_step.argtypes = [_ptr, _ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _float, _ptr, _ptr, _long,
                                       _ptr]
@@ -154,8 +157,8 @@ class DecodeLayerKernel:
         self._moe_out = lib.layer_moe_out_f32
         self._moe_out.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
         self._moe_out.restype = _int
-        # (activation, MLP width, threads) -> activation_variant
-        self._act_checked: dict[tuple[str, int, int], int | None] = {}
+        # (activation, MLP width, threads, dtype) -> activation_variant
+        self._act_checked: dict[tuple[str, int, int, torch.dtype], int | None] = {}
         # decoder -> (what `applies` read, its answer): asked every decode step
         self._applies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # decoder -> (weak references to its first packed weight and to the cache, model struct, layer structs): the
@@ -192,44 +195,61 @@ class DecodeLayerKernel:
             self._applies[decoder] = memo
         return memo[1]
 
-    def activation_variant(self, activation: str, inter: int, threads: int) -> int | None:
-        """How act_mul_f32 gives torch's ``act(gate).mul_(up)`` bit for bit for `activation` (a config name) on an MLP
-        of width `inter` at `threads` threads: its `fma` flag (whether torch's build fused GELU's x + kappa x^3), or
-        None where neither way does (or the activation is not one it computes). Tried once per key, on row counts
-        that split rows between torch's threads and leave odd runs."""
-        key = (activation, inter, threads)
+    def activation_variant(self, activation: str, inter: int, threads: int,
+                           dtype: torch.dtype = torch.float32) -> int | None:
+        """How act_mul_f32 (act_mul_bf16 for dtype bf16) gives torch's ``act(gate).mul_(up)`` bit for bit for
+        `activation` (a config name) on an MLP of width `inter` at `threads` threads: its `fma` flag (whether torch's
+        build fused GELU's x + kappa x^3), or None where neither way does (or the activation is not one it computes).
+        Tried once per key, on row counts that split rows between torch's threads and leave odd runs."""
+        key = (activation, inter, threads, dtype)
         if key not in self._act_checked:
             self._act_checked[key] = next((fma for fma in (1, 0) if self._try_activation(activation, fma, inter,
-                                                                                          threads)), None)
+                                                                                          threads, dtype)), None)
             if self._act_checked[key] is None and activation in _ACTIVATIONS:
-                logger.info("native rollout: the C %s differs from torch's here (MLP width %d, %d threads), so the "
-                            "decode steps keep torch's activation between two calls a layer", activation, inter,
-                            threads)
+                logger.info("native rollout: the C %s differs from torch's here (MLP width %d, %d threads, %s), so the "
+                            "decode steps keep torch's activation", activation, inter, threads, dtype)
         return self._act_checked[key]
 
-    def _try_activation(self, activation: str, fma: int, inter: int, threads: int) -> bool:
+    def _try_activation(self, activation: str, fma: int, inter: int, threads: int, dtype: torch.dtype) -> bool:
         if activation not in _ACTIVATIONS:
             return False
         kind, name = _ACTIVATIONS[activation]
         vector = torch_vector_function(name)
         if vector is None:
             return False
+        function = self._act_bf16 if dtype == torch.bfloat16 else self._act
         torch_act = F.silu if kind == 0 else functools.partial(F.gelu, approximate="tanh")
         g = torch.Generator().manual_seed(0)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
             for rows in (1, 3, 16, 33, 64, 127):
-                gate_up = torch.randn(rows, 2 * inter, generator=g) * torch.tensor([0.5, 4.0, 30.0])[
-                    torch.randint(3, (rows, 2 * inter), generator=g)]
+                gate_up = (torch.randn(rows, 2 * inter, generator=g) * torch.tensor([0.5, 4.0, 30.0])[
+                    torch.randint(3, (rows, 2 * inter), generator=g)]).to(dtype)
                 want = torch_act(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-                got = torch.empty(rows, inter)
-                if self._act(kind, fma, vector[0], vector[1], gate_up.data_ptr(), rows, inter, got.data_ptr(),
-                             threads) != 0 or not torch.equal(got, want):
+                got = torch.empty(rows, inter, dtype=dtype)
+                if function(kind, fma, vector[0], vector[1], gate_up.data_ptr(), rows, inter, got.data_ptr(),
+                            threads) != 0 or not torch.equal(got, want):
                     return False
         finally:
             torch.set_num_threads(before)
         return True
+
+    def act_mul(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """``act(gate).mul_(up)`` [R, inter] for a bf16 decode step's gate_up [R, 2 inter] (contiguous, on CPU) as one
+        C call, torch's bits (`activation_variant`); None where the C file does not compute it as torch does here."""
+        R, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        threads = torch.get_num_threads()
+        if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous() or gate_up.dim() != 2:
+            return None
+        fma = self.activation_variant(activation, inter, threads, torch.bfloat16)
+        if fma is None:
+            return None
+        address, width = torch_vector_function(_ACTIVATIONS[activation][1])
+        out = torch.empty(R, inter, dtype=torch.bfloat16)
+        self._act_bf16(_ACTIVATIONS[activation][0], fma, address, width, gate_up.data_ptr(), R, inter, out.data_ptr(),
+                       threads)
+        return out
 
     def step(self, decoder, tokens: torch.Tensor, positions: torch.Tensor, cache, rows, starts: dict,
              length: int) -> torch.Tensor | None:

@@ -11,6 +11,8 @@
  *
  * Rows are (row, head) pairs: row r, head h starts at x + r * sr + h * sh (strides in elements; the last dimension
  * is contiguous). Outputs are contiguous [R, H, n]. Small calls run on one thread: the fork would cost more.
+ *
+ * add_rms_norm_bf16 is a bf16 decode step's residual add and the norm after it as one call (cpu_step_ops.py).
  */
 #include <math.h>
 #include <stdint.h>
@@ -69,29 +71,80 @@ void rope_bf16(long R, long H, long D, const bf16 *x, long sr, long sh, const bf
     }
 }
 
-/* y_t = transformers' bf16 RMSNorm of the R * H rows x_t of n features: v = x * (1 / sqrt(mean(x^2) + eps)) in
- * fp32, then w * bf16(v) rounded to bf16 (Llama's order), or with offset (Gemma's: w holds 1 + w) bf16(v * w) */
+/* 16 lanes at a time in GCC's vector types (two registers on AVX2): the same per-element arithmetic as the scalar
+ * functions above, in the same order */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline v16f load16_bf16(const bf16 *p) {
+    v16h h;
+    __builtin_memcpy(&h, p, sizeof h);
+    return (v16f)(__builtin_convertvector(h, v16u) << 16);
+}
+static inline void store16_bf16(bf16 *p, v16f f) { /* to_bf16 on each lane */
+    const v16u u = (v16u)f, nan = (v16u)(f != f);
+    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const v16h h = __builtin_convertvector((rounded & ~nan) | (nan & 0x7fc0u), v16h);
+    __builtin_memcpy(p, &h, sizeof h);
+}
+static inline v16f round16_bf16(v16f f) { /* from_bf16(to_bf16(f)) on each lane */
+    bf16 tmp[16];
+    store16_bf16(tmp, f);
+    return load16_bf16(tmp);
+}
+
+/* y = transformers' bf16 RMSNorm of one row x of n features: v = x * (1 / sqrt(mean(x^2) + eps)) in fp32, then
+ * w * bf16(v) rounded to bf16 (Llama's order), or with offset (Gemma's: w holds 1 + w) bf16(v * w). The squares are
+ * summed in 16 lanes (lane j takes the elements j mod 16), then the lanes in order, then the elements past them. */
+static inline void norm_row_bf16(const bf16 *x, long n, const bf16 *w, float eps, int offset, bf16 *y) {
+    v16f lanes = {0};
+    long i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const v16f v = load16_bf16(x + i);
+        lanes += v * v;
+    }
+    float sum = 0.f;
+    for (int j = 0; j < 16; j++) sum += lanes[j];
+    for (; i < n; i++) sum += from_bf16(x[i]) * from_bf16(x[i]);
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    long k = 0;
+    for (; k + 16 <= n; k += 16) {
+        const v16f v = load16_bf16(x + k) * inv, wk = load16_bf16(w + k);
+        store16_bf16(y + k, offset ? v * wk : wk * round16_bf16(v));
+    }
+    for (; k < n; k++) {
+        const float v = from_bf16(x[k]) * inv;
+        y[k] = offset ? to_bf16(v * from_bf16(w[k])) : to_bf16(from_bf16(w[k]) * from_bf16(to_bf16(v)));
+    }
+}
+
+/* y_t = norm_row_bf16 of the R * H rows x_t of n features */
 void rms_norm_bf16(long R, long H, long n, const bf16 *x, long sr, long sh, const bf16 *w, float eps, int offset,
                    bf16 *y, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (R * H * n >= PARALLEL_FROM)
-    for (long t = 0; t < R * H; t++) {
-        const bf16 *xt = x + (t / H) * sr + (t % H) * sh;
-        bf16 *yt = y + t * n;
-        float lanes[16] = {0};
-        long i = 0;
-        for (; i + 16 <= n; i += 16)
-            for (int j = 0; j < 16; j++) {
-                const float v = from_bf16(xt[i + j]);
-                lanes[j] += v * v;
-            }
-        float sum = 0.f;
-        for (int j = 0; j < 16; j++) sum += lanes[j];
-        for (; i < n; i++) sum += from_bf16(xt[i]) * from_bf16(xt[i]);
-        const float inv = 1.0f / sqrtf(sum / (float)n + eps);
-        for (long k = 0; k < n; k++) {
-            const float v = from_bf16(xt[k]) * inv;
-            yt[k] = offset ? to_bf16(v * from_bf16(w[k])) : to_bf16(from_bf16(w[k]) * from_bf16(to_bf16(v)));
+    for (long t = 0; t < R * H; t++) norm_row_bf16(x + (t / H) * sr + (t % H) * sh, n, w, eps, offset, y + t * n);
+}
+
+/* A bf16 decode step's residual add and the norm after it, in one pass over the R rows of n features (contiguous):
+ * x = x + y' in place, then h = the norm of x with weight w. y' is y, or y's own norm with weight yw (Gemma's
+ * sandwich norm on a block's output; NULL: none), computed into h's row first. Each result is what torch's ops give
+ * the eager step: the add rounds float(x) + float(y') to bf16 as torch's bf16 add does, the norms are
+ * norm_row_bf16. */
+void add_rms_norm_bf16(long R, long n, bf16 *x, const bf16 *y, const bf16 *yw, const bf16 *w, float eps, int offset,
+                       bf16 *h, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (R * n >= PARALLEL_FROM)
+    for (long r = 0; r < R; r++) {
+        bf16 *xr = x + r * n, *hr = h + r * n;
+        const bf16 *yr = y + r * n;
+        if (yw) {
+            norm_row_bf16(yr, n, yw, eps, offset, hr);
+            yr = hr;
         }
+        long k = 0;
+        for (; k + 16 <= n; k += 16) store16_bf16(xr + k, load16_bf16(xr + k) + load16_bf16(yr + k));
+        for (; k < n; k++) xr[k] = to_bf16(from_bf16(xr[k]) + from_bf16(yr[k]));
+        norm_row_bf16(xr, n, w, eps, offset, hr);
     }
 }
 

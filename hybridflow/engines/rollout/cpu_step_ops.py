@@ -75,6 +75,9 @@ class StepOpsKernel:
         self._rms_f32 = lib.rms_norm_f32
         self._rms_f32.argtypes = [long, long, long, ptr, long, long, ptr, f, i, ptr, i]  # ..., eps, lanes, y, threads
         self._rms_f32.restype = i
+        self._add_rms = lib.add_rms_norm_bf16
+        self._add_rms.argtypes = [long, long, ptr, ptr, ptr, ptr, f, i, ptr, i]  # R, n, x, y, yw, w, eps, offset, h,
+        self._add_rms.restype = None  # threads
         # addresses for the decode-layer driver that calls them from C (cpu_decode_layer.py)
         self.addresses = {"rms_norm_f32": ctypes.cast(self._rms_f32, ctypes.c_void_p).value,
                           "rope_f32": ctypes.cast(self._rope[torch.float32], ctypes.c_void_p).value}
@@ -140,6 +143,24 @@ class StepOpsKernel:
         args = (R, H, x.shape[-1], x.data_ptr(), sr, sh, weight.data_ptr(), eps, int(offset), out.data_ptr(),
                 torch.get_num_threads())
         self._run(self._rms, "hybridflow::decode_rms_norm", args)
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, y: torch.Tensor, y_weight: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float, offset: bool) -> torch.Tensor:
+        """A bf16 decode step's residual and the norm after it: x += y (y normalised with `y_weight` first, where
+        given: Gemma's sandwich norm), in place, and returns rms_norm(x, weight). x, y [R, n] bf16 contiguous on CPU;
+        the bits of torch's bf16 add and of `rms_norm`."""
+        R, n = x.shape
+        if not (x.dtype == y.dtype == weight.dtype == torch.bfloat16 and x.is_contiguous() and y.is_contiguous()
+                and y.shape == x.shape and (y_weight is None or y_weight.dtype == torch.bfloat16)):
+            raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and y {tuple(y.shape)} {y.dtype} must be "
+                             "contiguous bf16 rows of one shape, the weights bf16")
+        weight = weight.contiguous()
+        y_weight = None if y_weight is None else y_weight.contiguous()
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        args = (R, n, x.data_ptr(), y.data_ptr(), None if y_weight is None else y_weight.data_ptr(),
+                weight.data_ptr(), eps, int(offset), out.data_ptr(), torch.get_num_threads())
+        self._run(self._add_rms, "hybridflow::add_rms_norm", args)
         return out
 
     def _norm_f32(self, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:

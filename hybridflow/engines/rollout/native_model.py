@@ -15,8 +15,10 @@ MLP) so fp32 greedy decoding picks the same tokens. Differences are for speed:
   * on CPU the matmul weights are packed once into a kernel's own layout and re-packed lazily after a weight update
     (by default only from hidden size 128 up for the panel kernel, 256 for oneDNN, below which packing was slower):
     fp32 -> panels of 16 output columns for the C kernel of cpu_linear.py (``matmul == "panel"``; oneDNN's layout
-    where that kernel is not the default or cannot be built, or with ``linear_kernel=False``); bf16 on CPUs with bf16 units -> oneDNN's blocked layout (onednn_linear.py; same
-    arithmetic, ~1.6x faster layer matmuls at 64 rows of the mid model than F.linear), or,
+    where that kernel is not the default or cannot be built, or with ``linear_kernel=False``); bf16 on CPUs with AMX
+    -> the tiles of cpu_amx_linear.py's C kernel (``matmul == "amx"``), on other CPUs with bf16 units (or with
+    ``linear_kernel=False``) oneDNN's blocked layout (onednn_linear.py; same arithmetic, ~1.6x faster layer matmuls at
+    64 rows of the mid model than F.linear), or,
     with ``int8=True``, int8 weights for the layer matmuls (int8_linear.py; embeddings, norms, attention, the KV
     cache and the output head stay in ``dtype``). The packed copies cost a second copy of the weights' memory.
 """
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow import device as hf_device
-from hybridflow.engines.rollout import cpu_linear
+from hybridflow.engines.rollout import cpu_amx_linear, cpu_linear
 from hybridflow.engines.rollout.arch_specs import DecoderShape, resolve, supported_architectures
 from hybridflow.engines.rollout.compiled_step import packed_linear as compiled_packed_linear
 from hybridflow.engines.rollout.compiled_step import register_decoder
@@ -112,22 +114,29 @@ class NativeDecoder:
             panel = dtype == torch.float32 and device.type == "cpu" and cpu_linear.kernel_for(linear_kernel) is not None
             prepack = s.hidden_size >= (cpu_linear.MIN_PANEL_WIDTH if panel else MIN_PACKED_WIDTH)
         self.panel_kernel = None  # cpu_linear.PanelLinearKernel when matmul == "panel"
+        self.amx_kernel = None  # cpu_amx_linear.AmxLinearKernel when matmul == "amx"
         if int8:
             check_int8_supported(device)
             self.matmul = "int8"
         elif prepack and device.type == "cpu" and onednn_available(dtype):  # fp32; bf16 where the CPU has bf16 units
-            # fp32: the panel kernel (cpu_linear.py) unless linear_kernel=False or it cannot be built here
-            self.panel_kernel = cpu_linear.kernel_for(linear_kernel) if dtype == torch.float32 else None
-            self.matmul = "panel" if self.panel_kernel is not None else "onednn"
+            # the C kernel of packed weights unless linear_kernel=False or it cannot run here: fp32 -> the panel kernel
+            # (cpu_linear.py), bf16 -> AMX tiles (cpu_amx_linear.py); else oneDNN's packed product
+            if dtype == torch.float32:
+                self.panel_kernel = cpu_linear.kernel_for(linear_kernel)
+            elif linear_kernel is not False:
+                self.amx_kernel = cpu_amx_linear.load()
+            self.matmul = ("panel" if self.panel_kernel is not None else "amx" if self.amx_kernel is not None
+                           else "onednn")
         else:
             self.matmul = "dense"  # F.linear on the fused tensors (GPUs, emulated bf16, small models, prepack=False)
-        if linear_kernel and self.matmul != "panel":
-            raise ValueError(f"native rollout: linear_kernel=True is the CPU fp32 projection kernel of packed weights "
-                             f"(cpu_linear.py), but this decoder's projections are {self.matmul!r} (dtype {dtype}, "
-                             f"device {device.type}, prepack={prepack}, kernel built: "
-                             f"{cpu_linear.load() is not None}); "
-                             "leave linear_kernel unset to choose by device")
-        self.prepacked = self.matmul in ("panel", "onednn")
+        if linear_kernel and self.matmul not in ("panel", "amx"):
+            built = (cpu_linear.load() if dtype == torch.float32 else cpu_amx_linear.load()) is not None
+            raise ValueError(f"native rollout: linear_kernel=True is the CPU projection kernel of packed weights "
+                             f"(fp32: cpu_linear.py; bf16: cpu_amx_linear.py, on CPUs with AMX), but this decoder's "
+                             f"projections are {self.matmul!r} (dtype {dtype}, device {device.type}, "
+                             f"prepack={prepack}, kernel built: {built}); leave linear_kernel unset to choose by "
+                             "device")
+        self.prepacked = self.matmul in ("panel", "onednn", "amx")
         # the panel kernel's packed weights in transparent huge pages (device.huge_page_buffer): None = where the
         # machine allows it; True = required
         if huge_pages and not (self.matmul == "panel" and hf_device.huge_pages_available()):
@@ -309,6 +318,8 @@ class NativeDecoder:
             pack = self.panel_kernel.pack
             if stale is None:  # the first pack: every panel in one buffer, in huge pages where asked
                 stale, buffer = self._panel_buffer(names)
+        elif self.matmul == "amx":  # into the stale tiles' memory where their shapes match
+            pack = self.amx_kernel.pack
         else:
             def pack(weight: torch.Tensor, out=None):
                 return pack_onednn(weight)
@@ -367,8 +378,9 @@ class NativeDecoder:
 
     def packed_linear(self, li: int, name: str, x: torch.Tensor, expert: int = -1) -> torch.Tensor:
         """x [..., in] times a packed weight: layer li's projection `name`; with `expert` >= 0 that routed expert's
-        'gate_up' or 'down'; li = -1: the output head ('lm_head', panel or onednn only). Output in x's dtype."""
-        multiply = self.panel_kernel.linear if self.matmul == "panel" else onednn_linear
+        'gate_up' or 'down'; li = -1: the output head ('lm_head', not int8). Output in x's dtype."""
+        multiply = (self.panel_kernel.linear if self.matmul == "panel" else self.amx_kernel.linear
+                    if self.matmul == "amx" else onednn_linear)
         if li < 0:
             return multiply(x, self.packed_weights()["lm_head"], None)
         packed = self.packed_weights()["layers"][li]
@@ -427,7 +439,10 @@ class NativeDecoder:
         return expert_mlp
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = self._rms(h, self.norm)
+        return self._head(self._rms(h, self.norm))
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [..., V] of the final norm's output h."""
         if self.prepacked:
             if torch.compiler.is_compiling():
                 logits = compiled_packed_linear(h, self.compile_key(), -1, "lm_head", -1).float()
@@ -450,25 +465,13 @@ class NativeDecoder:
         ``attend(layer, q [..., heads, D], k [..., kv, D], v [..., kv, D]) -> [..., heads * D]`` (rotated q/k) stores
         the new K/V and attends: the only part in which the prefill, the eager and the fixed-shape step differ.
         """
-        s, spec = self.shape, self.spec
-        lead = tokens.shape
+        spec = self.spec
         x = self._embed(tokens)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rotate = self._rotation(positions)
-        H, KV, D = s.num_heads, s.num_kv_heads, s.head_dim
         for li, layer in enumerate(self.layers):
-            key = s.layers[li].rope
-            qkv = self._linear(li, "qkv", self._rms(x, layer["input_layernorm"]))
-            v = qkv[..., self.q_size + self.kv_size :].view(*lead, KV, D)
-            if spec.qk_norm:
-                q = rotate(self._rms(qkv[..., : self.q_size].view(*lead, H, D), layer["q_norm"]), key)
-                k = rotate(self._rms(qkv[..., self.q_size : self.q_size + self.kv_size].view(*lead, KV, D),
-                                     layer["k_norm"]), key)
-            else:  # q and k heads rotated together
-                qk = rotate(qkv[..., : self.q_size + self.kv_size].view(*lead, H + KV, D), key)
-                q, k = qk[..., :H, :], qk[..., H:, :]
-            out = self._linear(li, "o", attend(li, q, k, v))
+            out = self._linear(li, "o", attend(li, *self._qkv(li, self._rms(x, layer["input_layernorm"]), rotate)))
             if spec.sandwich_norms:
                 out = self._rms(out, layer["post_attention_layernorm"])
                 x = x + out
@@ -478,6 +481,53 @@ class NativeDecoder:
                 x = x + out
                 x = x + self._mlp(li, self._rms(x, layer["post_attention_layernorm"]))
         return x
+
+    def _qkv(self, li: int, h: torch.Tensor, rotate) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer li's rotated q [..., heads, D], rotated k and v [..., kv, D] from its input norm's output h."""
+        s, lead = self.shape, h.shape[:-1]
+        H, KV, D, key = s.num_heads, s.num_kv_heads, s.head_dim, s.layers[li].rope
+        layer = self.layers[li]
+        qkv = self._linear(li, "qkv", h)
+        v = qkv[..., self.q_size + self.kv_size :].view(*lead, KV, D)
+        if self.spec.qk_norm:
+            q = rotate(self._rms(qkv[..., : self.q_size].view(*lead, H, D), layer["q_norm"]), key)
+            k = rotate(self._rms(qkv[..., self.q_size : self.q_size + self.kv_size].view(*lead, KV, D),
+                                 layer["k_norm"]), key)
+        else:  # q and k heads rotated together
+            qk = rotate(qkv[..., : self.q_size + self.kv_size].view(*lead, H + KV, D), key)
+            q, k = qk[..., :H, :], qk[..., H:, :]
+        return q, k, v
+
+    def _fused_bf16_layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend, kernel) -> torch.Tensor:
+        """_layers for an eager bf16 decode step on CPU, with each residual add and the norm after it as one C call
+        (cpu_step_ops' add_rms_norm) and the MLP gate as one (cpu_decode_layer's act_mul): the same bits in fewer
+        ops. Returns the final norm's output [rows, hidden] (the head's input)."""
+        s, ops, eps, offset = self.shape, self._step_ops, self.shape.rms_norm_eps, self.offset_norm
+        sandwich = self.spec.sandwich_norms
+        x = self._embed(tokens)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        x = x.contiguous()  # the residual stream, added to in place
+        rotate = self._rotation(positions)
+        h = self._rms(x, self.layers[0]["input_layernorm"])
+        for li, layer in enumerate(self.layers):
+            out = self._linear(li, "o", attend(li, *self._qkv(li, h, rotate)))
+            h = ops.add_rms_norm(x, out, layer["post_attention_layernorm"] if sandwich else None,
+                                 layer["pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"], eps,
+                                 offset)
+            if s.layers[li].moe:
+                mlp = self._mlp(li, h).contiguous()
+            else:
+                gate_up = self._linear(li, "gate_up", h)
+                act = kernel.act_mul(gate_up, s.activation)
+                if act is None:  # an activation the C file does not compute as torch does here
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    act = self.act(gate).mul_(up)
+                mlp = self._linear(li, "down", act)
+            following = self.norm if li + 1 == len(self.layers) else self.layers[li + 1]["input_layernorm"]
+            h = ops.add_rms_norm(x, mlp, layer["post_feedforward_layernorm"] if sandwich else None, following, eps,
+                                 offset)
+        return h
 
     def _rotation(self, positions: torch.Tensor):
         """``rotate(x [..., heads, D], rope key)`` at positions [...]: one kernel call inside an eager decode step
@@ -562,9 +612,18 @@ class NativeDecoder:
                 if self.embed_scale is not None:
                     x = x * self.embed_scale
                 return self._logits(layers.layers(self, x.contiguous(), positions, cache, rows, starts, column + 1))
+            if self._fuses_bf16(layers):
+                return self._head(self._fused_bf16_layers(tokens, positions, attend, layers))
             return self._logits(self._layers(tokens, positions, attend))
         finally:
             self._step_ops = None
+
+    def _fuses_bf16(self, kernel) -> bool:
+        """Whether an eager decode step runs as _fused_bf16_layers: bf16 on CPU with the step-ops and decode-layer
+        kernels (the rollout engine sets them), eagerly (torch.compile traces _layers)."""
+        return (kernel is not None and self.dtype == torch.bfloat16 and self.device.type == "cpu"
+                and hasattr(self._step_ops, "add_rms_norm") and hasattr(kernel, "act_mul")
+                and not torch.compiler.is_compiling())
 
     def _kernel_supports(self, kernel, cache: KVCache) -> bool:
         """``kernel.supports(cache)``, asked once per cache (a generate call's: its tensors are written in place)."""

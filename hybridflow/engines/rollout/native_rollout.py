@@ -22,10 +22,10 @@ of torch matmuls. None (default): on CPU in fp32 and bf16, where it builds (in f
 once the projections ran on cpu_linear.py's kernel, docs/benchmarks.md); True: the same, and an error where it cannot
 run; False: never.
 
-``linear_kernel``: on CPU in fp32 the projections of packed weights run as one C kernel (cpu_linear.py) instead of
-oneDNN's packed matmul. None (default): where it builds (AVX-512, or AVX2 with FMA: cpu_linear.kernel_for), except
-with ``batch_invariant`` (which needs the training engine's oneDNN products); True: the same, and an error where it
-cannot run; False: oneDNN.
+``linear_kernel``: on CPU the projections of packed weights run as one C kernel instead of oneDNN's packed matmul:
+in fp32 the panel kernel (cpu_linear.py), in bf16 AMX tiles (cpu_amx_linear.py). None (default): where it builds (fp32:
+AVX-512, or AVX2 with FMA: cpu_linear.kernel_for; bf16: CPUs with AMX), except with ``batch_invariant`` (which needs
+the training engine's oneDNN products); True: the same, and an error where it cannot run; False: oneDNN.
 """
 
 from __future__ import annotations
@@ -187,9 +187,9 @@ class NativeRollout(RolloutEngine):
         self.max_num_seqs = None if max_num_seqs is None else int(max_num_seqs)
         self._seed_source = torch.Generator().manual_seed(int(seed))
         # prepack: on CPU, matmul weights packed once for a kernel: fp32 -> cpu_linear.py's panels (oneDNN's layout
-        # with linear_kernel=False or where that kernel cannot be built), bf16 -> oneDNN's layout where the CPU has
-        # bf16 units; False: plain F.linear; None: packed from the hidden size where it was measured to pay (128 for
-        # the panel kernel, 256 for oneDNN)
+        # with linear_kernel=False or where that kernel cannot be built), bf16 -> AMX tiles (cpu_amx_linear.py) where
+        # the CPU has AMX, else oneDNN's layout where it has bf16 units; False: plain F.linear; None: packed from the
+        # hidden size where it was measured to pay (128 for the panel kernel, 256 for oneDNN and the AMX tiles)
         # huge_pages: the fp32 panels in transparent huge pages (native_model.NativeDecoder; None: where the machine
         # allows them)
         # tensor_parallel_size > 1: this rank holds its TP slice of every weight (tensor_parallel.py)
@@ -217,8 +217,9 @@ class NativeRollout(RolloutEngine):
         # the eager decode steps' rotary embedding and RMSNorm (torch's bits in fp32) as one C call each (cpu_step_ops.py)
         if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and not self.batch_invariant:
             self.model.step_ops = cpu_step_ops.load()
-            # and in fp32, where those kernels all run, each layer as two C calls (cpu_decode_layer.py)
-            if self.dtype == torch.float32 and self.tensor_parallel is None:
+            # and each layer as two C calls in fp32, where those kernels all run; in bf16 the MLP gate as one, between
+            # torch's projections (cpu_decode_layer.py, native_model._fused_bf16_layers)
+            if self.tensor_parallel is None:
                 self.model.layer_kernel = cpu_decode_layer.load()
             cpu_sampling.load()  # built now, not inside the first generate call (sampling.py takes it from there)
         if self.model.max_positions < self.max_model_len:  # longrope: its short factors only (rope.py)

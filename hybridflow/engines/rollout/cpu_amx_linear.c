@@ -1,0 +1,169 @@
+/* The native rollout's bf16 projections on AMX tiles (cpu_amx_linear.py): y = x W^T (+ bias) for bf16 x [M, K] and a
+ * weight W [N, K] packed once into tiles.
+ *
+ * Packed layout: [ceil(N / 16)][ceil(K / 32)] tiles of 16 rows x 64 bytes, zero past N and K. Row r of tile (nb, kb)
+ * holds, for the 16 columns n = 16 nb + c, the pair W[n][32 kb + 2 r], W[n][32 kb + 2 r + 1]: the layout TDPBF16PS
+ * reads its second operand in. A column block's tiles follow one another in k, so a call streams the weights from
+ * memory once, in order.
+ *
+ * A call computes four 16 x 16 accumulator tiles at a time (16 rows by 64 columns, 32 by 32 or 64 by 16), so that
+ * at a decode step's row counts every weight tile is loaded once and used for every row: each product sums 32 k into
+ * the fp32 accumulators, k in order. Then bias (fp32) is added and each sum rounded to bf16 to nearest even. Rows
+ * of x must come in blocks of 16 and K in a multiple of 32 (the caller pads with zeros); each row's result does not
+ * depend on the other rows of the call.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BW__)
+#error "the AMX projection kernel needs AMX-TILE, AMX-BF16 and AVX-512BW (built with -march=native on such a CPU)"
+#endif
+
+typedef uint16_t bf16;
+
+#define ROWS 16  /* rows of a tile */
+#define KSTEP 32 /* bf16 k per tile row (64 bytes) */
+
+/* Linux's permission for this process to use the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+ * 0 when granted. */
+int amx_request(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
+
+void amx_pack_bf16(const bf16 *w, long N, long K, long ld, bf16 *packed) {
+    const long NB = (N + 15) / 16, KB = (K + KSTEP - 1) / KSTEP;
+    for (long nb = 0; nb < NB; nb++)
+        for (long kb = 0; kb < KB; kb++) {
+            bf16 *t = packed + (nb * KB + kb) * ROWS * KSTEP;
+            for (int r = 0; r < ROWS; r++)
+                for (int c = 0; c < 16; c++)
+                    for (int e = 0; e < 2; e++) {
+                        const long n = nb * 16 + c, k = kb * KSTEP + 2 * r + e;
+                        t[r * KSTEP + 2 * c + e] = n < N && k < K ? w[n * ld + k] : 0;
+                    }
+        }
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* 16 sums + bias, rounded to bf16 to nearest even (NaN: torch's quiet NaN), the first `n` stored */
+static inline void store_row(const float *sums, const bf16 *bias, bf16 *y, int n) {
+    const __mmask16 mask = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    __m512 v = _mm512_loadu_ps(sums);
+    if (bias) v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                       _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias)), 16)));
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_mask_storeu_epi16(y, mask, _mm512_cvtepi32_epi16(rounded));
+}
+
+/* The products of up to four accumulator tiles (tiles 0-3), over all of k, each a block of 16 rows x 16 columns:
+ * RB row blocks (16 rows of x each, `xs` apart) by CB column blocks (their packed tiles `ws` apart). Per k tile the
+ * weight tiles are loaded once for all RB row blocks, and x's once for all CB column blocks: 16 rows by up to 64
+ * columns, 32 rows by 32 or 64 rows by 16. Tiles 4-7 hold the operands. */
+#define LOAD_X(t, r) _tile_loadd(t, x + (r) * xs + kb * KSTEP, K * sizeof(bf16))
+#define LOAD_W(t, c) _tile_loadd(t, w + (c) * ws + kb * tile, 64)
+static inline void products(int RB, int CB, const bf16 *x, long xs, long K, const bf16 *w, long ws) {
+    const long KB = K / KSTEP, tile = ROWS * KSTEP;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    if (RB == 4) { /* one column block: tiles 0-3 are rows 0-15, 16-31, 32-47, 48-63 */
+        for (long kb = 0; kb < KB; kb++) {
+            LOAD_W(4, 0);
+            LOAD_X(5, 0);
+            _tile_dpbf16ps(0, 5, 4);
+            LOAD_X(6, 1);
+            _tile_dpbf16ps(1, 6, 4);
+            LOAD_X(7, 2);
+            _tile_dpbf16ps(2, 7, 4);
+            LOAD_X(5, 3);
+            _tile_dpbf16ps(3, 5, 4);
+        }
+    } else if (RB == 2 && CB == 2) { /* tiles 0, 1: rows 0-15 by columns 0-15, 16-31; tiles 2, 3: rows 16-31 */
+        for (long kb = 0; kb < KB; kb++) {
+            LOAD_X(4, 0);
+            LOAD_X(5, 1);
+            LOAD_W(6, 0);
+            LOAD_W(7, 1);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    } else if (RB == 2) { /* one column block: tiles 0, 1 are rows 0-15, 16-31 */
+        for (long kb = 0; kb < KB; kb++) {
+            LOAD_W(4, 0);
+            LOAD_X(5, 0);
+            _tile_dpbf16ps(0, 5, 4);
+            LOAD_X(6, 1);
+            _tile_dpbf16ps(1, 6, 4);
+        }
+    } else { /* one row block: tile c is column block c */
+        for (long kb = 0; kb < KB; kb++) {
+            LOAD_X(4, 0);
+            LOAD_W(5, 0);
+            _tile_dpbf16ps(0, 4, 5);
+            if (CB > 1) {
+                LOAD_W(6, 1);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (CB > 2) {
+                LOAD_W(7, 2);
+                _tile_dpbf16ps(2, 4, 7);
+            }
+            if (CB > 3) {
+                LOAD_W(5, 3);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+    }
+}
+
+/* y [M, N] bf16 (row stride N) = x [M, K] bf16 (row stride K) times the packed weight, + bias [N] bf16 (NULL: none).
+ * M a multiple of 16, K of 32. The rows go in passes of 64, then 32, then 16 (what is left); in each pass the
+ * threads split the column blocks, in units of 4 / (row blocks) blocks. */
+void amx_linear_bf16(const bf16 *x, long M, long K, const bf16 *packed, long N, const bf16 *bias, bf16 *y,
+                     int nthreads) {
+    const long NB = (N + 15) / 16, KB = K / KSTEP, ws = KB * ROWS * KSTEP;
+#pragma omp parallel num_threads(nthreads)
+    {
+        struct tile_config config;
+        memset(&config, 0, sizeof config);
+        config.palette = 1;
+        for (int t = 0; t < 8; t++) config.rows[t] = ROWS, config.bytes_per_row[t] = 64;
+        _tile_loadconfig(&config);
+        float sums[4][ROWS * 16];
+        for (long m0 = 0; m0 < M;) {
+            const long left = (M - m0) / ROWS;
+            const int RB = left >= 4 ? 4 : left >= 2 ? 2 : 1, per_unit = RB == 4 ? 1 : RB == 2 ? 2 : 4;
+            const long units = (NB + per_unit - 1) / per_unit;
+#pragma omp for schedule(static) nowait
+            for (long u = 0; u < units; u++) {
+                const long nb0 = u * per_unit;
+                const int CB = NB - nb0 < per_unit ? (int)(NB - nb0) : per_unit;
+                products(RB, CB, x + m0 * K, ROWS * K, K, packed + nb0 * ws, ws);
+                _tile_stored(0, sums[0], 64);
+                _tile_stored(1, sums[1], 64);
+                _tile_stored(2, sums[2], 64);
+                _tile_stored(3, sums[3], 64);
+                for (int t = 0; t < RB * CB; t++) { /* tile t: row block t / CB, column block t % CB */
+                    const long rows0 = m0 + (long)(t / CB) * ROWS, n0 = (nb0 + t % CB) * 16;
+                    const int n = N - n0 < 16 ? (int)(N - n0) : 16;
+                    for (int r = 0; r < ROWS; r++)
+                        store_row(sums[t] + r * 16, bias ? bias + n0 : NULL, y + (rows0 + r) * N + n0, n);
+                }
+            }
+            m0 += RB * ROWS;
+        }
+        _tile_release();
+    }
+}

@@ -1,0 +1,142 @@
+"""The native rollout's bf16 projections on AMX tiles (cpu_amx_linear.c), built on first use where the CPU has AMX.
+
+Why: a decode step multiplies a few dozen rows by every weight matrix, so its time is the weights' trip from memory.
+oneDNN's packed bf16 product (onednn_linear.py), the bf16 decoder's default until now, streamed a decode step's
+weights at about 18-25 GB/s, where the same memory gives a plain read twice that (docs/benchmarks.md, thirty-third
+session). The kernel packs each weight once into the tiles AMX's bf16 product reads (``[ceil(N / 16), ceil(K / 32),
+16, 32]`` bf16), so a call reads them once, in order, and its products are the tiles' own.
+
+Exactness: bf16 products summed in fp32 by AMX, k in order, bias added in fp32, one rounding to bf16: the arithmetic
+of oneDNN's AMX product, with which it agreed bit for bit at 16 and 32 rows in the thirty-third session's check and on
+all but a few elements in 10^5 at 64 rows (oneDNN then orders its sums differently); each row's result does not
+depend on the other rows of the call. `load` checks it against ``F.linear`` before the decoder uses it.
+
+It runs where torch reports AMX tiles and Linux grants the process their state (arch_prctl), with a compiler that
+knows AMX (GCC 11 or later); elsewhere `load` returns None and the bf16 decoder keeps oneDNN's packed weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.engines.rollout.c_kernels import load_library
+
+__all__ = ["AmxLinearKernel", "AmxWeight", "load"]
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_amx_linear.c")
+ROWS, KSTEP = 16, 32  # the tiles' rows, and bf16 k per tile row (the C file's ROWS and KSTEP)
+# Calls of more rows (a prefill's) run as F.linear on the weight itself: the kernel keeps every weight tile for all of a
+# call's rows only up to 64 of them, and from about 256 rows oneDNN's product of the plain weight was faster
+# (docs/benchmarks.md, thirty-third session)
+MAX_ROWS = 256
+
+
+@functools.cache
+def load() -> AmxLinearKernel | None:
+    """The kernel, built on first use (c_kernels.py) and checked against F.linear; None where it cannot run here."""
+    if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return None
+    lib = load_library(_SOURCE, "amx_linear", "bf16 AMX projection", "the bf16 projections run as oneDNN's packed "
+                       "matmuls", fast_math=False)
+    if lib is None:
+        return None
+    if lib.amx_request() != 0:
+        logger.info("native rollout: Linux did not grant this process AMX's tile state, so the bf16 projections run "
+                    "as oneDNN's packed matmuls")
+        return None
+    kernel = AmxLinearKernel(lib)
+    return kernel if kernel.agrees_with_torch() else None
+
+
+class AmxWeight:
+    """A weight [N, K] packed into AMX tiles: ``tiles`` [ceil(N / 16) * ceil(K / 32) * 512] bf16; ``weight`` is the
+    bf16 weight itself (the caller's tensor, not a copy), for calls of more than MAX_ROWS rows."""
+
+    __slots__ = ("tiles", "weight")
+
+    def __init__(self, tiles: torch.Tensor, weight: torch.Tensor):
+        self.tiles, self.weight = tiles, weight
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+
+class AmxLinearKernel:
+    """``pack`` a bf16 weight once; ``linear(x, packed, bias)`` = F.linear(x, weight, bias) in bf16 on CPU."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        ptr, long = ctypes.c_void_p, ctypes.c_long
+        self._pack = lib.amx_pack_bf16
+        self._pack.argtypes = [ptr, long, long, long, ptr]  # w, N, K, row stride, packed
+        self._pack.restype = None
+        self._linear = lib.amx_linear_bf16
+        # x, M, K, packed, N, bias, y, threads
+        self._linear.argtypes = [ptr, long, long, ptr, long, ptr, ptr, ctypes.c_int]
+        self._linear.restype = None
+
+    @staticmethod
+    def tile_count(n: int, k: int) -> int:
+        """bf16 elements of a packed weight [n, k]."""
+        return -(-n // 16) * -(-k // KSTEP) * ROWS * KSTEP
+
+    @torch.no_grad()
+    def pack(self, weight: torch.Tensor, out: AmxWeight | None = None) -> AmxWeight:
+        """A CPU weight [N, K] (rounded to bf16) -> its tiles; written into `out` (returned) when it holds tiles of
+        this shape (a re-pack after a weight update reuses their memory)."""
+        weight = weight.detach().to(torch.bfloat16)
+        n, k = weight.shape
+        count = self.tile_count(n, k)
+        if out is None or out.tiles.numel() != count:
+            out = AmxWeight(torch.empty(count, dtype=torch.bfloat16), weight)
+        out.weight = weight
+        rows = weight if weight.stride(-1) == 1 else weight.contiguous()
+        self._pack(rows.data_ptr(), n, k, rows.stride(0), out.tiles.data_ptr())
+        return out
+
+    def linear(self, x: torch.Tensor, packed: AmxWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] bf16 -> [..., N] bf16."""
+        k, n = packed.in_features, packed.out_features
+        if x.dtype != torch.bfloat16 or x.shape[-1] != k:
+            raise ValueError(f"AMX linear: x {tuple(x.shape)} {x.dtype} against a packed weight of {n} x {k} bf16")
+        rows = x.reshape(-1, k)
+        m = rows.shape[0]
+        if m > MAX_ROWS:
+            return F.linear(x, packed.weight, bias)
+        padded_m, padded_k = -(-m // ROWS) * ROWS, -(-k // KSTEP) * KSTEP
+        if (padded_m, padded_k) != (m, k) or not rows.is_contiguous():  # whole tiles of rows and k: zeros past them
+            rows = F.pad(rows, (0, padded_k - k, 0, padded_m - m))
+        if bias is not None:
+            bias = bias.to(torch.bfloat16).contiguous()
+        y = torch.empty(padded_m, n, dtype=torch.bfloat16)
+        self._linear(rows.data_ptr(), padded_m, padded_k, packed.tiles.data_ptr(), n,
+                     None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        return y[:m].view(*x.shape[:-1], n)
+
+    def agrees_with_torch(self) -> bool:
+        """Whether `linear` gives F.linear's bf16 result here to within one rounding of each output (odd shapes:
+        padded rows, k and columns, a bias); logged when not."""
+        g = torch.Generator().manual_seed(0)
+        for m, n, k in ((1, 48, 32), (5, 40, 72), (16, 64, 512), (37, 150, 96)):
+            w, b, x = (torch.randn(*size, generator=g).bfloat16() for size in ((n, k), (n,), (m, k)))
+            want, got = F.linear(x, w, b).float(), self.linear(x, self.pack(w), b).float()
+            exact = x.float() @ w.float().t() + b.float()
+            # an output may round the other way from F.linear's: at most one bf16 step (2^-7 relative) apart
+            if not torch.all((got - want).abs() <= want.abs() * 2**-7 + 1e-6) or not torch.allclose(
+                    got, exact, rtol=2**-7, atol=(exact.abs().max() * 2**-7).item()):
+                logger.info("native rollout: the AMX projection kernel disagrees with F.linear here (%d x %d x %d), "
+                            "so the bf16 projections run as oneDNN's packed matmuls", m, n, k)
+                return False
+        return True

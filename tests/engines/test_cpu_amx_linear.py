@@ -1,0 +1,82 @@
+"""The bf16 projections on AMX tiles (engines/rollout/cpu_amx_linear.py, cpu_amx_linear.c): F.linear's result to one
+bf16 rounding per output (mostly bit for bit) on shapes whose rows, k and columns are not whole tiles, with and
+without a bias, past MAX_ROWS too; a row's result does not depend on the other rows of a call; a re-pack into the
+old tiles gives the new weight's products; the bf16 native decoder uses it by default where it runs, and its greedy
+tokens are the oneDNN-packed decoder's. It runs only on CPUs with AMX: elsewhere these tests skip and the bf16
+decoder keeps oneDNN (test_rollout_onednn.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_rollout_engines import make_prompts, write_model
+
+from hybridflow.engines.rollout import SamplingParams, cpu_amx_linear, create_rollout_engine
+
+pytestmark = pytest.mark.skipif(cpu_amx_linear.load() is None, reason="no AMX tiles on this CPU (or no compiler "
+                                "that knows them): the bf16 decoder keeps oneDNN's packed product")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return cpu_amx_linear.load()
+
+
+def _within_one_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    """got and want (bf16) equal, or one bf16 step (2^-7 relative) apart where their fp32 sums round differently."""
+    got, want = got.float(), want.float()
+    assert torch.all((got - want).abs() <= want.abs() * 2**-7 + 1e-6), (got - want).abs().max()
+    assert (got != want).float().mean() < 1e-3, int((got != want).sum())
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (5, 40, 72), (16, 288, 512), (33, 100, 96), (64, 1024, 512),
+                                   (300, 48, 64)])  # 300 rows: past MAX_ROWS, F.linear on the weight itself
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_product_is_f_linears_to_one_rounding(kernel, m, n, k, bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(3, m, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    got = kernel.linear(x, kernel.pack(w), b)
+    assert got.shape == (3, m, n) and got.dtype == torch.bfloat16
+    _within_one_rounding(got, F.linear(x, w, b))
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows(kernel):
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(200, 160, generator=g).bfloat16(), torch.randn(70, 160, generator=g).bfloat16()
+    packed = kernel.pack(w)
+    together = kernel.linear(x, packed, None)
+    for rows in (slice(0, 1), slice(3, 20), slice(10, 42), slice(6, 70)):
+        assert torch.equal(kernel.linear(x[rows], packed, None), together[rows])
+
+
+def test_a_repack_writes_the_old_tiles_and_gives_the_new_weights_products(kernel):
+    g = torch.Generator().manual_seed(3)
+    old, new = (torch.randn(64, 96, generator=g).bfloat16() for _ in range(2))
+    x = torch.randn(8, 96, generator=g).bfloat16()
+    packed = kernel.pack(old)
+    tiles = packed.tiles.data_ptr()
+    assert kernel.pack(new, out=packed) is packed and packed.tiles.data_ptr() == tiles
+    _within_one_rounding(kernel.linear(x, packed, None), F.linear(x, new))
+
+
+def test_a_mismatched_input_is_a_clear_error(kernel):
+    packed = kernel.pack(torch.randn(32, 64).bfloat16())
+    with pytest.raises(ValueError, match="packed weight of 32 x 64"):
+        kernel.linear(torch.randn(4, 48).bfloat16(), packed, None)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.linear(torch.randn(4, 64), packed, None)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3_text"])
+def test_the_bf16_decoder_uses_it_and_follows_the_onednn_decoder(tmp_path, arch):
+    path = write_model(tmp_path / arch, arch, seed=3, tie=False)  # untied head: the packed lm_head is used
+    amx = create_rollout_engine("native", path, dtype="bf16", num_threads=2, prepack=True)
+    onednn = create_rollout_engine("native", path, dtype="bf16", num_threads=2, prepack=True, linear_kernel=False)
+    assert amx.model.matmul == "amx" and onednn.model.matmul == "onednn"
+    prompts = make_prompts(amx.tokenizer)
+    params = SamplingParams(greedy=True, max_new_tokens=16)
+    a, b = amx.generate(prompts, params), onednn.generate(prompts, params)
+    assert torch.equal(a.batch["responses"], b.batch["responses"])
+    torch.testing.assert_close(a.batch["rollout_log_probs"], b.batch["rollout_log_probs"], atol=2e-2, rtol=0)
