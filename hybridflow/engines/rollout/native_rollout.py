@@ -189,7 +189,7 @@ class NativeRollout(RolloutEngine):
         # prepack: on CPU, matmul weights packed once for a kernel: fp32 -> cpu_linear.py's panels (oneDNN's layout
         # with linear_kernel=False or where that kernel cannot be built), bf16 -> AMX tiles (cpu_amx_linear.py) where
         # the CPU has AMX, else oneDNN's layout where it has bf16 units; False: plain F.linear; None: packed from the
-        # hidden size where it was measured to pay (128 for the panel kernel, 256 for oneDNN and the AMX tiles)
+        # hidden size where it was measured to pay (128 for the panel kernel and the AMX tiles, 256 for oneDNN)
         # huge_pages: the fp32 panels in transparent huge pages (native_model.NativeDecoder; None: where the machine
         # allows them)
         # tensor_parallel_size > 1: this rank holds its TP slice of every weight (tensor_parallel.py)
