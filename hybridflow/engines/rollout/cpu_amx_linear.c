@@ -31,15 +31,24 @@ typedef uint16_t bf16;
  * 0 when granted. */
 int amx_request(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
 
-void amx_pack_bf16(const bf16 *w, long N, long K, long ld, bf16 *packed) {
+void amx_pack_bf16(const bf16 *w, long N, long K, long ld, bf16 *packed, int nthreads) {
     const long NB = (N + 15) / 16, KB = (K + KSTEP - 1) / KSTEP;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long nb = 0; nb < NB; nb++)
         for (long kb = 0; kb < KB; kb++) {
             bf16 *t = packed + (nb * KB + kb) * ROWS * KSTEP;
+            const long n0 = nb * 16, k0 = kb * KSTEP;
+            if (n0 + 16 <= N && k0 + KSTEP <= K && ld % 2 == 0) { /* a whole tile: each k pair one 32-bit copy */
+                for (int c = 0; c < 16; c++) {
+                    const bf16 *row = w + (n0 + c) * ld + k0;
+                    for (int r = 0; r < ROWS; r++) memcpy(t + r * KSTEP + 2 * c, row + 2 * r, 2 * sizeof(bf16));
+                }
+                continue;
+            }
             for (int r = 0; r < ROWS; r++)
                 for (int c = 0; c < 16; c++)
                     for (int e = 0; e < 2; e++) {
-                        const long n = nb * 16 + c, k = kb * KSTEP + 2 * r + e;
+                        const long n = n0 + c, k = k0 + 2 * r + e;
                         t[r * KSTEP + 2 * c + e] = n < N && k < K ? w[n * ld + k] : 0;
                     }
         }

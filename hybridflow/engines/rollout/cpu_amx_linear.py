@@ -80,7 +80,7 @@ class AmxLinearKernel:
     def __init__(self, lib: ctypes.CDLL):
         ptr, long = ctypes.c_void_p, ctypes.c_long
         self._pack = lib.amx_pack_bf16
-        self._pack.argtypes = [ptr, long, long, long, ptr]  # w, N, K, row stride, packed
+        self._pack.argtypes = [ptr, long, long, long, ptr, ctypes.c_int]  # w, N, K, row stride, packed, threads
         self._pack.restype = None
         self._linear = lib.amx_linear_bf16
         # x, M, K, packed, N, bias, y, threads
@@ -103,7 +103,7 @@ class AmxLinearKernel:
             out = AmxWeight(torch.empty(count, dtype=torch.bfloat16), weight)
         out.weight = weight
         rows = weight if weight.stride(-1) == 1 else weight.contiguous()
-        self._pack(rows.data_ptr(), n, k, rows.stride(0), out.tiles.data_ptr())
+        self._pack(rows.data_ptr(), n, k, rows.stride(0), out.tiles.data_ptr(), torch.get_num_threads())
         return out
 
     def linear(self, x: torch.Tensor, packed: AmxWeight, bias: torch.Tensor | None) -> torch.Tensor:
