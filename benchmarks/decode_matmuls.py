@@ -1,16 +1,18 @@
-"""A decode step's projections alone, by kernel and row count: the native rollout's panel kernel (cpu_linear.py)
-against oneDNN's packed matmul (onednn_linear.py) and F.linear, next to the step's two floors; prints one JSON document.
+"""A decode step's projections alone, by kernel and row count: the native rollout's C kernel (fp32: the panel kernel of
+cpu_linear.py; bf16: the AMX tiles of cpu_amx_linear.py, on CPUs with AMX) against oneDNN's packed matmul
+(onednn_linear.py) and F.linear, next to the step's two floors; prints one JSON document.
 
     .venv/bin/python benchmarks/decode_matmuls.py                          # mid, rows 1-64, 2 threads
     .venv/bin/python benchmarks/decode_matmuls.py --size tiny --rows 16,64,512 --threads 1
+    .venv/bin/python benchmarks/decode_matmuls.py --dtype bf16 --rows 16,32,64,256   # AMX tiles against oneDNN
 
 The step is every layer's q/k/v, o, gate/up and down product plus the output head, on their own (the weights of
 all layers in turn, so each is read from memory as in a real step). Kernels alternate (A B C A B C ...), --repeats
 rounds of --steps steps each; reported is each kernel's best round in milliseconds per step. Floors: the step's
 FLOPs over the measured matmul peak (metrics.measure_peak_flops), and its fp32 weight bytes over the measured read
 bandwidth (profile_step.read_bandwidth: a sum over a 256 MB tensor); a decode step cannot take less than the larger.
-Also the time to re-pack all the weights into panels after a weight update (``repack_ms``), into new tensors and into
-the old ones.
+Also the time to re-pack all the weights for the C kernel after a weight update (``repack_ms``), into new tensors and
+into the old ones. The C kernel's columns are named after it: ``panel_*`` in fp32, ``amx_*`` in bf16.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from _common import document, emit, log
 from profile_step import read_bandwidth
 
 from hybridflow.common.metrics import measure_peak_flops
-from hybridflow.engines.rollout import cpu_linear
+from hybridflow.engines.rollout import cpu_amx_linear, cpu_linear
 from hybridflow.engines.rollout.onednn_linear import onednn_available, onednn_linear, pack_onednn
 from hybridflow.engines.tiny import SIZES
 
@@ -40,28 +42,30 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     args = parser.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.set_num_threads(args.threads)
     spec = SIZES[args.size]
     h, inter = spec.hidden_size, spec.intermediate_size or 4 * spec.hidden_size
     kv = h // spec.num_heads * spec.num_kv_heads
     shapes = [(h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter)] * spec.num_layers + [(spec.vocab_size, h)]
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(o, i, generator=g) * 0.02 for o, i in shapes]
-    kernel = cpu_linear.load()
+    weights = [(torch.randn(o, i, generator=g) * 0.02).to(dtype) for o, i in shapes]
+    kernel, name_c = (cpu_amx_linear.load(), "amx") if dtype == torch.bfloat16 else (cpu_linear.load(), "panel")
     packed = {
         "F.linear": (weights, lambda x, w: F.linear(x, w)),
         **({"onednn": ([pack_onednn(w) for w in weights], lambda x, w: onednn_linear(x, w, None))}
-           if onednn_available() else {}),
-        **({"panel": ([kernel.pack(w) for w in weights], lambda x, w: kernel.linear(x, w, None))}
+           if onednn_available(dtype) else {}),
+        **({name_c: ([kernel.pack(w) for w in weights], lambda x, w: kernel.linear(x, w, None))}
            if kernel is not None else {}),
     }
-    peak = measure_peak_flops(dtype=torch.float32, num_threads=args.threads)
+    peak = measure_peak_flops(dtype=dtype, num_threads=args.threads)
     bandwidth = read_bandwidth(args.threads)
-    weight_bytes = 4 * sum(o * i for o, i in shapes)
+    weight_bytes = weights[0].element_size() * sum(o * i for o, i in shapes)
     results = {}
     for rows in (int(r) for r in args.rows.split(",")):
-        xs = {i: torch.randn(rows, i, generator=g) for _, i in shapes}
+        xs = {i: torch.randn(rows, i, generator=g).to(dtype) for _, i in shapes}
         best = {name: float("inf") for name in packed}
         for _ in range(args.repeats):
             for name, (ws, multiply) in packed.items():
@@ -76,25 +80,26 @@ def main() -> None:
         row = {f"{name}_ms": round(s * 1e3, 3) for name, s in best.items()}
         row["math_floor_ms"] = round(flops / peak * 1e3, 3)
         row["weight_read_floor_ms"] = round(weight_bytes / bandwidth * 1e3, 3)
-        if "panel" in best:
-            row.update({f"panel_vs_{name}": round(best["panel"] / best[name], 3) for name in best if name != "panel"})
-            row["panel_over_floor"] = round(best["panel"] * 1e3 / max(row["math_floor_ms"],
-                                                                      row["weight_read_floor_ms"]), 2)
+        if name_c in best:
+            row.update({f"{name_c}_vs_{name}": round(best[name_c] / best[name], 3) for name in best if name != name_c})
+            row[f"{name_c}_over_floor"] = round(best[name_c] * 1e3 / max(row["math_floor_ms"],
+                                                                        row["weight_read_floor_ms"]), 2)
         results[str(rows)] = row
         log(f"rows {rows}: {row}")
     doc_results = {"peak_flops_per_s": peak, "read_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
                    "by_rows": results}
     if kernel is not None:
-        doc_results["repack_ms"] = repack_times(kernel, weights, packed["panel"][0], args.repeats)
+        doc_results["repack_ms"] = repack_times(kernel, weights, packed[name_c][0], args.repeats)
         log(f"re-pack after a weight update: {doc_results['repack_ms']}")
-    emit(document("decode_matmuls", {"size": args.size, "threads": args.threads, "steps": args.steps,
-                                     "repeats": args.repeats, "vector_width": kernel and kernel.vector_width},
+    emit(document("decode_matmuls", {"size": args.size, "dtype": args.dtype, "threads": args.threads,
+                                     "steps": args.steps, "repeats": args.repeats, "kernel": kernel and name_c,
+                                     "vector_width": getattr(kernel, "vector_width", None)},
                   doc_results))
 
 
 def repack_times(kernel, weights: list[torch.Tensor], panels: list, repeats: int) -> dict:
-    """Milliseconds to re-pack every weight into panels, as the rollout does after each weight update: into new
-    tensors, and into the old panels (cpu_linear.pack's `out`); alternated, each one's best of 2 * repeats rounds."""
+    """Milliseconds to re-pack every weight for the C kernel, as the rollout does after each weight update: into new
+    tensors, and into the old ones (the kernel's pack(..., out=)); alternated, each one's best of 2 * repeats rounds."""
     best = {"new_tensors": float("inf"), "in_place": float("inf")}
     for _ in range(2 * repeats):
         for name in best:

@@ -6,9 +6,9 @@
  * reads its second operand in. A column block's tiles follow one another in k, so a call streams the weights from
  * memory once, in order.
  *
- * A call computes four 16 x 16 accumulator tiles at a time (16 rows by 64 columns, 32 by 32 or 64 by 16), so that
- * at a decode step's row counts every weight tile is loaded once and used for every row: each product sums 32 k into
- * the fp32 accumulators, k in order. Then bias (fp32) is added and each sum rounded to bf16 to nearest even. Rows
+ * A call computes four 16 x 16 accumulator tiles at a time (16 rows by 64 columns, or 32 by 32), each weight tile
+ * loaded from memory once and kept in cache for the call's other rows: each product sums 32 k into the fp32
+ * accumulators, k in order. Then bias (fp32) is added and each sum rounded to bf16 to nearest even. Rows
  * of x must come in blocks of 16 and K in a multiple of 32 (the caller pads with zeros); each row's result does not
  * depend on the other rows of the call.
  */
@@ -74,9 +74,9 @@ static inline void store_row(const float *sums, const bf16 *bias, bf16 *y, int n
 }
 
 /* The products of up to four accumulator tiles (tiles 0-3), over all of k, each a block of 16 rows x 16 columns:
- * RB row blocks (16 rows of x each, `xs` apart) by CB column blocks (their packed tiles `ws` apart). Per k tile the
- * weight tiles are loaded once for all RB row blocks, and x's once for all CB column blocks: 16 rows by up to 64
- * columns, 32 rows by 32 or 64 rows by 16. Tiles 4-7 hold the operands. */
+ * RB row blocks (16 rows of x each, `xs` apart) by CB column blocks (their packed tiles `ws` apart), 16 rows by up to
+ * 64 columns or 32 rows by 16 or 32. Per k tile each weight tile is loaded once for the RB row blocks and each x
+ * tile once for the CB column blocks. Tiles 4-7 hold the operands. */
 #define LOAD_X(t, r) _tile_loadd(t, x + (r) * xs + kb * KSTEP, K * sizeof(bf16))
 #define LOAD_W(t, c) _tile_loadd(t, w + (c) * ws + kb * tile, 64)
 static inline void products(int RB, int CB, const bf16 *x, long xs, long K, const bf16 *w, long ws) {
@@ -85,19 +85,7 @@ static inline void products(int RB, int CB, const bf16 *x, long xs, long K, cons
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    if (RB == 4) { /* one column block: tiles 0-3 are rows 0-15, 16-31, 32-47, 48-63 */
-        for (long kb = 0; kb < KB; kb++) {
-            LOAD_W(4, 0);
-            LOAD_X(5, 0);
-            _tile_dpbf16ps(0, 5, 4);
-            LOAD_X(6, 1);
-            _tile_dpbf16ps(1, 6, 4);
-            LOAD_X(7, 2);
-            _tile_dpbf16ps(2, 7, 4);
-            LOAD_X(5, 3);
-            _tile_dpbf16ps(3, 5, 4);
-        }
-    } else if (RB == 2 && CB == 2) { /* tiles 0, 1: rows 0-15 by columns 0-15, 16-31; tiles 2, 3: rows 16-31 */
+    if (RB == 2 && CB == 2) { /* tiles 0, 1: rows 0-15 by columns 0-15, 16-31; tiles 2, 3: rows 16-31 */
         for (long kb = 0; kb < KB; kb++) {
             LOAD_X(4, 0);
             LOAD_X(5, 1);
@@ -138,11 +126,12 @@ static inline void products(int RB, int CB, const bf16 *x, long xs, long K, cons
 }
 
 /* y [M, N] bf16 (row stride N) = x [M, K] bf16 (row stride K) times the packed weight, + bias [N] bf16 (NULL: none).
- * M a multiple of 16, K of 32. The rows go in passes of 64, then 32, then 16 (what is left); in each pass the
- * threads split the column blocks, in units of 4 / (row blocks) blocks. */
+ * M a multiple of 16, K of 32. The threads split the columns in units of four blocks (64 columns); a unit takes the
+ * rows in passes of 32 (two row blocks by two column blocks: one tile load per product, the fewest four accumulators
+ * allow), the last 16 alone, so its weight tiles come from memory once and stay in cache for the later passes. */
 void amx_linear_bf16(const bf16 *x, long M, long K, const bf16 *packed, long N, const bf16 *bias, bf16 *y,
                      int nthreads) {
-    const long NB = (N + 15) / 16, KB = K / KSTEP, ws = KB * ROWS * KSTEP;
+    const long NB = (N + 15) / 16, KB = K / KSTEP, ws = KB * ROWS * KSTEP, units = (NB + 3) / 4;
 #pragma omp parallel num_threads(nthreads)
     {
         struct tile_config config;
@@ -151,27 +140,29 @@ void amx_linear_bf16(const bf16 *x, long M, long K, const bf16 *packed, long N, 
         for (int t = 0; t < 8; t++) config.rows[t] = ROWS, config.bytes_per_row[t] = 64;
         _tile_loadconfig(&config);
         float sums[4][ROWS * 16];
-        for (long m0 = 0; m0 < M;) {
-            const long left = (M - m0) / ROWS;
-            const int RB = left >= 4 ? 4 : left >= 2 ? 2 : 1, per_unit = RB == 4 ? 1 : RB == 2 ? 2 : 4;
-            const long units = (NB + per_unit - 1) / per_unit;
-#pragma omp for schedule(static) nowait
-            for (long u = 0; u < units; u++) {
-                const long nb0 = u * per_unit;
-                const int CB = NB - nb0 < per_unit ? (int)(NB - nb0) : per_unit;
-                products(RB, CB, x + m0 * K, ROWS * K, K, packed + nb0 * ws, ws);
-                _tile_stored(0, sums[0], 64);
-                _tile_stored(1, sums[1], 64);
-                _tile_stored(2, sums[2], 64);
-                _tile_stored(3, sums[3], 64);
-                for (int t = 0; t < RB * CB; t++) { /* tile t: row block t / CB, column block t % CB */
-                    const long rows0 = m0 + (long)(t / CB) * ROWS, n0 = (nb0 + t % CB) * 16;
-                    const int n = N - n0 < 16 ? (int)(N - n0) : 16;
-                    for (int r = 0; r < ROWS; r++)
-                        store_row(sums[t] + r * 16, bias ? bias + n0 : NULL, y + (rows0 + r) * N + n0, n);
+#pragma omp for schedule(static)
+        for (long u = 0; u < units; u++) {
+            const long unit_blocks = NB - 4 * u < 4 ? NB - 4 * u : 4;
+            for (long m0 = 0; m0 < M;) {
+                const long left = (M - m0) / ROWS;
+                const int RB = left >= 2 ? 2 : 1, per_call = 4 / RB; /* column blocks per products() call */
+                for (long b0 = 0; b0 < unit_blocks; b0 += per_call) {
+                    const long nb0 = 4 * u + b0;
+                    const int CB = unit_blocks - b0 < per_call ? (int)(unit_blocks - b0) : per_call;
+                    products(RB, CB, x + m0 * K, ROWS * K, K, packed + nb0 * ws, ws);
+                    _tile_stored(0, sums[0], 64);
+                    _tile_stored(1, sums[1], 64);
+                    _tile_stored(2, sums[2], 64);
+                    _tile_stored(3, sums[3], 64);
+                    for (int t = 0; t < RB * CB; t++) { /* tile t: row block t / CB, column block t % CB */
+                        const long rows0 = m0 + (long)(t / CB) * ROWS, n0 = (nb0 + t % CB) * 16;
+                        const int n = N - n0 < 16 ? (int)(N - n0) : 16;
+                        for (int r = 0; r < ROWS; r++)
+                            store_row(sums[t] + r * 16, bias ? bias + n0 : NULL, y + (rows0 + r) * N + n0, n);
+                    }
                 }
+                m0 += RB * ROWS;
             }
-            m0 += RB * ROWS;
         }
         _tile_release();
     }
