@@ -330,16 +330,23 @@ def test_bf16_steps_with_the_fused_residual_norms_and_gate_are_the_same_bits(ker
     engine = create_rollout_engine("native", path, dtype="bf16", seed=3)
     assert engine.model.layer_kernel is kernel and not kernel.applies(engine.model)
     fused = [engine.generate(_prompts(engine), params) for params in PARAMS]
-    calls = [0]
-    real = engine.model._fused_bf16_layers
+    calls = {"steps": 0, "heads": 0}
+    real, real_heads = engine.model._fused_bf16_layers, engine.model.step_ops.qkv_heads
 
     def counted(*args):
-        calls[0] += 1
+        calls["steps"] += 1
         return real(*args)
 
-    engine.model._fused_bf16_layers = counted
-    engine.generate(_prompts(engine), PARAMS[0])
-    assert calls[0] > 0
+    def heads(*args):
+        calls["heads"] += 1
+        return real_heads(*args)
+
+    engine.model._fused_bf16_layers, engine.model.step_ops.qkv_heads = counted, heads
+    try:
+        engine.generate(_prompts(engine), PARAMS[0])
+    finally:
+        del engine.model.step_ops.qkv_heads  # the instance attribute: the kernel object is shared (cached)
+    assert calls["steps"] > 0 and calls["heads"] == calls["steps"] * engine.model.shape.num_layers
     engine.model.layer_kernel = None
     for want, params in zip(fused, PARAMS):
         got = engine.generate(_prompts(engine), params)

@@ -4,7 +4,8 @@ thread and split over threads); the fp32 RMSNorm is native_model._rms_norm bit f
 squares), and is not used where that cannot be reproduced; the bf16 RMSNorm is native_model._rms_norm up to one ulp
 at rare rounding boundaries (Llama's and Gemma's order); an engine's outputs are the same bits with and without the
 kernels in fp32, and its greedy tokens the same in bf16. The bf16 decode step's residual add and the norm after it
-(add_rms_norm) are torch's bf16 add and the norm kernel, bit for bit."""
+(add_rms_norm) are torch's bf16 add and the norm kernel, and its attention inputs (qkv_heads) the per-head norms and
+the rotation, bit for bit."""
 
 from __future__ import annotations
 
@@ -152,3 +153,23 @@ def test_the_bf16_residual_refuses_mixed_or_strided_rows(kernel):
         kernel.add_rms_norm(x, torch.zeros(4, 64, dtype=torch.bfloat16)[:, ::2], None, w, 1e-6, False)
     with pytest.raises(ValueError, match="contiguous bf16 rows"):
         kernel.add_rms_norm(x, torch.zeros(4, 32), None, w, 1e-6, False)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])  # Qwen3 / Gemma 3: q and k normalised per head first
+@pytest.mark.parametrize("rows,heads,kv,D,dim", [(5, 4, 2, 32, 32), (64, 8, 4, 64, 64), (3, 6, 6, 80, 40)])
+def test_the_bf16_attention_inputs_are_the_norms_and_rotation_bit_for_bit(kernel, qk_norm, rows, heads, kv, D, dim):
+    g = torch.Generator().manual_seed(rows + D + qk_norm)
+    bf = torch.bfloat16
+    qkv = (torch.randn(rows, (heads + 2 * kv) * D + 8, generator=g) * 2).to(bf)[:, : (heads + 2 * kv) * D]  # strided
+    cos, sin = (torch.randn(100, dim, generator=g).to(bf) for _ in range(2))
+    qn, kn = ((torch.randn(D, generator=g) * 0.2 + 1).to(bf) for _ in range(2))
+    positions = torch.randint(0, 100, (rows,), generator=g)
+    q_in, k_in = qkv[:, : heads * D].view(rows, heads, D), qkv[:, heads * D : (heads + kv) * D].view(rows, kv, D)
+    if qk_norm:
+        q_in, k_in = kernel.rms_norm(q_in, qn, 1e-6, False), kernel.rms_norm(k_in, kn, 1e-6, False)
+    want = (kernel.rotate(q_in, cos, sin, positions), kernel.rotate(k_in, cos, sin, positions),
+            qkv[:, (heads + kv) * D :].reshape(rows, kv, D))
+    got = kernel.qkv_heads(qkv, heads, kv, qn if qk_norm else None, kn if qk_norm else None, 1e-6, False, cos, sin,
+                           positions)
+    for a, b in zip(got, want):
+        assert a.is_contiguous() and torch.equal(a, b)

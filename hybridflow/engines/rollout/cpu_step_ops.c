@@ -12,10 +12,12 @@
  * Rows are (row, head) pairs: row r, head h starts at x + r * sr + h * sh (strides in elements; the last dimension
  * is contiguous). Outputs are contiguous [R, H, n]. Small calls run on one thread: the fork would cost more.
  *
- * add_rms_norm_bf16 is a bf16 decode step's residual add and the norm after it as one call (cpu_step_ops.py).
+ * add_rms_norm_bf16 is a bf16 decode step's residual add and the norm after it as one call, qkv_heads_bf16 its
+ * attention inputs from the fused projection (q/k norms, rotation, contiguous q, k, v) as one (cpu_step_ops.py).
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define PARALLEL_FROM 32768L /* elements per call from which the rows are split over threads */
 
@@ -51,23 +53,26 @@ void rope_f32(long R, long H, long D, const float *x, long sr, long sh, const fl
     }
 }
 
-/* rope_f32 in bf16: each product rounded to bf16, then their sum */
+/* one head x of D features rotated in bf16 (c, s: its position's table rows): each product rounded to bf16, then
+ * their sum */
+static inline void rotate_head_bf16(const bf16 *x, long D, const bf16 *c, const bf16 *s, long dim, bf16 *o) {
+    const long half = dim / 2;
+    for (long j = 0; j < dim; j++) {
+        const bf16 rolled = x[j < half ? j + half : j - half];
+        const float a = from_bf16(to_bf16(from_bf16(x[j]) * from_bf16(c[j])));
+        const float b = from_bf16(to_bf16(from_bf16(rolled) * from_bf16(s[j])));
+        o[j] = to_bf16(a + b);
+    }
+    for (long j = dim; j < D; j++) o[j] = x[j];
+}
+
+/* rope_f32 in bf16 */
 void rope_bf16(long R, long H, long D, const bf16 *x, long sr, long sh, const bf16 *cos, const bf16 *ssin,
                long dim, const int64_t *pos, bf16 *out, int nthreads) {
-    const long half = dim / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (R * H * D >= PARALLEL_FROM)
     for (long t = 0; t < R * H; t++) {
         const long r = t / H;
-        const bf16 *xt = x + r * sr + (t % H) * sh;
-        const bf16 *c = cos + pos[r] * dim, *s = ssin + pos[r] * dim;
-        bf16 *o = out + t * D;
-        for (long j = 0; j < dim; j++) {
-            const bf16 rolled = xt[j < half ? j + half : j - half];
-            const float a = from_bf16(to_bf16(from_bf16(xt[j]) * from_bf16(c[j])));
-            const float b = from_bf16(to_bf16(from_bf16(rolled) * from_bf16(s[j])));
-            o[j] = to_bf16(a + b);
-        }
-        for (long j = dim; j < D; j++) o[j] = xt[j];
+        rotate_head_bf16(x + r * sr + (t % H) * sh, D, cos + pos[r] * dim, ssin + pos[r] * dim, dim, out + t * D);
     }
 }
 
@@ -145,6 +150,30 @@ void add_rms_norm_bf16(long R, long n, bf16 *x, const bf16 *y, const bf16 *yw, c
         for (; k + 16 <= n; k += 16) store16_bf16(xr + k, load16_bf16(xr + k) + load16_bf16(yr + k));
         for (; k < n; k++) xr[k] = to_bf16(from_bf16(xr[k]) + from_bf16(yr[k]));
         norm_row_bf16(xr, n, w, eps, offset, hr);
+    }
+}
+
+/* A bf16 decode step's attention inputs from its fused projection qkv [R, (H + 2 KV) D] (row stride sr): q [R, H, D]
+ * and k [R, KV, D] rotated at positions pos (after their per-head norms with weights qn / kn where given: Qwen3,
+ * Gemma 3), v [R, KV, D] copied, all contiguous: the eager step's norm, rotation and the attention kernel's copies
+ * in one call, each value what rms_norm_bf16 and rope_bf16 give. */
+void qkv_heads_bf16(long R, long H, long KV, long D, const bf16 *qkv, long sr, const bf16 *qn, const bf16 *kn,
+                    float eps, int offset, const bf16 *cos, const bf16 *ssin, long dim, const int64_t *pos, bf16 *q,
+                    bf16 *k, bf16 *v, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (R * (H + 2 * KV) * D >= PARALLEL_FROM)
+    for (long r = 0; r < R; r++) {
+        const bf16 *row = qkv + r * sr, *c = cos + pos[r] * dim, *s = ssin + pos[r] * dim;
+        bf16 normed[D];
+        for (long h = 0; h < H + KV; h++) {
+            const bf16 *head = row + h * D, *w = h < H ? qn : kn;
+            bf16 *out = h < H ? q + (r * H + h) * D : k + (r * KV + h - H) * D;
+            if (w) {
+                norm_row_bf16(head, D, w, eps, offset, normed);
+                head = normed;
+            }
+            rotate_head_bf16(head, D, c, s, dim, out);
+        }
+        memcpy(v + r * KV * D, row + (H + KV) * D, KV * D * sizeof(bf16));
     }
 }
 

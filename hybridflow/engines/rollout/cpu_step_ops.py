@@ -78,6 +78,12 @@ class StepOpsKernel:
         self._add_rms = lib.add_rms_norm_bf16
         self._add_rms.argtypes = [long, long, ptr, ptr, ptr, ptr, f, i, ptr, i]  # R, n, x, y, yw, w, eps, offset, h,
         self._add_rms.restype = None  # threads
+        self._qkv_heads = lib.qkv_heads_bf16
+        # R, H, KV, D, qkv, row stride, q norm, k norm, eps, offset, cos, signed sin, rotary dim, positions, q, k, v,
+        # threads
+        self._qkv_heads.argtypes = [long, long, long, long, ptr, long, ptr, ptr, f, i, ptr, ptr, long, ptr, ptr, ptr,
+                                    ptr, i]
+        self._qkv_heads.restype = None
         # addresses for the decode-layer driver that calls them from C (cpu_decode_layer.py)
         self.addresses = {"rms_norm_f32": ctypes.cast(self._rms_f32, ctypes.c_void_p).value,
                           "rope_f32": ctypes.cast(self._rope[torch.float32], ctypes.c_void_p).value}
@@ -162,6 +168,29 @@ class StepOpsKernel:
                 weight.data_ptr(), eps, int(offset), out.data_ptr(), torch.get_num_threads())
         self._run(self._add_rms, "hybridflow::add_rms_norm", args)
         return out
+
+    def qkv_heads(self, qkv: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.Tensor | None,
+                  k_norm: torch.Tensor | None, eps: float, offset: bool, cos: torch.Tensor, signed_sin: torch.Tensor,
+                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A bf16 decode step's q [R, heads, D], k, v [R, kv_heads, D] (contiguous) from its fused projection qkv
+        [R, (heads + 2 kv_heads) D] (last dimension contiguous): q and k normalised per head (where q_norm / k_norm
+        are given) and rotated at positions [R] with the tables cos, signed_sin [max_positions, rotary_dim], as
+        `rms_norm` and `rotate` compute them, bit for bit; v copied."""
+        R, width = qkv.shape
+        D = width // (heads + 2 * kv_heads)
+        if not (qkv.dtype == cos.dtype == signed_sin.dtype == torch.bfloat16 and qkv.stride(-1) == 1
+                and D * (heads + 2 * kv_heads) == width and cos.is_contiguous() and signed_sin.is_contiguous()):
+            raise ValueError(f"qkv_heads: qkv {tuple(qkv.shape)} {qkv.dtype} must be bf16 rows of {heads} + 2 x "
+                             f"{kv_heads} heads with bf16 tables, its last dimension contiguous")
+        norms = [None if w is None else w.contiguous() for w in (q_norm, k_norm)]
+        positions = positions.to(torch.int64).contiguous()
+        q, k, v = (torch.empty(R, n, D, dtype=torch.bfloat16) for n in (heads, kv_heads, kv_heads))
+        args = (R, heads, kv_heads, D, qkv.data_ptr(), qkv.stride(0), *(None if w is None else w.data_ptr()
+                                                                       for w in norms), eps, int(offset),
+                cos.data_ptr(), signed_sin.data_ptr(), cos.shape[-1], positions.data_ptr(), q.data_ptr(), k.data_ptr(),
+                v.data_ptr(), torch.get_num_threads())
+        self._run(self._qkv_heads, "hybridflow::qkv_heads", args)
+        return q, k, v
 
     def _norm_f32(self, x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int) -> torch.Tensor:
         R, H, sr, sh = _rows(x)

@@ -503,7 +503,8 @@ class NativeDecoder:
 
     def _fused_bf16_layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend, kernel) -> torch.Tensor:
         """_layers for an eager bf16 decode step on CPU, with each residual add and the norm after it as one C call
-        (cpu_step_ops' add_rms_norm) and the MLP gate as one (cpu_decode_layer's act_mul): the same bits in fewer
+        (cpu_step_ops' add_rms_norm), the attention's inputs from the qkv projection as one (qkv_heads: q/k norms,
+        rotation, contiguous q, k, v) and the MLP gate as one (cpu_decode_layer's act_mul): the same bits in fewer
         ops. Returns the final norm's output [rows, hidden] (the head's input)."""
         s, ops, eps, offset = self.shape, self._step_ops, self.shape.rms_norm_eps, self.offset_norm
         sandwich = self.spec.sandwich_norms
@@ -511,10 +512,20 @@ class NativeDecoder:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         x = x.contiguous()  # the residual stream, added to in place
-        rotate = self._rotation(positions)
+        rope = self.rope
+        # q/k norms, rotation and the attention's contiguous q, k, v as one call where the kernel reads the tables
+        heads = ops.reads_tables(rope) and all(t.dtype == torch.bfloat16 for t in rope.cos.values())
+        rotate = None if heads else self._rotation(positions)
         h = self._rms(x, self.layers[0]["input_layernorm"])
         for li, layer in enumerate(self.layers):
-            out = self._linear(li, "o", attend(li, *self._qkv(li, h, rotate)))
+            if heads:
+                key, qk_norm = s.layers[li].rope, self.spec.qk_norm
+                qkv = ops.qkv_heads(self._linear(li, "qkv", h), s.num_heads, s.num_kv_heads,
+                                    layer["q_norm"] if qk_norm else None, layer["k_norm"] if qk_norm else None, eps,
+                                    offset, rope.cos[key], rope.sin[key], positions)
+            else:
+                qkv = self._qkv(li, h, rotate)
+            out = self._linear(li, "o", attend(li, *qkv))
             h = ops.add_rms_norm(x, out, layer["post_attention_layernorm"] if sandwich else None,
                                  layer["pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"], eps,
                                  offset)
