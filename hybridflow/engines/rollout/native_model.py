@@ -434,10 +434,16 @@ class NativeDecoder:
         layer = self.layers[li]
         if not self.prepacked:
             return dense_experts(layer["experts_gate_up"], layer["experts_down"], self.act)
+        gate_mul = getattr(self.layer_kernel, "act_mul", None) if self.dtype == torch.bfloat16 else None
 
         def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
-            gate, up = self.packed_linear(li, "gate_up", rows, expert).chunk(2, dim=-1)
-            return self.packed_linear(li, "down", self.act(gate) * up, expert)
+            gate_up = self.packed_linear(li, "gate_up", rows, expert)
+            # bf16 on CPU: the gate as one C call where it gives torch's bits (cpu_decode_layer.act_mul)
+            act = gate_mul(gate_up, self.shape.activation) if gate_mul is not None else None
+            if act is None:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = self.act(gate) * up
+            return self.packed_linear(li, "down", act, expert)
 
         return expert_mlp
 
