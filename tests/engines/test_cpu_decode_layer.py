@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow.engines.rollout import SamplingParams, cpu_decode_layer, create_rollout_engine
+from hybridflow.engines.rollout import SamplingParams, cpu_bf16_step, cpu_decode_layer, create_rollout_engine
 from hybridflow.engines.tiny import SIZES, write_tiny_model
 from hybridflow.protocol import DataProto
 
@@ -153,7 +153,7 @@ def test_a_weight_update_is_read_by_the_next_steps(kernel, tmp_path):
 def test_it_is_not_used_where_its_kernels_do_not_all_run(kernel, tmp_path):
     path = write_tiny_model(str(tmp_path / "qwen2"), "tiny", seed=0, arch="qwen2")
     bf16 = create_rollout_engine("native", path, dtype="bf16", seed=3)
-    assert not kernel.applies(bf16.model)  # bf16: only the MLP gate (native_model._fused_bf16_layers)
+    assert not kernel.applies(bf16.model)  # bf16: only the MLP gate (cpu_bf16_step.py)
     fp32 = _engine(path, attention_kernel=False)
     assert not kernel.applies(fp32.model)  # the attention as torch matmuls: the eager layers run
     _generate(fp32, kernel)
@@ -323,15 +323,15 @@ def test_the_bf16_gate_is_torchs_bit_for_bit(kernel, activation, rows, inter):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "gemma3_text", "phi3"])
-def test_bf16_steps_with_the_fused_residual_norms_and_gate_are_the_same_bits(kernel, tmp_path, arch):
+def test_bf16_steps_with_the_fused_norms_and_gate_are_the_same_bits(kernel, tmp_path, arch, monkeypatch):
     """The eager bf16 step with each residual add and the next norm as one call and the gate as one
-    (native_model._fused_bf16_layers) against the same engine's op-by-op step."""
+    (cpu_bf16_step.layers) against the same engine's op-by-op step."""
     path = write_tiny_model(str(tmp_path / arch), dataclasses.replace(SIZES["tiny"], arch=arch), seed=0)
     engine = create_rollout_engine("native", path, dtype="bf16", seed=3)
     assert engine.model.layer_kernel is kernel and not kernel.applies(engine.model)
     fused = [engine.generate(_prompts(engine), params) for params in PARAMS]
     calls = {"steps": 0, "heads": 0}
-    real, real_heads = engine.model._fused_bf16_layers, engine.model.step_ops.qkv_heads
+    real, real_heads = cpu_bf16_step.layers, engine.model.step_ops.qkv_heads
 
     def counted(*args):
         calls["steps"] += 1
@@ -341,11 +341,10 @@ def test_bf16_steps_with_the_fused_residual_norms_and_gate_are_the_same_bits(ker
         calls["heads"] += 1
         return real_heads(*args)
 
-    engine.model._fused_bf16_layers, engine.model.step_ops.qkv_heads = counted, heads
-    try:
-        engine.generate(_prompts(engine), PARAMS[0])
-    finally:
-        del engine.model.step_ops.qkv_heads  # the instance attribute: the kernel object is shared (cached)
+    monkeypatch.setattr(cpu_bf16_step, "layers", counted)
+    monkeypatch.setattr(engine.model.step_ops, "qkv_heads", heads)
+    engine.generate(_prompts(engine), PARAMS[0])
+    monkeypatch.undo()
     assert calls["steps"] > 0 and calls["heads"] == calls["steps"] * engine.model.shape.num_layers
     engine.model.layer_kernel = None
     for want, params in zip(fused, PARAMS):

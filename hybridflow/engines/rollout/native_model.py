@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow import device as hf_device
-from hybridflow.engines.rollout import cpu_amx_linear, cpu_linear
+from hybridflow.engines.rollout import cpu_amx_linear, cpu_bf16_step, cpu_linear
 from hybridflow.engines.rollout.arch_specs import DecoderShape, resolve, supported_architectures
 from hybridflow.engines.rollout.compiled_step import packed_linear as compiled_packed_linear
 from hybridflow.engines.rollout.compiled_step import register_decoder
@@ -507,48 +507,6 @@ class NativeDecoder:
             q, k = qk[..., :H, :], qk[..., H:, :]
         return q, k, v
 
-    def _fused_bf16_layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend, kernel) -> torch.Tensor:
-        """_layers for an eager bf16 decode step on CPU, with each residual add and the norm after it as one C call
-        (cpu_step_ops' add_rms_norm), the attention's inputs from the qkv projection as one (qkv_heads: q/k norms,
-        rotation, contiguous q, k, v) and the MLP gate as one (cpu_decode_layer's act_mul): the same bits in fewer
-        ops. Returns the final norm's output [rows, hidden] (the head's input)."""
-        s, ops, eps, offset = self.shape, self._step_ops, self.shape.rms_norm_eps, self.offset_norm
-        sandwich = self.spec.sandwich_norms
-        x = self._embed(tokens)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        x = x.contiguous()  # the residual stream, added to in place
-        rope = self.rope
-        # q/k norms, rotation and the attention's contiguous q, k, v as one call where the kernel reads the tables
-        heads = ops.reads_tables(rope) and all(t.dtype == torch.bfloat16 for t in rope.cos.values())
-        rotate = None if heads else self._rotation(positions)
-        h = self._rms(x, self.layers[0]["input_layernorm"])
-        for li, layer in enumerate(self.layers):
-            if heads:
-                key, qk_norm = s.layers[li].rope, self.spec.qk_norm
-                qkv = ops.qkv_heads(self._linear(li, "qkv", h), s.num_heads, s.num_kv_heads,
-                                    layer["q_norm"] if qk_norm else None, layer["k_norm"] if qk_norm else None, eps,
-                                    offset, rope.cos[key], rope.sin[key], positions)
-            else:
-                qkv = self._qkv(li, h, rotate)
-            out = self._linear(li, "o", attend(li, *qkv))
-            h = ops.add_rms_norm(x, out, layer["post_attention_layernorm"] if sandwich else None,
-                                 layer["pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"], eps,
-                                 offset)
-            if s.layers[li].moe:
-                mlp = self._mlp(li, h).contiguous()
-            else:
-                gate_up = self._linear(li, "gate_up", h)
-                act = kernel.act_mul(gate_up, s.activation)
-                if act is None:  # an activation the C file does not compute as torch does here
-                    gate, up = gate_up.chunk(2, dim=-1)
-                    act = self.act(gate).mul_(up)
-                mlp = self._linear(li, "down", act)
-            following = self.norm if li + 1 == len(self.layers) else self.layers[li + 1]["input_layernorm"]
-            h = ops.add_rms_norm(x, mlp, layer["post_feedforward_layernorm"] if sandwich else None, following, eps,
-                                 offset)
-        return h
-
     def _rotation(self, positions: torch.Tensor):
         """``rotate(x [..., heads, D], rope key)`` at positions [...]: one kernel call inside an eager decode step
         (cpu_step_ops.py), else _rotate on the tables' rows gathered once per forward."""
@@ -632,18 +590,11 @@ class NativeDecoder:
                 if self.embed_scale is not None:
                     x = x * self.embed_scale
                 return self._logits(layers.layers(self, x.contiguous(), positions, cache, rows, starts, column + 1))
-            if self._fuses_bf16(layers):
-                return self._head(self._fused_bf16_layers(tokens, positions, attend, layers))
+            if cpu_bf16_step.applies(self, layers):
+                return self._head(cpu_bf16_step.layers(self, tokens, positions, attend, layers))
             return self._logits(self._layers(tokens, positions, attend))
         finally:
             self._step_ops = None
-
-    def _fuses_bf16(self, kernel) -> bool:
-        """Whether an eager decode step runs as _fused_bf16_layers: bf16 on CPU with the step-ops and decode-layer
-        kernels (the rollout engine sets them), eagerly (torch.compile traces _layers)."""
-        return (kernel is not None and self.dtype == torch.bfloat16 and self.device.type == "cpu"
-                and hasattr(self._step_ops, "add_rms_norm") and hasattr(kernel, "act_mul")
-                and not torch.compiler.is_compiling())
 
     def _kernel_supports(self, kernel, cache: KVCache) -> bool:
         """``kernel.supports(cache)``, asked once per cache (a generate call's: its tensors are written in place)."""

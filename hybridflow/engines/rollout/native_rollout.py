@@ -218,7 +218,7 @@ class NativeRollout(RolloutEngine):
         if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and not self.batch_invariant:
             self.model.step_ops = cpu_step_ops.load()
             # and each layer as two C calls in fp32, where those kernels all run; in bf16 the MLP gate as one, between
-            # torch's projections (cpu_decode_layer.py, native_model._fused_bf16_layers)
+            # torch's projections (cpu_decode_layer.py, cpu_bf16_step.py)
             if self.tensor_parallel is None:
                 self.model.layer_kernel = cpu_decode_layer.load()
             cpu_sampling.load()  # built now, not inside the first generate call (sampling.py takes it from there)
