@@ -8,9 +8,9 @@
  *
  * A call computes four 16 x 16 accumulator tiles at a time (16 rows by 64 columns, or 32 by 32), each weight tile
  * loaded from memory once and kept in cache for the call's other rows: each product sums 32 k into the fp32
- * accumulators, k in order. Then bias (fp32) is added and each sum rounded to bf16 to nearest even. Rows
- * of x must come in blocks of 16 and K in a multiple of 32 (the caller pads with zeros); each row's result does not
- * depend on the other rows of the call.
+ * accumulators, k in order. Then bias (fp32) is added and each sum rounded to bf16 to nearest even. K must be a
+ * multiple of 32 (the caller pads with zeros; rows may be any number); each row's result does not depend on the
+ * other rows of the call.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -125,43 +125,63 @@ static inline void products(int RB, int CB, const bf16 *x, long xs, long K, cons
     }
 }
 
+/* Store the sums of the RB x CB tiles of products() for rows m0.. (at most `rows` of each row block) and the column
+ * blocks from nb0: tile t is row block t / CB, column block t % CB. */
+static void store_tiles(float sums[4][ROWS * 16], int RB, int CB, int rows, long m0, long nb0, long N, const bf16 *bias,
+                        bf16 *y) {
+    _tile_stored(0, sums[0], 64);
+    _tile_stored(1, sums[1], 64);
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+    for (int t = 0; t < RB * CB; t++) {
+        const long rows0 = m0 + (long)(t / CB) * ROWS, n0 = (nb0 + t % CB) * 16;
+        const int n = N - n0 < 16 ? (int)(N - n0) : 16;
+        for (int r = 0; r < rows; r++)
+            store_row(sums[t] + r * 16, bias ? bias + n0 : NULL, y + (rows0 + r) * N + n0, n);
+    }
+}
+
+static void configure(struct tile_config *config, int x_rows) {
+    memset(config, 0, sizeof *config);
+    config->palette = 1;
+    for (int t = 0; t < 8; t++) config->rows[t] = t < 5 ? x_rows : ROWS, config->bytes_per_row[t] = 64;
+}
+
 /* y [M, N] bf16 (row stride N) = x [M, K] bf16 (row stride K) times the packed weight, + bias [N] bf16 (NULL: none).
- * M a multiple of 16, K of 32. The threads split the columns in units of four blocks (64 columns); a unit takes the
- * rows in passes of 32 (two row blocks by two column blocks: one tile load per product, the fewest four accumulators
- * allow), the last 16 alone, so its weight tiles come from memory once and stay in cache for the later passes. */
+ * K a multiple of 32. The threads split the columns in units of four blocks (64 columns); a unit takes the rows in
+ * passes of 32 (two row blocks by two column blocks: one tile load per product, the fewest four accumulators allow),
+ * then 16, then the last M mod 16 (tiles of that many rows), so its weight tiles come from memory once and stay in
+ * cache for the later passes. */
 void amx_linear_bf16(const bf16 *x, long M, long K, const bf16 *packed, long N, const bf16 *bias, bf16 *y,
                      int nthreads) {
     const long NB = (N + 15) / 16, KB = K / KSTEP, ws = KB * ROWS * KSTEP, units = (NB + 3) / 4;
+    const long whole = M / ROWS * ROWS;
+    const int tail = (int)(M - whole);
 #pragma omp parallel num_threads(nthreads)
     {
-        struct tile_config config;
-        memset(&config, 0, sizeof config);
-        config.palette = 1;
-        for (int t = 0; t < 8; t++) config.rows[t] = ROWS, config.bytes_per_row[t] = 64;
-        _tile_loadconfig(&config);
+        struct tile_config full, last;
+        configure(&full, ROWS);
+        configure(&last, tail > 0 ? tail : ROWS);
+        _tile_loadconfig(&full);
         float sums[4][ROWS * 16];
 #pragma omp for schedule(static)
         for (long u = 0; u < units; u++) {
             const long unit_blocks = NB - 4 * u < 4 ? NB - 4 * u : 4;
-            for (long m0 = 0; m0 < M;) {
-                const long left = (M - m0) / ROWS;
+            for (long m0 = 0; m0 < whole;) {
+                const long left = (whole - m0) / ROWS;
                 const int RB = left >= 2 ? 2 : 1, per_call = 4 / RB; /* column blocks per products() call */
                 for (long b0 = 0; b0 < unit_blocks; b0 += per_call) {
-                    const long nb0 = 4 * u + b0;
                     const int CB = unit_blocks - b0 < per_call ? (int)(unit_blocks - b0) : per_call;
-                    products(RB, CB, x + m0 * K, ROWS * K, K, packed + nb0 * ws, ws);
-                    _tile_stored(0, sums[0], 64);
-                    _tile_stored(1, sums[1], 64);
-                    _tile_stored(2, sums[2], 64);
-                    _tile_stored(3, sums[3], 64);
-                    for (int t = 0; t < RB * CB; t++) { /* tile t: row block t / CB, column block t % CB */
-                        const long rows0 = m0 + (long)(t / CB) * ROWS, n0 = (nb0 + t % CB) * 16;
-                        const int n = N - n0 < 16 ? (int)(N - n0) : 16;
-                        for (int r = 0; r < ROWS; r++)
-                            store_row(sums[t] + r * 16, bias ? bias + n0 : NULL, y + (rows0 + r) * N + n0, n);
-                    }
+                    products(RB, CB, x + m0 * K, ROWS * K, K, packed + (4 * u + b0) * ws, ws);
+                    store_tiles(sums, RB, CB, ROWS, m0, 4 * u + b0, N, bias, y);
                 }
                 m0 += RB * ROWS;
+            }
+            if (tail) { /* tiles 0-4 of `tail` rows: the sums and x */
+                _tile_loadconfig(&last);
+                products(1, (int)unit_blocks, x + whole * K, ROWS * K, K, packed + 4 * u * ws, ws);
+                store_tiles(sums, 1, (int)unit_blocks, tail, whole, 4 * u, N, bias, y);
+                _tile_loadconfig(&full);
             }
         }
         _tile_release();

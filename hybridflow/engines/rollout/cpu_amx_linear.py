@@ -115,15 +115,17 @@ class AmxLinearKernel:
         m = rows.shape[0]
         if m > MAX_ROWS:
             return F.linear(x, packed.weight, bias)
-        padded_m, padded_k = -(-m // ROWS) * ROWS, -(-k // KSTEP) * KSTEP
-        if (padded_m, padded_k) != (m, k) or not rows.is_contiguous():  # whole tiles of rows and k: zeros past them
-            rows = F.pad(rows, (0, padded_k - k, 0, padded_m - m))
+        padded_k = -(-k // KSTEP) * KSTEP
+        if padded_k != k:  # whole tiles of k: zeros past them
+            rows = F.pad(rows, (0, padded_k - k))
+        elif not rows.is_contiguous():
+            rows = rows.contiguous()
         if bias is not None:
             bias = bias.to(torch.bfloat16).contiguous()
-        y = torch.empty(padded_m, n, dtype=torch.bfloat16)
-        self._linear(rows.data_ptr(), padded_m, padded_k, packed.tiles.data_ptr(), n,
+        y = torch.empty(m, n, dtype=torch.bfloat16)
+        self._linear(rows.data_ptr(), m, padded_k, packed.tiles.data_ptr(), n,
                      None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
-        return y[:m].view(*x.shape[:-1], n)
+        return y.view(*x.shape[:-1], n)
 
     def agrees_with_torch(self) -> bool:
         """Whether `linear` gives F.linear's bf16 result here to within one rounding of each output (odd shapes:
