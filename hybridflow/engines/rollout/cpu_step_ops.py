@@ -182,13 +182,13 @@ class StepOpsKernel:
                 and D * (heads + 2 * kv_heads) == width and cos.is_contiguous() and signed_sin.is_contiguous()):
             raise ValueError(f"qkv_heads: qkv {tuple(qkv.shape)} {qkv.dtype} must be bf16 rows of {heads} + 2 x "
                              f"{kv_heads} heads with bf16 tables, its last dimension contiguous")
-        norms = [None if w is None else w.contiguous() for w in (q_norm, k_norm)]
+        q_norm, k_norm = (None if w is None else w.contiguous() for w in (q_norm, k_norm))
         positions = positions.to(torch.int64).contiguous()
         q, k, v = (torch.empty(R, n, D, dtype=torch.bfloat16) for n in (heads, kv_heads, kv_heads))
-        args = (R, heads, kv_heads, D, qkv.data_ptr(), qkv.stride(0), *(None if w is None else w.data_ptr()
-                                                                       for w in norms), eps, int(offset),
-                cos.data_ptr(), signed_sin.data_ptr(), cos.shape[-1], positions.data_ptr(), q.data_ptr(), k.data_ptr(),
-                v.data_ptr(), torch.get_num_threads())
+        args = (R, heads, kv_heads, D, qkv.data_ptr(), qkv.stride(0),
+                None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(),
+                eps, int(offset), cos.data_ptr(), signed_sin.data_ptr(), cos.shape[-1], positions.data_ptr(),
+                q.data_ptr(), k.data_ptr(), v.data_ptr(), torch.get_num_threads())
         self._run(self._qkv_heads, "hybridflow::qkv_heads", args)
         return q, k, v
 
