@@ -2,17 +2,21 @@
 bf16 rounding per output (mostly bit for bit) on shapes whose rows, k and columns are not whole tiles, with and
 without a bias, past MAX_ROWS too; a row's result does not depend on the other rows of a call; a re-pack into the
 old tiles gives the new weight's products; the bf16 native decoder uses it by default where it runs, and its greedy
-tokens are the oneDNN-packed decoder's. It runs only on CPUs with AMX: elsewhere these tests skip and the bf16
-decoder keeps oneDNN (test_rollout_onednn.py)."""
+tokens are the oneDNN-packed decoder's; a routed-experts layer's experts as one C call on these tiles
+(cpu_bf16_step.routed_experts) are the bits of moe.py's dispatch over the same kernel. It runs only on CPUs with
+AMX: elsewhere these tests skip and the bf16 decoder keeps oneDNN (test_rollout_onednn.py)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 from test_rollout_engines import make_prompts, write_model
 
-from hybridflow.engines.rollout import SamplingParams, cpu_amx_linear, create_rollout_engine
+from hybridflow.engines.rollout import SamplingParams, cpu_amx_linear, cpu_bf16_step, create_rollout_engine
+from hybridflow.engines.tiny import SIZES, write_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_amx_linear.load() is None, reason="no AMX tiles on this CPU (or no compiler "
                                 "that knows them): the bf16 decoder keeps oneDNN's packed product")
@@ -80,3 +84,57 @@ def test_the_bf16_decoder_uses_it_and_follows_the_onednn_decoder(tmp_path, arch)
     a, b = amx.generate(prompts, params), onednn.generate(prompts, params)
     assert torch.equal(a.batch["responses"], b.batch["responses"])
     torch.testing.assert_close(a.batch["rollout_log_probs"], b.batch["rollout_log_probs"], atol=2e-2, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def moe_engine(tmp_path_factory):
+    path = write_tiny_model(str(tmp_path_factory.mktemp("moe") / "qwen3_moe"),
+                            dataclasses.replace(SIZES["tiny"], arch="qwen3_moe"), seed=0)
+    engine = create_rollout_engine("native", path, dtype="bf16", num_threads=2, seed=5)
+    assert engine.model.matmul == "amx" and engine.model.layer_kernel is not None
+    return engine
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33, 64, 256])  # an expert with no rows; tails of 16; MAX_ROWS
+def test_routed_experts_in_one_call_are_the_dispatchs_bits(moe_engine, rows):
+    decoder, g = moe_engine.model, torch.Generator().manual_seed(rows)
+    for li in range(decoder.shape.num_layers):
+        h = (torch.randn(rows, decoder.shape.hidden_size, generator=g) * 2).bfloat16()
+        decoder.route_log = []
+        got = cpu_bf16_step.routed_experts(decoder, li, h, decoder.layer_kernel)
+        routes, decoder.route_log = decoder.route_log, None
+        assert got is not None and len(routes) == 1 and routes[0].shape == (rows, decoder.shape.experts_per_token)
+        assert torch.equal(got, decoder._mlp(li, h))  # router, then each expert's rows through F.linear-like calls
+    more = torch.zeros(cpu_amx_linear.MAX_ROWS + 1, decoder.shape.hidden_size, dtype=torch.bfloat16)
+    assert cpu_bf16_step.routed_experts(decoder, 0, more, decoder.layer_kernel) is None  # the caller's MLP runs
+
+
+def test_routed_experts_refuse_an_expert_id_out_of_range(moe_engine, monkeypatch):
+    decoder = moe_engine.model
+    h = torch.randn(4, decoder.shape.hidden_size).bfloat16()
+    bad = torch.full((4, decoder.shape.experts_per_token), decoder.shape.num_experts)
+    monkeypatch.setattr(cpu_bf16_step, "route", lambda *args: (torch.ones(4, 2, dtype=torch.bfloat16), bad))
+    with pytest.raises(IndexError, match=f"outside its {decoder.shape.num_experts}"):
+        cpu_bf16_step.routed_experts(decoder, 0, h, decoder.layer_kernel)
+
+
+def test_the_bf16_moe_decode_step_runs_its_experts_in_one_call(moe_engine, monkeypatch):
+    calls, real = {"C": 0}, cpu_bf16_step.routed_experts
+
+    def counted(*args):
+        out = real(*args)
+        calls["C"] += out is not None
+        return out
+
+    monkeypatch.setattr(cpu_bf16_step, "routed_experts", counted)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=7)
+    prompts = make_prompts(moe_engine.tokenizer)
+    one_call = moe_engine.generate(prompts, params)
+    assert calls["C"] > 0
+    moe_engine.model.layer_kernel, kernel = None, moe_engine.model.layer_kernel  # the op-by-op step
+    try:
+        ops = moe_engine.generate(prompts, params)
+    finally:
+        moe_engine.model.layer_kernel = kernel
+    assert torch.equal(one_call.batch["responses"], ops.batch["responses"])
+    assert torch.equal(one_call.batch["rollout_log_probs"], ops.batch["rollout_log_probs"])

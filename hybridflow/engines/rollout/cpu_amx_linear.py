@@ -86,6 +86,8 @@ class AmxLinearKernel:
         # x, M, K, packed, N, bias, y, threads
         self._linear.argtypes = [ptr, long, long, ptr, long, ptr, ptr, ctypes.c_int]
         self._linear.restype = None
+        # for C callers that run several projections in one call (cpu_bf16_step.py's routed experts)
+        self.linear_address = ctypes.cast(self._linear, ctypes.c_void_p).value
 
     @staticmethod
     def tile_count(n: int, k: int) -> int:

@@ -18,8 +18,9 @@
    in the last bit on some inputs, so which elements take which path is reproduced too: a row is one run, split where
    torch's parallel loop splits the flat index range between threads (SiLU and GELU use different thresholds). Where
    torch's build fused x + kappa x^3 into one multiply-add, so does `fma`. cpu_decode_layer.py checks the result
-   against torch's before using it. act_mul_bf16 is the same for the eager bf16 decode step's gate (native_model.py),
-   which keeps torch's bf16 projections between its C calls. */
+   against torch's before using it. act_mul_bf16 is the same for the eager bf16 decode step's gate (cpu_bf16_step.py),
+   which keeps its bf16 projections between its C calls; moe_experts_bf16 runs that step's routed experts, their
+   projections through the AMX kernel's function pointer (cpu_amx_linear.c). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -155,6 +156,20 @@ struct moe_step {
 int act_mul_f32(int act, int fma, const void *vfn, int width, const float *gate_up, long R, long inter, float *out,
                 int threads);
 
+/* slot[a] for each of A assignments to E experts (ids `experts`) grouped by expert in ascending order, stable, and
+   first[e] expert e's first slot (first[E] = A). Returns 0, or -1 when an id is out of range. */
+static int group_by_expert(const int64_t *experts, long A, long E, long *first, int64_t *slot) {
+    for (long a = 0; a < A; a++)
+        if (experts[a] < 0 || experts[a] >= E) return -1;
+    memset(first, 0, (E + 1) * sizeof(long));
+    for (long a = 0; a < A; a++) first[experts[a] + 1]++;
+    for (long e = 0; e < E; e++) first[e + 1] += first[e];
+    long next[E];
+    memcpy(next, first, E * sizeof(long));
+    for (long a = 0; a < A; a++) slot[a] = next[experts[a]]++;
+    return 0;
+}
+
 /* x += sum over each row's k experts of weight * expert_mlp(h), for weights [R, k] (fp32) and expert ids [R, k]
    from the router (run by the caller on s->h, the MLP norm's output layer_attention_f32 left there), as moe.py's
    dispatch computes it: the assignments grouped by expert in ascending order, stable (a row's order within an
@@ -165,17 +180,11 @@ int act_mul_f32(int act, int fma, const void *vfn, int width, const float *gate_
 int layer_moe_out_f32(const struct model *m, const struct moe_layer *e, const struct step *s,
                       const struct moe_step *w, const float *weights, const int64_t *experts) {
     const long R = s->R, hid = m->hidden, k = w->k, E = w->experts, I = w->inter, A = R * k;
-    if (!m->vact || m->sandwich) return -1;
-    for (long a = 0; a < A; a++)
-        if (experts[a] < 0 || experts[a] >= E) return -1;
-    long next[E + 1];
-    memset(next, 0, sizeof(next));
-    for (long a = 0; a < A; a++) next[experts[a] + 1]++;
-    for (long x = 0; x < E; x++) next[x + 1] += next[x]; /* next[x]: expert x's first slot */
     long first[E + 1];
-    memcpy(first, next, sizeof(first));
+    int64_t slots[A];
+    if (!m->vact || m->sandwich || group_by_expert(experts, A, E, first, slots)) return -1;
     for (long a = 0; a < A; a++) {
-        const long slot = next[experts[a]]++;
+        const long slot = slots[a];
         w->token[slot] = a / k;
         w->weight[slot] = weights[a];
         memcpy(w->rows + slot * hid, s->h + (a / k) * hid, hid * sizeof(float));
@@ -371,6 +380,81 @@ int act_mul_bf16(int act, int fma, const void *vfn, int width, const bf16 *gate_
                 for (; i < e; i++) y[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(res[i - b])) * bf16_to_f32(up[i]));
             }
             c = end;
+        }
+    }
+    return 0;
+}
+
+/* ---- routed experts in bf16 (the eager bf16 decode step, cpu_bf16_step.py) ---------------------------------- */
+
+/* y [M, N] = x [M, K] times a packed weight (cpu_amx_linear.c's amx_linear_bf16; K a multiple of 32) */
+typedef void (*bf16_linear_fn)(const bf16 *x, long M, long K, const bf16 *packed, long N, const bf16 *bias, bf16 *y,
+                               int nthreads);
+
+/* a bf16 routed-experts layer: its experts' packed weights, their shape and gate, and work buffers for up to R rows
+   of k assignments (contiguous) */
+struct moe_bf16 {
+    bf16_linear_fn linear;
+    /* [experts]: expert e's gate_up [2 inter, hidden] and down [hidden, inter], packed */
+    const bf16 *const *gate_up, *const *down;
+    long experts, k, inter, hidden;
+    int act, act_fma, vact_width; /* the experts' gate, as act_mul_bf16 takes it for their width */
+    const void *vact;
+    int64_t *slot; /* [R k]: where each assignment's output lands, grouped by expert */
+    bf16 *rows;    /* [R k, hidden]: the assigned rows */
+    bf16 *gate_up_out; /* [R k, 2 inter] */
+    bf16 *act_out; /* [R k, inter] */
+    bf16 *y;       /* [R k, hidden]: each assignment's expert output */
+};
+
+/* out [R, hidden] = sum over each row's k experts of weight * expert_mlp(h) for h [R, hidden], weights and expert ids
+   [R, k] (bf16 and int64, the router's, moe.py's `route`), as moe.py's dispatch computes it in bf16: the assignments
+   grouped by expert in ascending order, stable, each expert's rows through its gate_up product, the gate and its down
+   product as one call each, each output times its weight (rounded to bf16), then summed per row from zero in expert
+   order, each sum rounded (torch's bf16 index_add_). Returns 0, or -1 when an expert id is out of range (nothing
+   is written). */
+int moe_experts_bf16(const struct moe_bf16 *w, long R, const bf16 *h, const bf16 *weights, const int64_t *experts,
+                     bf16 *out, int threads) {
+    const long hid = w->hidden, k = w->k, E = w->experts, I = w->inter, A = R * k;
+    long first[E + 1];
+    if (group_by_expert(experts, A, E, first, w->slot)) return -1;
+    for (long a = 0; a < A; a++) /* assignment a = (row a / k, its a % k-th expert) */
+        memcpy(w->rows + w->slot[a] * hid, h + (a / k) * hid, hid * sizeof(bf16));
+    for (long e = 0; e < E; e++) {
+        const long n = first[e + 1] - first[e], at = first[e];
+        if (!n) continue;
+        w->linear(w->rows + at * hid, n, hid, w->gate_up[e], 2 * I, NULL, w->gate_up_out + at * 2 * I, threads);
+        act_mul_bf16(w->act, w->act_fma, w->vact, w->vact_width, w->gate_up_out + at * 2 * I, n, I,
+                     w->act_out + at * I, threads);
+        w->linear(w->act_out + at * I, n, I, w->down[e], hid, NULL, w->y + at * hid, threads);
+    }
+#pragma omp parallel for num_threads(threads) schedule(static) if (R * hid >= ACT_PARALLEL_FROM)
+    for (long r = 0; r < R; r++) {
+        long order[k]; /* this row's assignments by ascending expert: the order index_add_ sums them in */
+        for (long j = 0; j < k; j++) {
+            long at = j;
+            while (at > 0 && experts[r * k + order[at - 1]] > experts[r * k + j]) {
+                order[at] = order[at - 1];
+                at--;
+            }
+            order[at] = j;
+        }
+        bf16 *o = out + r * hid;
+        for (long j = 0; j < k; j++) {
+            const long a = r * k + order[j];
+            const bf16 *y = w->y + w->slot[a] * hid;
+            const float weight = bf16_to_f32(weights[a]);
+            long i = 0;
+            for (; i + 16 <= hid; i += 16) {
+                const v16h scaled = to16_bf16(load16_bf16(y + i) * weight);
+                const v16h sum = j ? to16_bf16(load16_bf16(o + i) + load16_bf16((const bf16 *)&scaled))
+                                   : to16_bf16(load16_bf16((const bf16 *)&scaled) + 0.0f);
+                memcpy(o + i, &sum, sizeof sum);
+            }
+            for (; i < hid; i++) {
+                const float scaled = bf16_to_f32(f32_to_bf16(bf16_to_f32(y[i]) * weight));
+                o[i] = j ? f32_to_bf16(bf16_to_f32(o[i]) + scaled) : f32_to_bf16(scaled + 0.0f);
+            }
         }
     }
     return 0;

@@ -157,6 +157,10 @@ class DecodeLayerKernel:
         self._moe_out = lib.layer_moe_out_f32
         self._moe_out.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
         self._moe_out.restype = _int
+        # the bf16 routed experts (cpu_bf16_step.py): struct moe_bf16, R, h, weights, experts, out, threads
+        self.moe_experts_bf16 = lib.moe_experts_bf16
+        self.moe_experts_bf16.argtypes = [_ptr, _long, _ptr, _ptr, _ptr, _ptr, _int]
+        self.moe_experts_bf16.restype = _int
         # (activation, MLP width, threads, dtype) -> activation_variant
         self._act_checked: dict[tuple[str, int, int, torch.dtype], int | None] = {}
         # decoder -> (what `applies` read, its answer): asked every decode step
@@ -242,14 +246,20 @@ class DecodeLayerKernel:
         threads = torch.get_num_threads()
         if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous() or gate_up.dim() != 2:
             return None
+        gate = self.bf16_gate(activation, inter, threads)
+        if gate is None:
+            return None
+        out = torch.empty(R, inter, dtype=torch.bfloat16)
+        self._act_bf16(*gate, gate_up.data_ptr(), R, inter, out.data_ptr(), threads)
+        return out
+
+    def bf16_gate(self, activation: str, inter: int, threads: int) -> tuple[int, int, int, int] | None:
+        """act_mul_bf16's first arguments (activation, fma, vector function, its width) for torch's bits on an MLP of
+        width `inter` at `threads` threads; None where it does not give them (`activation_variant`)."""
         fma = self.activation_variant(activation, inter, threads, torch.bfloat16)
         if fma is None:
             return None
-        address, width = torch_vector_function(_ACTIVATIONS[activation][1])
-        out = torch.empty(R, inter, dtype=torch.bfloat16)
-        self._act_bf16(_ACTIVATIONS[activation][0], fma, address, width, gate_up.data_ptr(), R, inter, out.data_ptr(),
-                       threads)
-        return out
+        return _ACTIVATIONS[activation][0], fma, *torch_vector_function(_ACTIVATIONS[activation][1])
 
     def step(self, decoder, tokens: torch.Tensor, positions: torch.Tensor, cache, rows, starts: dict,
              length: int) -> torch.Tensor | None:
