@@ -82,6 +82,24 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* with AVX-512 each of these is a few instructions on one register (the generic conversions below widen and narrow
+ * in halves, and round16_bf16 goes through memory): the step's small ops were bound by these conversions */
+#include <immintrin.h>
+static inline v16f load16_bf16(const bf16 *p) {
+    return (v16f)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+static inline __m512i rounded16_bf16(v16f f) { /* to_bf16 on each lane, in the low 16 bits of its 32 */
+    const __m512i u = (__m512i)f;
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask((__m512)f, (__m512)f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+static inline void store16_bf16(bf16 *p, v16f f) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(rounded16_bf16(f)));
+}
+static inline v16f round16_bf16(v16f f) { return (v16f)_mm512_slli_epi32(rounded16_bf16(f), 16); }
+#else
 static inline v16f load16_bf16(const bf16 *p) {
     v16h h;
     __builtin_memcpy(&h, p, sizeof h);
@@ -98,6 +116,7 @@ static inline v16f round16_bf16(v16f f) { /* from_bf16(to_bf16(f)) on each lane 
     store16_bf16(tmp, f);
     return load16_bf16(tmp);
 }
+#endif
 
 /* y = transformers' bf16 RMSNorm of one row x of n features: v = x * (1 / sqrt(mean(x^2) + eps)) in fp32, then
  * w * bf16(v) rounded to bf16 (Llama's order), or with offset (Gemma's: w holds 1 + w) bf16(v * w). The squares are
