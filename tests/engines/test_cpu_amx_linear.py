@@ -3,7 +3,9 @@ bf16 rounding per output (mostly bit for bit) on shapes whose rows, k and column
 without a bias, past MAX_ROWS too; a row's result does not depend on the other rows of a call; a re-pack into the
 old tiles gives the new weight's products; the bf16 native decoder uses it by default where it runs, and its greedy
 tokens are the oneDNN-packed decoder's; a routed-experts layer's experts as one C call on these tiles
-(cpu_bf16_step.routed_experts) are the bits of moe.py's dispatch over the same kernel. It runs only on CPUs with
+(cpu_bf16_step.routed_experts) are the bits of moe.py's dispatch over the same kernel; a dense model's whole bf16
+decode step as one C call (cpu_bf16_step.step) gives the tokens and log-probs of its steps as Python-level calls
+(cpu_bf16_step.layers), bit for bit. It runs only on CPUs with
 AMX: elsewhere these tests skip and the bf16 decoder keeps oneDNN (test_rollout_onednn.py)."""
 
 from __future__ import annotations
@@ -138,3 +140,28 @@ def test_the_bf16_moe_decode_step_runs_its_experts_in_one_call(moe_engine, monke
         moe_engine.model.layer_kernel = kernel
     assert torch.equal(one_call.batch["responses"], ops.batch["responses"])
     assert torch.equal(one_call.batch["rollout_log_probs"], ops.batch["rollout_log_probs"])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text", "phi3"])
+def test_a_bf16_decode_step_as_one_call_is_the_layer_by_layer_steps_bits(tmp_path, arch, monkeypatch):
+    """Sliding windows (mistral, gemma), soft-caps and sandwich norms (gemma2), q/k norms (qwen3, gemma3_text),
+    biases (qwen2), shared-prompt and per-row caches (n = 4 and n = 1), greedy and sampled."""
+    path = write_tiny_model(str(tmp_path / arch), dataclasses.replace(SIZES["tiny"], arch=arch), seed=0)
+    engine = create_rollout_engine("native", path, dtype="bf16", num_threads=2, seed=3)
+    calls, real = {"C": 0}, cpu_bf16_step.step
+
+    def counted(*args):
+        out = real(*args)
+        calls["C"] += out is not None
+        return out
+
+    prompts = make_prompts(engine.tokenizer)
+    for params in (SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=7),
+                   SamplingParams(greedy=True, max_new_tokens=12)):
+        monkeypatch.setattr(cpu_bf16_step, "step", counted)
+        one_call = engine.generate(prompts, params)
+        monkeypatch.setattr(cpu_bf16_step, "step", lambda *args: None)
+        layers = engine.generate(prompts, params)
+        assert torch.equal(one_call.batch["responses"], layers.batch["responses"])
+        assert torch.equal(one_call.batch["rollout_log_probs"], layers.batch["rollout_log_probs"])
+    assert calls["C"] > 0

@@ -14,6 +14,11 @@ layer is its projections plus four C calls:
                    (torch's), the experts, their gates and the weighted sum as one call instead (`routed_experts`)
     add_rms_norm   the MLP's residual add and the next layer's input norm, or the final norm after the last layer
 
+Where the projections run on AMX tiles and the model has no routed experts, `step` runs all of that and the output
+head as one C call (cpu_decode_layer.c's decode_step_bf16, calling the same kernels through their function pointers),
+without the Python-level work between the calls above (argument checks, allocations, ctypes conversions) at every
+layer. Elsewhere `layers` runs.
+
 Exactness: each C call computes what the ops it replaces compute, bit for bit (torch's bf16 add; the step-op kernels'
 norm and rotation; the gate checked against torch's per width and thread count, else torch's ops run), so tokens and
 log-probs are the op-by-op step's (tests/engines/test_cpu_decode_layer.py). It applies to a CPU bf16 decoder whose
@@ -28,11 +33,26 @@ import weakref
 import torch
 
 from hybridflow.engines.rollout.cpu_amx_linear import KSTEP, MAX_ROWS
+from hybridflow.engines.rollout.cpu_attention import DecodeAttentionKernel
+from hybridflow.engines.rollout.cpu_decode_layer import layer_structs
 from hybridflow.engines.rollout.moe import route
 
-__all__ = ["applies", "layers", "routed_experts"]
+__all__ = ["applies", "layers", "routed_experts", "step"]
 
-_ptr, _long, _int = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_ptr, _long, _int, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+
+
+class _ModelBf16(ctypes.Structure):  # cpu_decode_layer.c's struct model_bf16
+    _fields_ = [("linear", _ptr), ("rms", _ptr), ("add_rms", _ptr), ("heads", _ptr), ("attn", _ptr),
+                ("hidden", _long), ("heads_n", _long), ("kv_heads", _long), ("head_dim", _long), ("inter", _long),
+                ("eps", _float), ("scale", _float), ("softcap", _float), ("offset", _int), ("sandwich", _int),
+                ("vact", _ptr), ("vact_width", _int), ("act", _int), ("act_fma", _int)]
+
+
+class _StepBf16(ctypes.Structure):  # struct step_bf16
+    _fields_ = [("R", _long), ("lenA", _int), ("lenB", _int), ("threads", _int), ("positions", _ptr),
+                ("prompt_index", _ptr)] + [(name, _ptr) for name in ("x", "h", "qkv", "q", "k", "v", "attn", "out",
+                                                                      "gate_up", "act", "scratch")]
 
 
 class _MoeBf16(ctypes.Structure):  # cpu_decode_layer.c's struct moe_bf16
@@ -152,3 +172,109 @@ def layers(decoder, tokens: torch.Tensor, positions: torch.Tensor, attend, kerne
         h = ops.add_rms_norm(x, mlp, layer["post_feedforward_layernorm"] if sandwich else None, following, eps,
                              offset)
     return h
+
+
+class _OneCall:
+    """A decoder's decode_step_bf16 arguments: the model struct (its kernels and shape), the layer structs on one cache
+    (valid while its packed weights and that cache are the same objects) and the step's work buffers for R rows."""
+
+    def __init__(self, decoder, kernel, gate: tuple[int, int, int, int]):
+        s, ops = decoder.shape, decoder.step_ops
+        self.model = _ModelBf16(
+            linear=decoder.amx_kernel.linear_address, rms=ops.addresses["rms_norm_bf16"],
+            add_rms=ops.addresses["add_rms_norm_bf16"], heads=ops.addresses["qkv_heads_bf16"],
+            attn=decoder.attention_kernel.addresses[torch.bfloat16], hidden=s.hidden_size, heads_n=s.num_heads,
+            kv_heads=s.num_kv_heads, head_dim=s.head_dim, inter=s.intermediate_size, eps=s.rms_norm_eps,
+            scale=s.attention_scale, softcap=s.attn_softcap or 0.0, offset=int(decoder.offset_norm),
+            sandwich=int(bool(decoder.spec.sandwich_norms)))
+        self.model.act, self.model.act_fma, self.model.vact, self.model.vact_width = gate
+        self.gate, self.kernel = gate, kernel
+        self.tiles = self.cache = None  # weak references to what the layer structs point into
+        self.layers, self.step, self.shape = None, None, None
+
+    def layer_structs(self, decoder, cache) -> ctypes.Array:
+        packed = decoder.packed_weights()
+        first = packed["layers"][0]["qkv"].tiles
+        if self.tiles is None or self.tiles() is not first or self.cache() is not cache:
+            self.layers = layer_structs(decoder, packed, cache, lambda w: None if w is None else w.tiles.data_ptr())
+            self.tiles, self.cache = weakref.ref(first), weakref.ref(cache)
+        return self.layers
+
+    def work(self, decoder, rows: int, threads: int, keys: int) -> _StepBf16:
+        """The step struct for `rows` rows at `threads` threads attending `keys` keys (kept while those fit)."""
+        if self.shape is None or self.shape[0] != (rows, threads) or self.shape[1] < keys:
+            s = decoder.shape
+            H, KV, D, capacity = s.num_heads, s.num_kv_heads, s.head_dim, -(-keys // 256) * 256
+            widths = {"x": s.hidden_size, "h": s.hidden_size, "qkv": (H + 2 * KV) * D, "q": H * D, "k": KV * D,
+                      "v": KV * D, "attn": H * D, "out": s.hidden_size, "gate_up": 2 * s.intermediate_size,
+                      "act": s.intermediate_size}
+            buffers = {name: torch.empty(rows, width, dtype=torch.bfloat16) for name, width in widths.items()}
+            buffers["scratch"] = DecodeAttentionKernel.scratch(threads, H // KV, D, capacity)
+            self.step = _StepBf16(R=rows, threads=threads, **{name: t.data_ptr() for name, t in buffers.items()})
+            self.step.buffers = buffers  # the struct holds their addresses: kept alive with it
+            self.shape = ((rows, threads), capacity)
+        return self.step
+
+
+# decoder -> (threads and the kernels asked, _OneCall or None)
+_one_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _prepared(decoder, kernel, threads: int) -> _OneCall | None:
+    """The decoder's _OneCall at `threads` threads, or None where a step cannot be one call (asked once per thread
+    count): projections not on AMX tiles, routed experts (their router is torch's), widths not whole tiles of k,
+    tensors not in bf16, rotary tables not read in place, a gate the C file does not compute as torch does here."""
+    key = (threads, kernel, decoder.matmul, decoder.attention_kernel, decoder.step_ops, decoder.rope)
+    memo = _one_calls.get(decoder)
+    if memo is not None and len(memo[0]) == len(key) and all(a is b or a == b for a, b in zip(memo[0], key)):
+        return memo[1]
+    s, ops, rope = decoder.shape, decoder.step_ops, decoder.rope
+    tensors = [t for layer in decoder.layers for name, t in layer.items()
+               if t is not None and (name.endswith("norm") or name.startswith("b_"))] + [decoder.norm]
+    gate = kernel.bf16_gate(s.activation, s.intermediate_size, threads)
+    fits = (decoder.matmul == "amx" and not s.moe and gate is not None and decoder.embed.is_contiguous()
+            and isinstance(decoder.attention_kernel, DecodeAttentionKernel)
+            and all(width % KSTEP == 0 for width in (s.hidden_size, s.num_heads * s.head_dim, s.intermediate_size))
+            and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+            and ops.reads_tables(rope) and all(t.dtype == torch.bfloat16 for t in rope.cos.values())
+            and decoder.packed_weights()["lm_head"].in_features == s.hidden_size)
+    prepared = _OneCall(decoder, kernel, gate) if fits else None
+    _one_calls[decoder] = (key, prepared)
+    return prepared
+
+
+def step(decoder, tokens: torch.Tensor, positions: torch.Tensor, cache, rows, starts: dict, length: int,
+         kernel) -> torch.Tensor | None:
+    """A whole bf16 decode step as one C call (cpu_decode_layer.c's decode_step_bf16): fp32 logits [R, vocab] for
+    tokens [R] at positions [R], what `layers` and NativeDecoder._head give, bit for bit (the same kernels on the same
+    arguments in the same order). cache, rows, starts (first attended column per window) and length as
+    NativeDecoder.decode's attention kernel takes them; the K/V of generated token ``length - 1`` are written. None
+    where it does not apply (`_prepared`; more than MAX_ROWS rows, a cache not in bf16) and the caller runs `layers`."""
+    R, threads = tokens.shape[0], torch.get_num_threads()
+    prepared = _prepared(decoder, kernel, threads)
+    if prepared is None or R > MAX_ROWS or cache.keys[0].dtype != torch.bfloat16:
+        return None
+    s = decoder.shape
+    lenA, lenB = DecodeAttentionKernel.lengths(cache, length)
+    work = prepared.work(decoder, R, threads, lenA + lenB)
+    layers = prepared.layer_structs(decoder, cache)
+    x = work.buffers["x"].copy_(decoder._embed(tokens))  # the residual stream, as `layers` starts it
+    if decoder.embed_scale is not None:
+        x.mul_(decoder.embed_scale)
+    prompt_index = rows.prompt_index.to(torch.int64).contiguous() if cache.shared else None
+    positions = positions.to(torch.int64).contiguous()
+    per_window = {window: start.to(torch.int32).contiguous() for window, start in starts.items()}
+    starts_p = (_ptr * len(layers))(*(per_window[s.layers[li].window].data_ptr() for li in range(len(layers))))
+    work.lenA, work.lenB, work.positions = lenA, lenB, positions.data_ptr()
+    work.prompt_index = None if prompt_index is None else prompt_index.data_ptr()
+    head = decoder.packed_weights()["lm_head"]
+    logits = torch.empty(R, head.out_features, dtype=torch.bfloat16)
+    if kernel.decode_step_bf16(ctypes.addressof(prepared.model), ctypes.addressof(layers), len(layers),
+                               ctypes.addressof(work), starts_p, decoder.norm.data_ptr(), head.tiles.data_ptr(),
+                               head.out_features, logits.data_ptr()) != 0:
+        return None
+    logits = logits.float()
+    cap = s.final_softcap
+    if cap is not None:  # Gemma 2, as NativeDecoder._head: cap * tanh(logits / cap)
+        logits = torch.tanh(logits / cap) * cap
+    return logits

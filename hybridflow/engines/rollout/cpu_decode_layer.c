@@ -10,6 +10,9 @@
    layer_mlp_out_f32:   x += down_proj(act) (post-MLP norm first, where the architecture has one).
    decode_step_f32:     a whole decode step in one call: the token embeddings, every layer with the MLP's gate in C
                         (act_mul_f32), the final norm and the output head's logits.
+   decode_step_bf16:    the same in bf16 (cpu_bf16_step.py): the AMX projections (cpu_amx_linear.c), the fused
+                        residual norms and attention inputs (cpu_step_ops.c), the attention and act_mul_bf16.
+   moe_experts_bf16:    a bf16 step's routed experts and their weighted sum (cpu_bf16_step.py).
 
    act_mul_f32 reproduces torch's `act(gate).mul_(up)` bit for bit for SiLU and GELU's tanh form. torch's vector path
    computes x / (1 + exp(-x)), or 0.5 x (1 + tanh(beta (x + kappa x^3))), with its own vector exp or tanh (Sleef,
@@ -53,17 +56,18 @@ struct model {
     int act_fma;               /* GELU: x + kappa x^3 as one multiply-add, as torch's build computes it */
 };
 
-/* one layer's tensors: packed weights, biases and norms (NULL where absent), its rotary table, its KV cache */
+/* one layer's tensors: packed weights, biases and norms (NULL where absent), its rotary table, its KV cache; fp32
+   for the fp32 step, bf16 (AMX-packed weights) for decode_step_bf16 */
 struct layer {
-    const float *input_norm, *post_attn_norm, *pre_ff_norm, *post_ff_norm, *q_norm, *k_norm;
-    const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
-    const float *cos, *ssin;
+    const void *input_norm, *post_attn_norm, *pre_ff_norm, *post_ff_norm, *q_norm, *k_norm;
+    const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
+    const void *cos, *ssin;
     long rotary_dim;
     /* segment A (the prompt part when shared, else the whole cache) and B (the generated part; unused when not
        shared), with their strides in elements */
-    const float *kA, *vA;
+    const void *kA, *vA;
     long kAr, kAh, kAd, vAr, vAh;
-    const float *kB, *vB;
+    const void *kB, *vB;
     long kBr, kBh, kBd, vBr, vBh;
 };
 
@@ -457,6 +461,87 @@ int moe_experts_bf16(const struct moe_bf16 *w, long R, const bf16 *h, const bf16
             }
         }
     }
+    return 0;
+}
+
+/* ---- a bf16 decode step as one call (cpu_bf16_step.py) ---------------------------------------------------- */
+
+typedef void (*rms_bf16_fn)(long R, long H, long n, const bf16 *x, long sr, long sh, const bf16 *w, float eps,
+                            int offset, bf16 *y, int nthreads);
+typedef void (*add_rms_bf16_fn)(long R, long n, bf16 *x, const bf16 *y, const bf16 *yw, const bf16 *w, float eps,
+                                int offset, bf16 *h, int nthreads);
+typedef void (*heads_bf16_fn)(long R, long H, long KV, long D, const bf16 *qkv, long sr, const bf16 *qn,
+                              const bf16 *kn, float eps, int offset, const bf16 *cos, const bf16 *ssin, long dim,
+                              const int64_t *pos, bf16 *q, bf16 *k, bf16 *v, int nthreads);
+typedef void (*attn_bf16_fn)(int R, int KV, int G, int D, const bf16 *q, bf16 *out, float scale, float softcap,
+                             const bf16 *kA, long kAr, long kAh, long kAd, const bf16 *vA, long vAr, long vAh,
+                             int lenA, const int64_t *pa, const bf16 *kB, long kBr, long kBh, long kBd,
+                             const bf16 *vB, long vBr, long vBh, int lenB, const int32_t *start, const bf16 *kN,
+                             const bf16 *vN, float *scratch, int nthreads);
+
+/* the kernels (cpu_amx_linear.c, cpu_step_ops.c, cpu_decode_attention.c) and the model's shape */
+struct model_bf16 {
+    bf16_linear_fn linear;
+    rms_bf16_fn rms;
+    add_rms_bf16_fn add_rms;
+    heads_bf16_fn heads;
+    attn_bf16_fn attn;
+    long hidden, heads_n, kv_heads, head_dim, inter;
+    float eps, scale, softcap; /* softcap 0: none */
+    int offset;                /* Gemma's norms: the weights hold 1 + w */
+    int sandwich;
+    const void *vact;
+    int vact_width, act, act_fma;
+};
+
+/* a step's rows and work buffers, bf16 and contiguous */
+struct step_bf16 {
+    long R;
+    int lenA, lenB, threads;
+    const int64_t *positions, *prompt_index;
+    bf16 *x;       /* [R, hidden]: the residual stream, updated in place */
+    bf16 *h;       /* [R, hidden]: a norm's output */
+    bf16 *qkv;     /* [R, (heads + 2 kv_heads) D] */
+    bf16 *q, *k, *v; /* [R, heads, D], [R, kv_heads, D] twice */
+    bf16 *attn;    /* [R, heads D] */
+    bf16 *out;     /* [R, hidden]: the o and down projections' outputs */
+    bf16 *gate_up; /* [R, 2 inter] */
+    bf16 *act;     /* [R, inter] */
+    float *scratch; /* the attention's */
+};
+
+/* cpu_bf16_step.layers and the output head as one call, the same kernels on the same arguments in the same order:
+   logits [R, vocab] bf16 of the residual stream x [R, hidden] (the scaled embeddings, updated in place). Each layer:
+   qkv product; q/k norms, rotation and contiguous q, k, v (one call); attention (writing this step's k, v into the
+   cache); o product; residual add and the MLP's norm; gate_up product; the gate; down product; residual add and the
+   next norm. `layers` are struct layer with bf16 tensors and AMX-packed weights. Returns 0, or -1 when no vector
+   function was given (nothing is computed). */
+int decode_step_bf16(const struct model_bf16 *m, const struct layer *layers, long n_layers,
+                     const struct step_bf16 *s, const int32_t *const *starts, const bf16 *final_norm,
+                     const bf16 *head, long vocab, bf16 *logits) {
+    const long R = s->R, H = m->heads_n, KV = m->kv_heads, D = m->head_dim, hid = m->hidden, I = m->inter;
+    const long width = (H + 2 * KV) * D;
+    const int T = s->threads;
+    if (!m->vact) return -1;
+    m->rms(R, 1, hid, s->x, hid, hid, layers[0].input_norm, m->eps, m->offset, s->h, T);
+    for (long li = 0; li < n_layers; li++) {
+        const struct layer *l = layers + li;
+        m->linear(s->h, R, hid, l->qkv, width, l->qkv_bias, s->qkv, T);
+        m->heads(R, H, KV, D, s->qkv, width, l->q_norm, l->k_norm, m->eps, m->offset, l->cos, l->ssin, l->rotary_dim,
+                 s->positions, s->q, s->k, s->v, T);
+        m->attn((int)R, (int)KV, (int)(H / KV), (int)D, s->q, s->attn, m->scale, m->softcap, l->kA, l->kAr, l->kAh,
+                l->kAd, l->vA, l->vAr, l->vAh, s->lenA, s->prompt_index, l->kB, l->kBr, l->kBh, l->kBd, l->vB, l->vBr,
+                l->vBh, s->lenB, starts[li], s->k, s->v, s->scratch, T);
+        m->linear(s->attn, R, H * D, l->o, hid, l->o_bias, s->out, T);
+        m->add_rms(R, hid, s->x, s->out, m->sandwich ? l->post_attn_norm : NULL,
+                   m->sandwich ? l->pre_ff_norm : l->post_attn_norm, m->eps, m->offset, s->h, T);
+        m->linear(s->h, R, hid, l->gate_up, 2 * I, l->gate_up_bias, s->gate_up, T);
+        act_mul_bf16(m->act, m->act_fma, m->vact, m->vact_width, s->gate_up, R, I, s->act, T);
+        m->linear(s->act, R, I, l->down, hid, l->down_bias, s->out, T);
+        m->add_rms(R, hid, s->x, s->out, m->sandwich ? l->post_ff_norm : NULL,
+                   li + 1 < n_layers ? layers[li + 1].input_norm : final_norm, m->eps, m->offset, s->h, T);
+    }
+    m->linear(s->h, R, hid, head, vocab, NULL, logits, T);
     return 0;
 }
 

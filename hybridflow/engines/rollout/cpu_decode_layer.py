@@ -47,7 +47,7 @@ from hybridflow.engines.rollout.cpu_step_ops import StepOpsKernel
 from hybridflow.engines.rollout.moe import route
 from hybridflow.engines.rollout.sampling import NOT_A_DISTRIBUTION
 
-__all__ = ["DecodeLayerKernel", "DecodeLoop", "load"]
+__all__ = ["DecodeLayerKernel", "DecodeLoop", "layer_structs", "load"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,10 +157,15 @@ class DecodeLayerKernel:
         self._moe_out = lib.layer_moe_out_f32
         self._moe_out.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
         self._moe_out.restype = _int
-        # the bf16 routed experts (cpu_bf16_step.py): struct moe_bf16, R, h, weights, experts, out, threads
+        # the bf16 step's C calls (cpu_bf16_step.py): its routed experts (struct moe_bf16, R, h, weights, experts,
+        # out, threads) and the whole step (struct model_bf16, layers, n_layers, struct step_bf16, starts,
+        # final_norm, head, vocab, logits)
         self.moe_experts_bf16 = lib.moe_experts_bf16
         self.moe_experts_bf16.argtypes = [_ptr, _long, _ptr, _ptr, _ptr, _ptr, _int]
         self.moe_experts_bf16.restype = _int
+        self.decode_step_bf16 = lib.decode_step_bf16
+        self.decode_step_bf16.argtypes = [_ptr, _ptr, _long, _ptr, _ptr, _ptr, _ptr, _long, _ptr]
+        self.decode_step_bf16.restype = _int
         # (activation, MLP width, threads, dtype) -> activation_variant
         self._act_checked: dict[tuple[str, int, int, torch.dtype], int | None] = {}
         # decoder -> (what `applies` read, its answer): asked every decode step
@@ -434,33 +439,41 @@ class DecodeLayerKernel:
                        hidden=s.hidden_size, heads=s.num_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                        inter=s.intermediate_size, eps=s.rms_norm_eps, scale=s.attention_scale,
                        softcap=s.attn_softcap or 0.0, lanes=ops.f32_lanes, sandwich=int(bool(spec.sandwich_norms)))
-        layers, experts = [], {}
-        for li, (weights, tensors) in enumerate(zip(packed["layers"], decoder.layers)):
-            key = s.layers[li].rope
-            kA, vA, kB, vB = DecodeAttentionKernel.segments(cache, li)
+        experts = {}
+        for li, weights in enumerate(packed["layers"]):
             if "experts" in weights:  # a routed layer: no dense gate_up / down (the C code skips a NULL gate_up)
                 arrays = [(_ptr * len(weights["experts"]))(*(pair[part].panels.data_ptr()
                                                              for pair in weights["experts"])) for part in (0, 1)]
                 experts[li] = _MoeLayer(gate_up=ctypes.addressof(arrays[0]), down=ctypes.addressof(arrays[1]))
                 experts[li].arrays = arrays  # the struct holds their addresses: kept alive with it
-            layers.append(_Layer(
-                input_norm=_data(tensors.get("input_layernorm")),
-                post_attn_norm=_data(tensors.get("post_attention_layernorm")),
-                pre_ff_norm=_data(tensors.get("pre_feedforward_layernorm")),
-                post_ff_norm=_data(tensors.get("post_feedforward_layernorm")),
-                q_norm=_data(tensors.get("q_norm")), k_norm=_data(tensors.get("k_norm")),
-                qkv=weights["qkv"].panels.data_ptr(), qkv_bias=_data(tensors["b_qkv"]),
-                o=weights["o"].panels.data_ptr(), o_bias=_data(tensors["b_o"]),
-                gate_up=_panels(weights.get("gate_up")), gate_up_bias=_data(tensors.get("b_gate_up")),
-                down=_panels(weights.get("down")), down_bias=_data(tensors.get("b_down")),
-                cos=decoder.rope.cos[key].data_ptr(), ssin=decoder.rope.sin[key].data_ptr(),
-                rotary_dim=decoder.rope.cos[key].shape[-1],
-                kA=kA.data_ptr(), vA=vA.data_ptr(), kAr=kA.stride(0), kAh=kA.stride(1), kAd=kA.stride(2),
-                vAr=vA.stride(0), vAh=vA.stride(1), kB=kB.data_ptr(), vB=vB.data_ptr(), kBr=kB.stride(0),
-                kBh=kB.stride(1), kBd=kB.stride(2), vBr=vB.stride(0), vBh=vB.stride(1)))
-        layers = (_Layer * len(layers))(*layers)  # one C array: decode_step_f32 walks it
+        layers = layer_structs(decoder, packed, cache, _panels)
         self._memo[decoder] = (weakref.ref(first), weakref.ref(cache), model, layers, experts)
         return model, layers, experts
+
+
+def layer_structs(decoder, packed: dict, cache, address) -> ctypes.Array:
+    """The C array of struct layer for `decoder`'s layers (`packed`: its packed weights, ``address(weight)`` a
+    packed weight's data address, None for None) on `cache`: the tensors' addresses, in the decoder's dtype."""
+    s, layers = decoder.shape, []
+    for li, (weights, tensors) in enumerate(zip(packed["layers"], decoder.layers)):
+        key = s.layers[li].rope
+        kA, vA, kB, vB = DecodeAttentionKernel.segments(cache, li)
+        layers.append(_Layer(
+            input_norm=_data(tensors.get("input_layernorm")),
+            post_attn_norm=_data(tensors.get("post_attention_layernorm")),
+            pre_ff_norm=_data(tensors.get("pre_feedforward_layernorm")),
+            post_ff_norm=_data(tensors.get("post_feedforward_layernorm")),
+            q_norm=_data(tensors.get("q_norm")), k_norm=_data(tensors.get("k_norm")),
+            qkv=address(weights["qkv"]), qkv_bias=_data(tensors["b_qkv"]),
+            o=address(weights["o"]), o_bias=_data(tensors["b_o"]),
+            gate_up=address(weights.get("gate_up")), gate_up_bias=_data(tensors.get("b_gate_up")),
+            down=address(weights.get("down")), down_bias=_data(tensors.get("b_down")),
+            cos=decoder.rope.cos[key].data_ptr(), ssin=decoder.rope.sin[key].data_ptr(),
+            rotary_dim=decoder.rope.cos[key].shape[-1],
+            kA=kA.data_ptr(), vA=vA.data_ptr(), kAr=kA.stride(0), kAh=kA.stride(1), kAd=kA.stride(2),
+            vAr=vA.stride(0), vAh=vA.stride(1), kB=kB.data_ptr(), vB=vB.data_ptr(), kBr=kB.stride(0),
+            kBh=kB.stride(1), kBd=kB.stride(2), vBr=vB.stride(0), vBh=vB.stride(1)))
+    return (_Layer * len(layers))(*layers)  # one C array: the step walks it
 
 
 class DecodeLoop:

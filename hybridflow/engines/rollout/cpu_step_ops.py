@@ -85,8 +85,9 @@ class StepOpsKernel:
                                     ptr, i]
         self._qkv_heads.restype = None
         # addresses for the decode-layer driver that calls them from C (cpu_decode_layer.py)
-        self.addresses = {"rms_norm_f32": ctypes.cast(self._rms_f32, ctypes.c_void_p).value,
-                          "rope_f32": ctypes.cast(self._rope[torch.float32], ctypes.c_void_p).value}
+        self.addresses = {name: ctypes.cast(function, ctypes.c_void_p).value for name, function in (
+            ("rms_norm_f32", self._rms_f32), ("rope_f32", self._rope[torch.float32]), ("rms_norm_bf16", self._rms),
+            ("add_rms_norm_bf16", self._add_rms), ("qkv_heads_bf16", self._qkv_heads))}
         self.f32_lanes = self._torch_sum_lanes()  # None: the fp32 norm is not used
 
     def _torch_sum_lanes(self) -> int | None:

@@ -591,6 +591,10 @@ class NativeDecoder:
                     x = x * self.embed_scale
                 return self._logits(layers.layers(self, x.contiguous(), positions, cache, rows, starts, column + 1))
             if cpu_bf16_step.applies(self, layers):
+                logits = None if starts is None else cpu_bf16_step.step(self, tokens, positions, cache, rows, starts,
+                                                                         column + 1, layers)
+                if logits is not None:
+                    return logits
                 return self._head(cpu_bf16_step.layers(self, tokens, positions, attend, layers))
             return self._logits(self._layers(tokens, positions, attend))
         finally:
