@@ -53,29 +53,6 @@ void rope_f32(long R, long H, long D, const float *x, long sr, long sh, const fl
     }
 }
 
-/* one head x of D features rotated in bf16 (c, s: its position's table rows): each product rounded to bf16, then
- * their sum */
-static inline void rotate_head_bf16(const bf16 *x, long D, const bf16 *c, const bf16 *s, long dim, bf16 *o) {
-    const long half = dim / 2;
-    for (long j = 0; j < dim; j++) {
-        const bf16 rolled = x[j < half ? j + half : j - half];
-        const float a = from_bf16(to_bf16(from_bf16(x[j]) * from_bf16(c[j])));
-        const float b = from_bf16(to_bf16(from_bf16(rolled) * from_bf16(s[j])));
-        o[j] = to_bf16(a + b);
-    }
-    for (long j = dim; j < D; j++) o[j] = x[j];
-}
-
-/* rope_f32 in bf16 */
-void rope_bf16(long R, long H, long D, const bf16 *x, long sr, long sh, const bf16 *cos, const bf16 *ssin,
-               long dim, const int64_t *pos, bf16 *out, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (R * H * D >= PARALLEL_FROM)
-    for (long t = 0; t < R * H; t++) {
-        const long r = t / H;
-        rotate_head_bf16(x + r * sr + (t % H) * sh, D, cos + pos[r] * dim, ssin + pos[r] * dim, dim, out + t * D);
-    }
-}
-
 /* 16 lanes at a time in GCC's vector types (two registers on AVX2): the same per-element arithmetic as the scalar
  * functions above, in the same order */
 typedef float v16f __attribute__((vector_size(64)));
@@ -117,6 +94,36 @@ static inline v16f round16_bf16(v16f f) { /* from_bf16(to_bf16(f)) on each lane 
     return load16_bf16(tmp);
 }
 #endif
+
+/* one head x of D features rotated in bf16 (c, s: its position's table rows): each product rounded to bf16, then
+ * their sum */
+static inline void rotate_head_bf16(const bf16 *x, long D, const bf16 *c, const bf16 *s, long dim, bf16 *o) {
+    const long half = dim / 2;
+    long j = 0;
+    if (half % 16 == 0) /* 16 features at a time, none straddling the halves */
+        for (; j < dim; j += 16) {
+            const v16f a = round16_bf16(load16_bf16(x + j) * load16_bf16(c + j));
+            const v16f b = round16_bf16(load16_bf16(x + (j < half ? j + half : j - half)) * load16_bf16(s + j));
+            store16_bf16(o + j, a + b);
+        }
+    for (; j < dim; j++) {
+        const bf16 rolled = x[j < half ? j + half : j - half];
+        const float a = from_bf16(to_bf16(from_bf16(x[j]) * from_bf16(c[j])));
+        const float b = from_bf16(to_bf16(from_bf16(rolled) * from_bf16(s[j])));
+        o[j] = to_bf16(a + b);
+    }
+    for (long j = dim; j < D; j++) o[j] = x[j];
+}
+
+/* rope_f32 in bf16 */
+void rope_bf16(long R, long H, long D, const bf16 *x, long sr, long sh, const bf16 *cos, const bf16 *ssin,
+               long dim, const int64_t *pos, bf16 *out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (R * H * D >= PARALLEL_FROM)
+    for (long t = 0; t < R * H; t++) {
+        const long r = t / H;
+        rotate_head_bf16(x + r * sr + (t % H) * sh, D, cos + pos[r] * dim, ssin + pos[r] * dim, dim, out + t * D);
+    }
+}
 
 /* y = transformers' bf16 RMSNorm of one row x of n features: v = x * (1 / sqrt(mean(x^2) + eps)) in fp32, then
  * w * bf16(v) rounded to bf16 (Llama's order), or with offset (Gemma's: w holds 1 + w) bf16(v * w). The squares are
