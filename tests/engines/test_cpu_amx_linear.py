@@ -88,6 +88,19 @@ def test_the_bf16_decoder_uses_it_and_follows_the_onednn_decoder(tmp_path, arch)
     torch.testing.assert_close(a.batch["rollout_log_probs"], b.batch["rollout_log_probs"], atol=2e-2, rtol=0)
 
 
+def _count_calls(monkeypatch, name: str) -> dict:
+    """Replaces cpu_bf16_step.<name> by itself counting the calls that applied (returned something): {"C": count}."""
+    calls, real = {"C": 0}, getattr(cpu_bf16_step, name)
+
+    def counted(*args):
+        out = real(*args)
+        calls["C"] += out is not None
+        return out
+
+    monkeypatch.setattr(cpu_bf16_step, name, counted)
+    return calls
+
+
 @pytest.fixture(scope="module")
 def moe_engine(tmp_path_factory):
     path = write_tiny_model(str(tmp_path_factory.mktemp("moe") / "qwen3_moe"),
@@ -121,14 +134,10 @@ def test_routed_experts_refuse_an_expert_id_out_of_range(moe_engine, monkeypatch
 
 
 def test_the_bf16_moe_decode_step_runs_its_experts_in_one_call(moe_engine, monkeypatch):
-    calls, real = {"C": 0}, cpu_bf16_step.routed_experts
-
-    def counted(*args):
-        out = real(*args)
-        calls["C"] += out is not None
-        return out
-
-    monkeypatch.setattr(cpu_bf16_step, "routed_experts", counted)
+    """The layer-by-layer step (the whole step as one call is off here) with the experts as one call, against the
+    op-by-op step."""
+    monkeypatch.setattr(cpu_bf16_step, "step", lambda *args: None)
+    calls = _count_calls(monkeypatch, "routed_experts")
     params = SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=7)
     prompts = make_prompts(moe_engine.tokenizer)
     one_call = moe_engine.generate(prompts, params)
@@ -142,19 +151,15 @@ def test_the_bf16_moe_decode_step_runs_its_experts_in_one_call(moe_engine, monke
     assert torch.equal(one_call.batch["rollout_log_probs"], ops.batch["rollout_log_probs"])
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma2", "gemma3_text", "phi3"])
 def test_a_bf16_decode_step_as_one_call_is_the_layer_by_layer_steps_bits(tmp_path, arch, monkeypatch):
     """Sliding windows (mistral, gemma), soft-caps and sandwich norms (gemma2), q/k norms (qwen3, gemma3_text),
-    biases (qwen2), shared-prompt and per-row caches (n = 4 and n = 1), greedy and sampled."""
+    biases (qwen2), routers called back from C (qwen3_moe), shared-prompt and per-row caches (n = 4 and n = 1),
+    greedy and sampled."""
     path = write_tiny_model(str(tmp_path / arch), dataclasses.replace(SIZES["tiny"], arch=arch), seed=0)
     engine = create_rollout_engine("native", path, dtype="bf16", num_threads=2, seed=3)
-    calls, real = {"C": 0}, cpu_bf16_step.step
-
-    def counted(*args):
-        out = real(*args)
-        calls["C"] += out is not None
-        return out
-
+    calls = _count_calls(monkeypatch, "step")
+    counted = cpu_bf16_step.step
     prompts = make_prompts(engine.tokenizer)
     for params in (SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=7),
                    SamplingParams(greedy=True, max_new_tokens=12)):
@@ -165,3 +170,28 @@ def test_a_bf16_decode_step_as_one_call_is_the_layer_by_layer_steps_bits(tmp_pat
         assert torch.equal(one_call.batch["responses"], layers.batch["responses"])
         assert torch.equal(one_call.batch["rollout_log_probs"], layers.batch["rollout_log_probs"])
     assert calls["C"] > 0
+
+
+def test_the_one_call_steps_record_the_routes_and_raise_their_routers_errors(moe_engine, tmp_path, monkeypatch):
+    path = write_tiny_model(str(tmp_path / "qwen3_moe"), dataclasses.replace(SIZES["tiny"], arch="qwen3_moe"), seed=1)
+    recording = create_rollout_engine("native", path, dtype="bf16", num_threads=2, record_routes=True)
+    prompts, params = make_prompts(recording.tokenizer), SamplingParams(greedy=True, max_new_tokens=6)
+    calls = _count_calls(monkeypatch, "step")
+    counted = cpu_bf16_step.step
+    one_call = recording.generate(prompts, params).batch["routed_experts"]
+    monkeypatch.setattr(cpu_bf16_step, "step", lambda *args: None)
+    assert calls["C"] > 0 and torch.equal(one_call, recording.generate(prompts, params).batch["routed_experts"])
+
+    def broken(*args):
+        raise RuntimeError("a router that fails")
+
+    monkeypatch.setattr(cpu_bf16_step, "step", counted)
+    monkeypatch.setattr(cpu_bf16_step, "route", broken)
+    with pytest.raises(RuntimeError, match="a router that fails"):
+        moe_engine.generate(prompts, params)
+    monkeypatch.setattr(cpu_bf16_step, "route", lambda h, *args: (
+        torch.ones(h.shape[0], 2, dtype=torch.bfloat16), torch.full((h.shape[0], 2), 99)))
+    with pytest.raises(IndexError, match="outside its"):
+        moe_engine.generate(prompts, params)
+    monkeypatch.undo()
+    assert moe_engine.generate(prompts, params).batch["responses"].shape[1] == 6  # the engine still works

@@ -14,10 +14,10 @@ layer is its projections plus four C calls:
                    (torch's), the experts, their gates and the weighted sum as one call instead (`routed_experts`)
     add_rms_norm   the MLP's residual add and the next layer's input norm, or the final norm after the last layer
 
-Where the projections run on AMX tiles and the model has no routed experts, `step` runs all of that and the output
-head as one C call (cpu_decode_layer.c's decode_step_bf16, calling the same kernels through their function pointers),
-without the Python-level work between the calls above (argument checks, allocations, ctypes conversions) at every
-layer. Elsewhere `layers` runs.
+Where the projections run on AMX tiles, `step` runs all of that and the output head as one C call
+(cpu_decode_layer.c's decode_step_bf16, calling the same kernels through their function pointers), without the
+Python-level work between the calls above (argument checks, allocations, ctypes conversions) at every layer; a routed
+layer's router stays torch's, called back from C. Elsewhere `layers` runs.
 
 Exactness: each C call computes what the ops it replaces compute, bit for bit (torch's bf16 add; the step-op kernels'
 norm and rotation; the gate checked against torch's per width and thread count, else torch's ops run), so tokens and
@@ -46,13 +46,17 @@ class _ModelBf16(ctypes.Structure):  # cpu_decode_layer.c's struct model_bf16
     _fields_ = [("linear", _ptr), ("rms", _ptr), ("add_rms", _ptr), ("heads", _ptr), ("attn", _ptr),
                 ("hidden", _long), ("heads_n", _long), ("kv_heads", _long), ("head_dim", _long), ("inter", _long),
                 ("eps", _float), ("scale", _float), ("softcap", _float), ("offset", _int), ("sandwich", _int),
-                ("vact", _ptr), ("vact_width", _int), ("act", _int), ("act_fma", _int)]
+                ("vact", _ptr), ("vact_width", _int), ("act", _int), ("act_fma", _int), ("router", _ptr)]
 
 
 class _StepBf16(ctypes.Structure):  # struct step_bf16
     _fields_ = [("R", _long), ("lenA", _int), ("lenB", _int), ("threads", _int), ("positions", _ptr),
                 ("prompt_index", _ptr)] + [(name, _ptr) for name in ("x", "h", "qkv", "q", "k", "v", "attn", "out",
-                                                                      "gate_up", "act", "scratch")]
+                                                                      "gate_up", "act", "scratch", "route_weights",
+                                                                      "route_experts")]
+
+
+_ROUTER = ctypes.CFUNCTYPE(_int, _long)  # struct model_bf16's router
 
 
 class _MoeBf16(ctypes.Structure):  # cpu_decode_layer.c's struct moe_bf16
@@ -93,24 +97,35 @@ class _RoutedState:
 _states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> _RoutedState
 
 
-def routed_experts(decoder, li: int, h: torch.Tensor, kernel) -> torch.Tensor | None:
-    """Routed-experts layer li's MLP output [R, hidden] for the MLP norm's output h [R, hidden] (bf16, contiguous):
-    the router in torch (moe.route, recorded for routing replay), then the experts and their weighted sum as one C call
-    (cpu_decode_layer.c's moe_experts_bf16) on the experts' AMX tiles, the bits of moe.py's dispatch on the same
-    kernels. None where it does not apply (not AMX-packed, more than MAX_ROWS rows, widths not whole tiles of k, a gate
-    the C file does not compute as torch does here) and the caller runs the decoder's own MLP."""
-    s, rows, threads = decoder.shape, h.shape[0], torch.get_num_threads()
-    inter = s.moe_intermediate_size
-    if decoder.matmul != "amx" or rows > MAX_ROWS or s.hidden_size % KSTEP or inter % KSTEP:
+def _experts_gate(decoder, kernel, rows: int, threads: int) -> tuple[int, int, int, int] | None:
+    """The experts' act_mul_bf16 arguments where their C call applies to `rows` rows (AMX-packed, at most MAX_ROWS
+    rows, widths whole tiles of k, a gate the C file computes as torch does here); else None."""
+    s = decoder.shape
+    if decoder.matmul != "amx" or rows > MAX_ROWS or s.hidden_size % KSTEP or s.moe_intermediate_size % KSTEP:
         return None
-    gate = kernel.bf16_gate(s.activation, inter, threads)
-    if gate is None:
-        return None
+    return kernel.bf16_gate(s.activation, s.moe_intermediate_size, threads)
+
+
+def _experts_struct(decoder, li: int, rows: int, gate: tuple[int, int, int, int]) -> _MoeBf16:
+    """Routed layer li's struct moe_bf16 with work buffers for at least `rows` rows."""
     state = _states.get(decoder)
     if state is None or state.rows < rows:
         state = _states[decoder] = _RoutedState(decoder, rows)
     struct = state.struct(decoder, li)
     struct.act, struct.act_fma, struct.vact, struct.vact_width = gate
+    return struct
+
+
+def routed_experts(decoder, li: int, h: torch.Tensor, kernel) -> torch.Tensor | None:
+    """Routed-experts layer li's MLP output [R, hidden] for the MLP norm's output h [R, hidden] (bf16, contiguous):
+    the router in torch (moe.route, recorded for routing replay), then the experts and their weighted sum as one C call
+    (cpu_decode_layer.c's moe_experts_bf16) on the experts' AMX tiles, the bits of moe.py's dispatch on the same
+    kernels. None where it does not apply (`_experts_gate`) and the caller runs the decoder's own MLP."""
+    s, rows, threads = decoder.shape, h.shape[0], torch.get_num_threads()
+    gate = _experts_gate(decoder, kernel, rows, threads)
+    if gate is None:
+        return None
+    struct = _experts_struct(decoder, li, rows, gate)
     weights, experts = route(h, decoder.layers[li]["router"], s.experts_per_token, s.norm_topk_prob)
     if decoder.route_log is not None:
         decoder.route_log.append(experts)
@@ -178,7 +193,8 @@ class _OneCall:
     """A decoder's decode_step_bf16 arguments: the model struct (its kernels and shape), the layer structs on one cache
     (valid while its packed weights and that cache are the same objects) and the step's work buffers for R rows."""
 
-    def __init__(self, decoder, kernel, gate: tuple[int, int, int, int]):
+    def __init__(self, decoder, kernel, gate: tuple[int, int, int, int],
+                 experts_gate: tuple[int, int, int, int] | None):
         s, ops = decoder.shape, decoder.step_ops
         self.model = _ModelBf16(
             linear=decoder.amx_kernel.linear_address, rms=ops.addresses["rms_norm_bf16"],
@@ -188,9 +204,29 @@ class _OneCall:
             scale=s.attention_scale, softcap=s.attn_softcap or 0.0, offset=int(decoder.offset_norm),
             sandwich=int(bool(decoder.spec.sandwich_norms)))
         self.model.act, self.model.act_fma, self.model.vact, self.model.vact_width = gate
-        self.gate, self.kernel = gate, kernel
+        self.experts_gate, self.routed = experts_gate, [li for li, layer in enumerate(s.layers) if layer.moe]
         self.tiles = self.cache = None  # weak references to what the layer structs point into
         self.layers, self.step, self.shape = None, None, None
+        self.decoder, self.error = weakref.ref(decoder), None
+        self.router = _ROUTER(self._route)  # kept: C holds its address
+        self.model.router = ctypes.cast(self.router, _ptr).value
+
+    def _route(self, li: int) -> int:
+        """Called back from the step: routed layer li's router on the step's h (moe.route, torch's softmax and top-k,
+        recorded for routing replay as `routed_experts` records it) into route_weights / route_experts."""
+        try:
+            decoder, buffers = self.decoder(), self.step.buffers
+            s = decoder.shape
+            weights, experts = route(buffers["h"], decoder.layers[li]["router"], s.experts_per_token,
+                                     s.norm_topk_prob)
+            if decoder.route_log is not None:
+                decoder.route_log.append(experts)
+            buffers["route_weights"].copy_(weights)
+            buffers["route_experts"].copy_(experts)
+            return 0
+        except BaseException as error:  # raised again by `step` once the C call has returned
+            self.error = error
+            return -1
 
     def layer_structs(self, decoder, cache) -> ctypes.Array:
         packed = decoder.packed_weights()
@@ -210,6 +246,9 @@ class _OneCall:
                       "act": s.intermediate_size}
             buffers = {name: torch.empty(rows, width, dtype=torch.bfloat16) for name, width in widths.items()}
             buffers["scratch"] = DecodeAttentionKernel.scratch(threads, H // KV, D, capacity)
+            if self.routed:
+                buffers["route_weights"] = torch.empty(rows, s.experts_per_token, dtype=torch.bfloat16)
+                buffers["route_experts"] = torch.empty(rows, s.experts_per_token, dtype=torch.int64)
             self.step = _StepBf16(R=rows, threads=threads, **{name: t.data_ptr() for name, t in buffers.items()})
             self.step.buffers = buffers  # the struct holds their addresses: kept alive with it
             self.shape = ((rows, threads), capacity)
@@ -222,8 +261,8 @@ _one_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _prepared(decoder, kernel, threads: int) -> _OneCall | None:
     """The decoder's _OneCall at `threads` threads, or None where a step cannot be one call (asked once per thread
-    count): projections not on AMX tiles, routed experts (their router is torch's), widths not whole tiles of k,
-    tensors not in bf16, rotary tables not read in place, a gate the C file does not compute as torch does here."""
+    count and kernels): projections not on AMX tiles, widths not whole tiles of k, tensors not in bf16, rotary tables
+    not read in place, a gate the C file does not compute as torch does here (the dense MLP's or the experts')."""
     key = (threads, kernel, decoder.matmul, decoder.attention_kernel, decoder.step_ops, decoder.rope)
     memo = _one_calls.get(decoder)
     if memo is not None and len(memo[0]) == len(key) and all(a is b or a == b for a, b in zip(memo[0], key)):
@@ -231,14 +270,17 @@ def _prepared(decoder, kernel, threads: int) -> _OneCall | None:
     s, ops, rope = decoder.shape, decoder.step_ops, decoder.rope
     tensors = [t for layer in decoder.layers for name, t in layer.items()
                if t is not None and (name.endswith("norm") or name.startswith("b_"))] + [decoder.norm]
-    gate = kernel.bf16_gate(s.activation, s.intermediate_size, threads)
-    fits = (decoder.matmul == "amx" and not s.moe and gate is not None and decoder.embed.is_contiguous()
+    experts_gate = _experts_gate(decoder, kernel, 1, threads) if s.moe else None
+    dense = not all(layer.moe for layer in s.layers)
+    gate = kernel.bf16_gate(s.activation, s.intermediate_size, threads) if dense else experts_gate
+    fits = (decoder.matmul == "amx" and gate is not None and (experts_gate is not None or not s.moe)
+            and decoder.embed.is_contiguous()
             and isinstance(decoder.attention_kernel, DecodeAttentionKernel)
             and all(width % KSTEP == 0 for width in (s.hidden_size, s.num_heads * s.head_dim, s.intermediate_size))
             and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
             and ops.reads_tables(rope) and all(t.dtype == torch.bfloat16 for t in rope.cos.values())
             and decoder.packed_weights()["lm_head"].in_features == s.hidden_size)
-    prepared = _OneCall(decoder, kernel, gate) if fits else None
+    prepared = _OneCall(decoder, kernel, gate, experts_gate) if fits else None
     _one_calls[decoder] = (key, prepared)
     return prepared
 
@@ -258,6 +300,8 @@ def step(decoder, tokens: torch.Tensor, positions: torch.Tensor, cache, rows, st
     lenA, lenB = DecodeAttentionKernel.lengths(cache, length)
     work = prepared.work(decoder, R, threads, lenA + lenB)
     layers = prepared.layer_structs(decoder, cache)
+    for li in prepared.routed:  # work buffers for this step's rows
+        layers[li].moe = ctypes.addressof(_experts_struct(decoder, li, R, prepared.experts_gate))
     x = work.buffers["x"].copy_(decoder._embed(tokens))  # the residual stream, as `layers` starts it
     if decoder.embed_scale is not None:
         x.mul_(decoder.embed_scale)
@@ -269,9 +313,15 @@ def step(decoder, tokens: torch.Tensor, positions: torch.Tensor, cache, rows, st
     work.prompt_index = None if prompt_index is None else prompt_index.data_ptr()
     head = decoder.packed_weights()["lm_head"]
     logits = torch.empty(R, head.out_features, dtype=torch.bfloat16)
-    if kernel.decode_step_bf16(ctypes.addressof(prepared.model), ctypes.addressof(layers), len(layers),
-                               ctypes.addressof(work), starts_p, decoder.norm.data_ptr(), head.tiles.data_ptr(),
-                               head.out_features, logits.data_ptr()) != 0:
+    failed = kernel.decode_step_bf16(ctypes.addressof(prepared.model), ctypes.addressof(layers), len(layers),
+                                     ctypes.addressof(work), starts_p, decoder.norm.data_ptr(), head.tiles.data_ptr(),
+                                     head.out_features, logits.data_ptr())
+    if failed == -2:
+        error, prepared.error = prepared.error, None
+        raise error
+    if failed == -3:
+        raise IndexError(f"native rollout: a router chose experts outside its {s.num_experts}")
+    if failed:  # nothing computed
         return None
     logits = logits.float()
     cap = s.final_softcap

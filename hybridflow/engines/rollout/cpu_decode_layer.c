@@ -69,6 +69,7 @@ struct layer {
     long kAr, kAh, kAd, vAr, vAh;
     const void *kB, *vB;
     long kBr, kBh, kBd, vBr, vBh;
+    const void *moe; /* decode_step_bf16: a routed layer's struct moe_bf16 (NULL: a dense MLP) */
 };
 
 /* one decode step's rows and work buffers (contiguous, fp32) */
@@ -492,6 +493,9 @@ struct model_bf16 {
     int sandwich;
     const void *vact;
     int vact_width, act, act_fma;
+    /* the router of routed layer `layer` (torch's, called back) on the step's h: fills its route_weights and
+       route_experts; 0, or -1 when it failed */
+    int (*router)(long layer);
 };
 
 /* a step's rows and work buffers, bf16 and contiguous */
@@ -508,14 +512,17 @@ struct step_bf16 {
     bf16 *gate_up; /* [R, 2 inter] */
     bf16 *act;     /* [R, inter] */
     float *scratch; /* the attention's */
+    bf16 *route_weights;     /* [R, k]: a routed layer's router output */
+    int64_t *route_experts;  /* [R, k] */
 };
 
 /* cpu_bf16_step.layers and the output head as one call, the same kernels on the same arguments in the same order:
    logits [R, vocab] bf16 of the residual stream x [R, hidden] (the scaled embeddings, updated in place). Each layer:
    qkv product; q/k norms, rotation and contiguous q, k, v (one call); attention (writing this step's k, v into the
    cache); o product; residual add and the MLP's norm; gate_up product; the gate; down product; residual add and the
-   next norm. `layers` are struct layer with bf16 tensors and AMX-packed weights. Returns 0, or -1 when no vector
-   function was given (nothing is computed). */
+   next norm; on a routed layer the router (called back) and moe_experts_bf16 instead of the three MLP calls.
+   `layers` are struct layer with bf16 tensors and AMX-packed weights. Returns 0; -1 when no vector function was given
+   (nothing is computed), -2 when a router failed, -3 when it chose an expert out of range. */
 int decode_step_bf16(const struct model_bf16 *m, const struct layer *layers, long n_layers,
                      const struct step_bf16 *s, const int32_t *const *starts, const bf16 *final_norm,
                      const bf16 *head, long vocab, bf16 *logits) {
@@ -535,9 +542,14 @@ int decode_step_bf16(const struct model_bf16 *m, const struct layer *layers, lon
         m->linear(s->attn, R, H * D, l->o, hid, l->o_bias, s->out, T);
         m->add_rms(R, hid, s->x, s->out, m->sandwich ? l->post_attn_norm : NULL,
                    m->sandwich ? l->pre_ff_norm : l->post_attn_norm, m->eps, m->offset, s->h, T);
-        m->linear(s->h, R, hid, l->gate_up, 2 * I, l->gate_up_bias, s->gate_up, T);
-        act_mul_bf16(m->act, m->act_fma, m->vact, m->vact_width, s->gate_up, R, I, s->act, T);
-        m->linear(s->act, R, I, l->down, hid, l->down_bias, s->out, T);
+        if (l->moe) {
+            if (m->router(li) != 0) return -2;
+            if (moe_experts_bf16(l->moe, R, s->h, s->route_weights, s->route_experts, s->out, T) != 0) return -3;
+        } else {
+            m->linear(s->h, R, hid, l->gate_up, 2 * I, l->gate_up_bias, s->gate_up, T);
+            act_mul_bf16(m->act, m->act_fma, m->vact, m->vact_width, s->gate_up, R, I, s->act, T);
+            m->linear(s->act, R, I, l->down, hid, l->down_bias, s->out, T);
+        }
         m->add_rms(R, hid, s->x, s->out, m->sandwich ? l->post_ff_norm : NULL,
                    li + 1 < n_layers ? layers[li + 1].input_norm : final_norm, m->eps, m->offset, s->h, T);
     }

@@ -68,7 +68,7 @@ class _Layer(ctypes.Structure):
                                           "down", "down_bias", "cos", "ssin")] + [
         ("rotary_dim", _long), ("kA", _ptr), ("vA", _ptr), ("kAr", _long), ("kAh", _long), ("kAd", _long),
         ("vAr", _long), ("vAh", _long), ("kB", _ptr), ("vB", _ptr), ("kBr", _long), ("kBh", _long), ("kBd", _long),
-        ("vBr", _long), ("vBh", _long)]
+        ("vBr", _long), ("vBh", _long), ("moe", _ptr)]
 
 
 class _MoeLayer(ctypes.Structure):
