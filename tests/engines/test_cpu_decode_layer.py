@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from hybridflow.engines.rollout import SamplingParams, cpu_bf16_step, cpu_decode_layer, create_rollout_engine
+from hybridflow.engines.rollout.chunked_prefill import chunked_prefill
+from hybridflow.engines.rollout.kv_cache import KVCache
 from hybridflow.engines.tiny import SIZES, write_tiny_model
 from hybridflow.protocol import DataProto
 
@@ -354,3 +356,34 @@ def test_bf16_steps_with_the_fused_norms_and_gate_are_the_same_bits(kernel, tmp_
         got = engine.generate(_prompts(engine), params)
         assert torch.equal(got.batch["responses"], want.batch["responses"])
         assert torch.equal(got.batch["rollout_log_probs"], want.batch["rollout_log_probs"])
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "qwen3_moe"])
+def test_a_bf16_prefill_runs_the_fused_layers_and_follows_torchs_ops(kernel, tmp_path, arch, monkeypatch):
+    """The bf16 prefill (packed, and padded where no prompt is padded) with the decode step's C calls
+    (NativeDecoder.prompt_layers) against the same engine's prefill in torch's ops: the C norm may round a value the
+    other way from torch's (test_cpu_step_ops.py), so the prompt's last logits agree to bf16 rounding."""
+    path = write_tiny_model(str(tmp_path / arch), dataclasses.replace(SIZES["tiny"], arch=arch), seed=0)
+    engine = create_rollout_engine("native", path, dtype="bf16", seed=3)
+    enc = engine.tokenizer(["a b c", "e f g h i j k l"], return_tensors="pt", padding=True, padding_side="left")
+    unpadded = engine.tokenizer(["a b c d", "e f g h"], return_tensors="pt")
+    calls, real = {"fused": 0}, cpu_bf16_step.layers
+
+    def counted(*args):
+        calls["fused"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(cpu_bf16_step, "layers", counted)
+    for batch in (enc, unpadded):
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = []
+        for layer_kernel in (kernel, None):
+            engine.model.layer_kernel = layer_kernel
+            s = engine.model.shape
+            cache = KVCache(s.num_layers, s.num_kv_heads, s.head_dim, prompts=ids.shape[0], prompt_len=ids.shape[1],
+                            n=1, max_new=1, dtype=torch.bfloat16, device=torch.device("cpu"))
+            logits.append(chunked_prefill(engine.model, ids, positions, mask, cache, None))
+        engine.model.layer_kernel = kernel
+        torch.testing.assert_close(logits[0], logits[1], atol=0.05, rtol=0.02)
+    assert calls["fused"] == 2

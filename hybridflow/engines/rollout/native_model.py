@@ -532,10 +532,29 @@ class NativeDecoder:
         masks = prefill_masks(self.shape, attention_mask)
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, P, D]
-            return self.prompt_attention(li, q, k, v, masks, cache).transpose(1, 2).reshape(B, P, self.q_size)
+            # [B * P, heads, D] -> [B, heads, P, D]
+            q, k, v = (t.view(B, P, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+            return self.prompt_attention(li, q, k, v, masks, cache).transpose(1, 2).reshape(B * P, self.q_size)
 
-        return self._logits(self._layers(input_ids, position_ids, attend)[:, -1])
+        hidden, normed = self.prompt_layers(input_ids.reshape(-1), position_ids.reshape(-1), attend)
+        return self.prompt_logits(hidden.view(B, P, -1)[:, -1], normed)
+
+    def prompt_layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> tuple[torch.Tensor, bool]:
+        """Every layer on the prompts' tokens [T] at positions [T] (``attend`` as _layers takes it) -> (hidden
+        [T, hidden], normed). On CPU in bf16, where the rollout engine set the step kernels, the layers' small ops are
+        the decode step's C calls (cpu_bf16_step.layers) and hidden is the final norm's output (normed True); else
+        _layers' residual stream. `prompt_logits` takes either."""
+        self._step_ops = self.step_ops
+        try:
+            if cpu_bf16_step.applies(self, self.layer_kernel):
+                return cpu_bf16_step.layers(self, tokens, positions, attend, self.layer_kernel), True
+        finally:
+            self._step_ops = None
+        return self._layers(tokens, positions, attend), False
+
+    def prompt_logits(self, hidden: torch.Tensor, normed: bool) -> torch.Tensor:
+        """fp32 logits [..., V] of rows of `prompt_layers`' hidden states."""
+        return self._head(hidden) if normed else self._logits(hidden)
 
     def prompt_attention(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: dict,
                          cache) -> torch.Tensor:

@@ -3,7 +3,7 @@
 A batch of B distinct prompts ``[B, P]`` is left-padded to its longest prompt; with prompts of 16..32 tokens about a
 quarter of the ``B * P`` positions are padding, and ``NativeDecoder.prefill`` pushes them through every projection
 and MLP like real tokens. Here the real tokens travel as one flat ``[T, hidden]`` batch through the decoder's layer
-loop (``NativeDecoder._layers``); only attention, which needs each prompt's keys side by side, scatters q/k/v back
+loop (``NativeDecoder.prompt_layers``); only attention, which needs each prompt's keys side by side, scatters q/k/v back
 into the padded ``[B, heads, P, head_dim]`` layout (zeros at padding) and runs the same masked attention as
 ``prefill``. Row for row the projections compute the same dot products, so the logits and the stored K/V of real
 positions equal the padded prefill's (tests/engines/test_rollout_packed_prefill.py); the cache's padding slots hold
@@ -46,7 +46,7 @@ def packed_prefill(model, input_ids: torch.Tensor, position_ids: torch.Tensor, a
         out = model.prompt_attention(li, padded(q), padded(k), padded(v), masks, cache)  # [B, heads, P, D]
         return out.transpose(1, 2).reshape(B * P, model.q_size).index_select(0, real)
 
-    hidden = model._layers(input_ids.reshape(-1)[real], position_ids.reshape(-1)[real], attend)  # [T, hidden]
+    hidden, normed = model.prompt_layers(input_ids.reshape(-1)[real], position_ids.reshape(-1)[real], attend)
     # left padding: every prompt's last column is real, and the last of its row's tokens in the flat order
     last = attention_mask.bool().sum(-1).cumsum(0) - 1
-    return model._logits(hidden.index_select(0, last))
+    return model.prompt_logits(hidden.index_select(0, last), normed)
