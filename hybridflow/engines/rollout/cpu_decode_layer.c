@@ -425,13 +425,18 @@ int moe_experts_bf16(const struct moe_bf16 *w, long R, const bf16 *h, const bf16
     if (group_by_expert(experts, A, E, first, w->slot)) return -1;
     for (long a = 0; a < A; a++) /* assignment a = (row a / k, its a % k-th expert) */
         memcpy(w->rows + w->slot[a] * hid, h + (a / k) * hid, hid * sizeof(bf16));
+    /* experts in parallel, one thread each: an expert's products stream its weights from memory whatever its rows,
+       and one thread reading one matrix front to back keeps the prefetchers ahead. The products run on that thread
+       (their bits do not depend on it); act_mul_bf16 is given `threads` so that it splits its runs as torch does at
+       that count (its own region, nested here, runs on this thread). */
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (long e = 0; e < E; e++) {
         const long n = first[e + 1] - first[e], at = first[e];
         if (!n) continue;
-        w->linear(w->rows + at * hid, n, hid, w->gate_up[e], 2 * I, NULL, w->gate_up_out + at * 2 * I, threads);
+        w->linear(w->rows + at * hid, n, hid, w->gate_up[e], 2 * I, NULL, w->gate_up_out + at * 2 * I, 1);
         act_mul_bf16(w->act, w->act_fma, w->vact, w->vact_width, w->gate_up_out + at * 2 * I, n, I,
                      w->act_out + at * I, threads);
-        w->linear(w->act_out + at * I, n, I, w->down[e], hid, NULL, w->y + at * hid, threads);
+        w->linear(w->act_out + at * I, n, I, w->down[e], hid, NULL, w->y + at * hid, 1);
     }
 #pragma omp parallel for num_threads(threads) schedule(static) if (R * hid >= ACT_PARALLEL_FROM)
     for (long r = 0; r < R; r++) {
