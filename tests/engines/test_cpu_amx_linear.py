@@ -162,7 +162,9 @@ def test_a_bf16_decode_step_as_one_call_is_the_layer_by_layer_steps_bits(tmp_pat
     counted = cpu_bf16_step.step
     prompts = make_prompts(engine.tokenizer)
     for params in (SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=7),
-                   SamplingParams(greedy=True, max_new_tokens=12)):
+                   SamplingParams(greedy=True, max_new_tokens=12),
+                   # rows stop early and are dropped: the step's row count changes within the call
+                   SamplingParams(temperature=1.0, max_new_tokens=16, n=4, seed=5, stop_token_ids=list(range(40, 90)))):
         monkeypatch.setattr(cpu_bf16_step, "step", counted)
         one_call = engine.generate(prompts, params)
         monkeypatch.setattr(cpu_bf16_step, "step", lambda *args: None)
@@ -170,6 +172,22 @@ def test_a_bf16_decode_step_as_one_call_is_the_layer_by_layer_steps_bits(tmp_pat
         assert torch.equal(one_call.batch["responses"], layers.batch["responses"])
         assert torch.equal(one_call.batch["rollout_log_probs"], layers.batch["rollout_log_probs"])
     assert calls["C"] > 0
+
+
+def test_steps_of_more_rows_than_one_call_takes_run_layer_by_layer_with_the_same_bits(moe_engine, monkeypatch):
+    """With MAX_ROWS at 3, a call's steps start layer by layer and turn to one call once rows have stopped: the
+    outputs are those of a call that never takes the one-call step."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, n=4, seed=5, stop_token_ids=list(range(40, 90)))
+    prompts = make_prompts(moe_engine.tokenizer)
+    monkeypatch.setattr(cpu_bf16_step, "MAX_ROWS", 3)
+    calls = _count_calls(monkeypatch, "step")
+    mixed = moe_engine.generate(prompts, params)
+    lengths = mixed.batch["response_mask"].sum(-1)
+    assert calls["C"] > 0 and lengths.min() < lengths.max() and mixed.batch["responses"].shape[0] > 3
+    monkeypatch.setattr(cpu_bf16_step, "step", lambda *args: None)
+    layers = moe_engine.generate(prompts, params)
+    assert torch.equal(mixed.batch["responses"], layers.batch["responses"])
+    assert torch.equal(mixed.batch["rollout_log_probs"], layers.batch["rollout_log_probs"])
 
 
 def test_the_one_call_steps_record_the_routes_and_raise_their_routers_errors(moe_engine, tmp_path, monkeypatch):
