@@ -48,6 +48,24 @@ def test_panel_linear_is_f_linear_up_to_rounding(kernel, out_features, in_featur
         torch.testing.assert_close(kernel.linear(x, packed, None), want - b, atol=1e-4, rtol=1e-5)
 
 
+def test_calls_past_max_rows_run_f_linear_on_the_weight_itself(kernel):
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(40, 32, generator=g), torch.randn(40, generator=g)
+    packed = kernel.pack(w)
+    assert packed.weight.data_ptr() == w.data_ptr()  # the caller's tensor, not a copy
+    x = torch.randn(cpu_linear.MAX_ROWS + 3, 32, generator=g)
+    assert torch.equal(kernel.linear(x, packed, b), F.linear(x, w, b))
+    # up to MAX_ROWS the panels serve the call: a row's result is the same in a call of 7 rows or of MAX_ROWS
+    assert torch.equal(kernel.linear(x[:7], packed, b), kernel.linear(x[: cpu_linear.MAX_ROWS], packed, b)[:7])
+    new = torch.randn(40, 32, generator=g)
+    assert kernel.pack(new, out=packed) is packed and packed.weight.data_ptr() == new.data_ptr()  # follows it
+    assert torch.equal(kernel.linear(x, packed, None), F.linear(x, new))
+    half = kernel.pack(new.bfloat16())  # packed from a converted copy: none kept, the panels serve every call
+    assert half.weight is None
+    torch.testing.assert_close(kernel.linear(x, half, None), F.linear(x, new.bfloat16().float()), atol=1e-4,
+                               rtol=1e-5)
+
+
 def test_a_rows_result_does_not_depend_on_the_other_rows(kernel):
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(80, 48, generator=g), torch.randn(80, generator=g)

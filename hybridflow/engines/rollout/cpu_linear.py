@@ -13,7 +13,8 @@ from 1 to 64 on the mid model's shapes, most at few rows (docs/benchmarks-histor
 projections").
 
 Exactness: fp32 products with fp32 FMA accumulation over k in order, bias added last; results differ from
-``F.linear`` by rounding only, and a row's result never depends on how many rows are in the call. It needs AVX-512F,
+``F.linear`` by rounding only, and a row's result never depends on how many rows are in the call, up to MAX_ROWS
+rows: a larger call (a prefill's) runs ``F.linear`` on the fp32 weight itself. It needs AVX-512F,
 or AVX2 with FMA; on other CPUs, without a compiler, or when the
 build fails, `load` returns None (logged once) and the decoder keeps oneDNN's packed weights. The training engine's
 forward is oneDNN's, so the batch-invariant mode (bitwise equal log-probs) keeps oneDNN in the rollout too.
@@ -26,16 +27,21 @@ import functools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from hybridflow.engines.rollout.c_kernels import load_library
 
-__all__ = ["MIN_PANEL_WIDTH", "PANEL", "PanelLinearKernel", "PanelWeight", "kernel_for", "load"]
+__all__ = ["MAX_ROWS", "MIN_PANEL_WIDTH", "PANEL", "PanelLinearKernel", "PanelWeight", "kernel_for", "load"]
 
 _SOURCE = Path(__file__).with_name("cpu_panel_linear.c")
 PANEL = 16  # output columns per panel (the C file's PANEL)
 # The decoder packs for this kernel from this hidden size up (prepack=None): at hidden 64 the call's fixed cost
 # (~8 us) made it slower than F.linear, at 128 it was faster at 16-512 rows with 2 threads (docs/benchmarks.md)
 MIN_PANEL_WIDTH = 128
+# Calls of more rows (a prefill's) run as F.linear on the fp32 weight itself: from about 512 rows its blocked product
+# overtook the panel kernel, which keeps a row's sums in registers over the whole k loop (docs/benchmarks.md,
+# thirty-fourth session)
+MAX_ROWS = 512
 
 
 @functools.cache
@@ -64,12 +70,14 @@ def kernel_for(setting: bool | None) -> PanelLinearKernel | None:
 
 
 class PanelWeight:
-    """A weight [N, K] packed into panels: ``panels`` [ceil(N / 16), K, 16] fp32, ``out_features`` = N."""
+    """A weight [N, K] packed into panels: ``panels`` [ceil(N / 16), K, 16] fp32, ``out_features`` = N; ``weight``
+    the fp32 weight itself where it was packed from one (the caller's tensor, not a copy), for calls of more than
+    MAX_ROWS rows."""
 
-    __slots__ = ("out_features", "panels")
+    __slots__ = ("out_features", "panels", "weight")
 
-    def __init__(self, panels: torch.Tensor, out_features: int):
-        self.panels, self.out_features = panels, out_features
+    def __init__(self, panels: torch.Tensor, out_features: int, weight: torch.Tensor | None = None):
+        self.panels, self.out_features, self.weight = panels, out_features, weight
 
 
 class PanelLinearKernel:
@@ -90,6 +98,7 @@ class PanelLinearKernel:
         """A CPU weight [N, K] (any float dtype; computed in fp32) -> its panels; written into `out` (returned) when
         it holds panels of this shape: a re-pack after a weight update then reuses their memory, where a new tensor
         of the whole model's size would first fault in its pages (about twice the time of the copy alone)."""
+        source = weight.detach() if weight.dtype == torch.float32 else None  # kept only where it is no copy
         weight = weight.detach().float()
         n, k = weight.shape
         shape = PanelLinearKernel.panel_shape(n, k)
@@ -98,10 +107,11 @@ class PanelLinearKernel:
             out.panels[: n // PANEL].copy_(weight[: n // PANEL * PANEL].reshape(n // PANEL, PANEL, k).transpose(1, 2))
             if n % PANEL:
                 out.panels[-1, :, : n % PANEL].copy_(weight[n // PANEL * PANEL :].transpose(0, 1))
+            out.weight = source
             return out
         if shape[0] * PANEL != n:
             weight = torch.cat([weight, weight.new_zeros(shape[0] * PANEL - n, k)])
-        return PanelWeight(weight.reshape(shape[0], PANEL, k).transpose(1, 2).contiguous(), n)
+        return PanelWeight(weight.reshape(shape[0], PANEL, k).transpose(1, 2).contiguous(), n, source)
 
     @staticmethod
     def panel_shape(n: int, k: int) -> tuple[int, int, int]:
@@ -135,6 +145,8 @@ class PanelLinearKernel:
             raise ValueError(f"panel linear: x {tuple(x.shape)} {x.dtype} against a packed weight of "
                              f"{packed.out_features} x {packed.panels.shape[1]} fp32")
         rows = x.reshape(-1, k)
+        if rows.shape[0] > MAX_ROWS and packed.weight is not None:
+            return F.linear(x, packed.weight, bias)
         if not rows.is_contiguous():
             rows = rows.contiguous()
         n = packed.out_features
