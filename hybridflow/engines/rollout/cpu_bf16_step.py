@@ -193,8 +193,7 @@ class _OneCall:
     """A decoder's decode_step_bf16 arguments: the model struct (its kernels and shape), the layer structs on one cache
     (valid while its packed weights and that cache are the same objects) and the step's work buffers for R rows."""
 
-    def __init__(self, decoder, kernel, gate: tuple[int, int, int, int],
-                 experts_gate: tuple[int, int, int, int] | None):
+    def __init__(self, decoder, gate: tuple[int, int, int, int], experts_gate: tuple[int, int, int, int] | None):
         s, ops = decoder.shape, decoder.step_ops
         self.model = _ModelBf16(
             linear=decoder.amx_kernel.linear_address, rms=ops.addresses["rms_norm_bf16"],
@@ -263,9 +262,10 @@ def _prepared(decoder, kernel, threads: int) -> _OneCall | None:
     """The decoder's _OneCall at `threads` threads, or None where a step cannot be one call (asked once per thread
     count and kernels): projections not on AMX tiles, widths not whole tiles of k, tensors not in bf16, rotary tables
     not read in place, a gate the C file does not compute as torch does here (the dense MLP's or the experts')."""
-    key = (threads, kernel, decoder.matmul, decoder.attention_kernel, decoder.step_ops, decoder.rope)
+    kernels = (kernel, decoder.attention_kernel, decoder.step_ops, decoder.rope)
     memo = _one_calls.get(decoder)
-    if memo is not None and len(memo[0]) == len(key) and all(a is b or a == b for a, b in zip(memo[0], key)):
+    if (memo is not None and memo[0][:2] == (threads, decoder.matmul)
+            and all(a is b for a, b in zip(memo[0][2:], kernels))):
         return memo[1]
     s, ops, rope = decoder.shape, decoder.step_ops, decoder.rope
     tensors = [t for layer in decoder.layers for name, t in layer.items()
@@ -273,15 +273,16 @@ def _prepared(decoder, kernel, threads: int) -> _OneCall | None:
     experts_gate = _experts_gate(decoder, kernel, 1, threads) if s.moe else None
     dense = not all(layer.moe for layer in s.layers)
     gate = kernel.bf16_gate(s.activation, s.intermediate_size, threads) if dense else experts_gate
+    widths = (s.hidden_size, s.num_heads * s.head_dim) + ((s.intermediate_size,) if dense else ())
     fits = (decoder.matmul == "amx" and gate is not None and (experts_gate is not None or not s.moe)
             and decoder.embed.is_contiguous()
             and isinstance(decoder.attention_kernel, DecodeAttentionKernel)
-            and all(width % KSTEP == 0 for width in (s.hidden_size, s.num_heads * s.head_dim, s.intermediate_size))
+            and all(width % KSTEP == 0 for width in widths)
             and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
             and ops.reads_tables(rope) and all(t.dtype == torch.bfloat16 for t in rope.cos.values())
             and decoder.packed_weights()["lm_head"].in_features == s.hidden_size)
-    prepared = _OneCall(decoder, kernel, gate, experts_gate) if fits else None
-    _one_calls[decoder] = (key, prepared)
+    prepared = _OneCall(decoder, gate, experts_gate) if fits else None
+    _one_calls[decoder] = ((threads, decoder.matmul, *kernels), prepared)
     return prepared
 
 
