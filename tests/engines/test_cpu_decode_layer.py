@@ -387,3 +387,40 @@ def test_a_bf16_prefill_runs_the_fused_layers_and_follows_torchs_ops(kernel, tmp
         engine.model.layer_kernel = kernel
         torch.testing.assert_close(logits[0], logits[1], atol=0.05, rtol=0.02)
     assert calls["fused"] == 2
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3_text", "phi3"])
+def test_an_fp32_prefill_with_the_step_ops_is_torchs_bit_for_bit(tmp_path, arch, monkeypatch):
+    """The fp32 prefill (packed and padded) runs its norms and rotations through the decode step's C kernels
+    (cpu_step_ops.py, NativeDecoder.prompt_layers): the same logits and stored K/V as torch's ops."""
+    path = write_tiny_model(str(tmp_path / arch), dataclasses.replace(SIZES["tiny"], arch=arch), seed=0)
+    engine = create_rollout_engine("native", path, dtype="fp32", seed=3)
+    ops = engine.model.step_ops
+    assert ops is not None and ops.f32_lanes is not None
+    calls, real = {"norms": 0}, ops.rms_norm
+
+    def counted(*args):
+        calls["norms"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(ops, "rms_norm", counted)
+    padded = engine.tokenizer(["a b c", "e f g h i j k l"], return_tensors="pt", padding=True, padding_side="left")
+    unpadded = engine.tokenizer(["a b c d", "e f g h"], return_tensors="pt")
+    for batch in (padded, unpadded):
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        results = []
+        for step_ops in (ops, None):
+            engine.model.step_ops = step_ops
+            s = engine.model.shape
+            cache = KVCache(s.num_layers, s.num_kv_heads, s.head_dim, prompts=ids.shape[0], prompt_len=ids.shape[1],
+                            n=1, max_new=1, dtype=torch.float32, device=torch.device("cpu"))
+            results.append((chunked_prefill(engine.model, ids, positions, mask, cache, None), cache))
+        engine.model.step_ops = ops
+        (fused, fused_cache), (torch_ops, torch_cache) = results
+        assert torch.equal(fused, torch_ops)
+        P = ids.shape[1]  # the prompts' columns (past them: the generated tokens', not written here)
+        for li in range(s.num_layers):
+            assert torch.equal(fused_cache.keys[li][..., :P], torch_cache.keys[li][..., :P])
+            assert torch.equal(fused_cache.values[li][:, :, :P], torch_cache.values[li][:, :, :P])
+    assert calls["norms"] > 0

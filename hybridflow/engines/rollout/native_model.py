@@ -161,7 +161,7 @@ class NativeDecoder:
         # kv_cache.decode_attention (torch matmuls)
         self.attention_kernel = None
         # the eager decode's rotary embedding and RMSNorm as one call each (cpu_step_ops.StepOpsKernel), set
-        # by the rollout engine; active (_step_ops) only inside decode()
+        # by the rollout engine; active (_step_ops) only inside decode() and the prefill's prompt_layers
         self.step_ops = None
         self._step_ops = None
         # the eager fp32 decode step as one C call, or its layers as two each (cpu_decode_layer.DecodeLayerKernel), set
@@ -543,7 +543,8 @@ class NativeDecoder:
         """Every layer on the prompts' tokens [T] at positions [T] (``attend`` as _layers takes it) -> (hidden
         [T, hidden], normed). On CPU in bf16, where the rollout engine set the step kernels, the layers' small ops are
         the decode step's C calls (cpu_bf16_step.layers) and hidden is the final norm's output (normed True); else
-        _layers' residual stream. `prompt_logits` takes either."""
+        _layers' residual stream (in fp32 with the step's norm and rotation kernels: torch's bits). `prompt_logits`
+        takes either."""
         self._step_ops = self.step_ops
         try:
             if cpu_bf16_step.applies(self, self.layer_kernel):
