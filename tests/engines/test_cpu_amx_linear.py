@@ -128,9 +128,36 @@ def test_routed_experts_refuse_an_expert_id_out_of_range(moe_engine, monkeypatch
     decoder = moe_engine.model
     h = torch.randn(4, decoder.shape.hidden_size).bfloat16()
     bad = torch.full((4, decoder.shape.experts_per_token), decoder.shape.num_experts)
-    monkeypatch.setattr(cpu_bf16_step, "route", lambda *args: (torch.ones(4, 2, dtype=torch.bfloat16), bad))
+    monkeypatch.setattr(cpu_bf16_step._RoutedState, "route",
+                        lambda *args: (torch.ones(4, 2, dtype=torch.bfloat16), bad))
     with pytest.raises(IndexError, match=f"outside its {decoder.shape.num_experts}"):
         cpu_bf16_step.routed_experts(decoder, 0, h, decoder.layer_kernel)
+
+
+def _torch_router(monkeypatch, decoder) -> None:
+    """The routed layers route with torch's router (called back from the one-call step) from now on."""
+    monkeypatch.setattr(cpu_bf16_step.cpu_moe_router, "load", lambda: None)
+    monkeypatch.delitem(cpu_bf16_step._states, decoder, raising=False)
+
+
+def test_routing_in_c_gives_the_torch_routers_tokens_and_routes(tmp_path, monkeypatch):
+    """The one-call step's routing in C (the router's AMX product, cpu_moe_router's softmax and top-k) against the
+    same step calling torch's router back: the same tokens, log-probs and recorded routes."""
+    if cpu_bf16_step.cpu_moe_router.load() is None:
+        pytest.skip("the C MoE router does not run here (no C++ compiler, or torch not on its AVX-512 kernels)")
+    path = write_tiny_model(str(tmp_path / "qwen3_moe"), dataclasses.replace(SIZES["tiny"], arch="qwen3_moe"), seed=2)
+    engine = create_rollout_engine("native", path, dtype="bf16", num_threads=2, record_routes=True)
+    prompts = make_prompts(engine.tokenizer)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=7)
+    calls = _count_calls(monkeypatch, "step")
+    in_c = engine.generate(prompts, params)
+    state = cpu_bf16_step._states[engine.model]
+    assert calls["C"] > 0 and state.router is not None and all(struct.route for struct in state.layers.values())
+    _torch_router(monkeypatch, engine.model)
+    called_back = engine.generate(prompts, params)
+    assert cpu_bf16_step._states[engine.model].router is None
+    for key in ("responses", "rollout_log_probs", "routed_experts"):
+        assert torch.equal(in_c.batch[key], called_back.batch[key]), key
 
 
 def test_the_bf16_moe_decode_step_runs_its_experts_in_one_call(moe_engine, monkeypatch):
@@ -154,7 +181,7 @@ def test_the_bf16_moe_decode_step_runs_its_experts_in_one_call(moe_engine, monke
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma2", "gemma3_text", "phi3"])
 def test_a_bf16_decode_step_as_one_call_is_the_layer_by_layer_steps_bits(tmp_path, arch, monkeypatch):
     """Sliding windows (mistral, gemma), soft-caps and sandwich norms (gemma2), q/k norms (qwen3, gemma3_text),
-    biases (qwen2), routers called back from C (qwen3_moe), shared-prompt and per-row caches (n = 4 and n = 1),
+    biases (qwen2), routing in C (qwen3_moe), shared-prompt and per-row caches (n = 4 and n = 1),
     greedy and sampled."""
     path = write_tiny_model(str(tmp_path / arch), dataclasses.replace(SIZES["tiny"], arch=arch), seed=0)
     engine = create_rollout_engine("native", path, dtype="bf16", num_threads=2, seed=3)
@@ -204,6 +231,7 @@ def test_the_one_call_steps_record_the_routes_and_raise_their_routers_errors(moe
         raise RuntimeError("a router that fails")
 
     monkeypatch.setattr(cpu_bf16_step, "step", counted)
+    _torch_router(monkeypatch, moe_engine.model)  # the router called back from C: its errors come back
     monkeypatch.setattr(cpu_bf16_step, "route", broken)
     with pytest.raises(RuntimeError, match="a router that fails"):
         moe_engine.generate(prompts, params)

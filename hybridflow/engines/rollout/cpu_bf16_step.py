@@ -17,7 +17,8 @@ layer is its projections plus four C calls:
 Where the projections run on AMX tiles, `step` runs all of that and the output head as one C call
 (cpu_decode_layer.c's decode_step_bf16, calling the same kernels through their function pointers), without the
 Python-level work between the calls above (argument checks, allocations, ctypes conversions) at every layer; a routed
-layer's router stays torch's, called back from C. Elsewhere `layers` runs.
+layer's routing is the router's product on AMX tiles and one C call with torch's softmax and top-k bits
+(cpu_moe_router.py), or, where that does not run, torch's router called back from C. Elsewhere `layers` runs.
 
 Exactness: each C call computes what the ops it replaces compute, bit for bit (torch's bf16 add; the step-op kernels'
 norm and rotation; the gate checked against torch's per width and thread count, else torch's ops run), so tokens and
@@ -32,6 +33,7 @@ import weakref
 
 import torch
 
+from hybridflow.engines.rollout import cpu_moe_router
 from hybridflow.engines.rollout.cpu_amx_linear import KSTEP, MAX_ROWS
 from hybridflow.engines.rollout.cpu_attention import DecodeAttentionKernel
 from hybridflow.engines.rollout.cpu_decode_layer import layer_structs
@@ -62,36 +64,62 @@ _ROUTER = ctypes.CFUNCTYPE(_int, _long)  # struct model_bf16's router
 class _MoeBf16(ctypes.Structure):  # cpu_decode_layer.c's struct moe_bf16
     _fields_ = [("linear", _ptr), ("gate_up", _ptr), ("down", _ptr), ("experts", _long), ("k", _long),
                 ("inter", _long), ("hidden", _long), ("act", _int), ("act_fma", _int), ("vact_width", _int),
-                ("vact", _ptr), ("slot", _ptr), ("rows", _ptr), ("gate_up_out", _ptr), ("act_out", _ptr), ("y", _ptr)]
+                ("vact", _ptr), ("slot", _ptr), ("rows", _ptr), ("gate_up_out", _ptr), ("act_out", _ptr), ("y", _ptr),
+                ("route", _ptr), ("router", _ptr), ("exp16", _ptr), ("normalize", _int), ("logits", _ptr),
+                ("scratch", _ptr), ("route_weights", _ptr), ("route_experts", _ptr)]
 
 
 class _RoutedState:
     """A decoder's routed-experts calls: work buffers for up to `rows` rows, and per MoE layer its struct over the
-    packed experts of `packed` (the decoder's packed weights; rebuilt when a weight update re-packs them)."""
+    packed experts of `packed` (the decoder's packed weights; rebuilt when a weight update re-packs them). With the C
+    router (cpu_moe_router.py) each layer's struct routes its rows itself into that layer's own route buffers."""
 
     def __init__(self, decoder, rows: int):
         s, k = decoder.shape, decoder.shape.experts_per_token
         inter, hidden, slots = s.moe_intermediate_size, s.hidden_size, rows * k
         self.rows, self.packed, self.layers = rows, None, {}
+        self.router = cpu_moe_router.load()
         self.buffers = {"slot": torch.empty(slots, dtype=torch.int64)} | {
             name: torch.empty(slots, width, dtype=torch.bfloat16)
             for name, width in (("rows", hidden), ("gate_up_out", 2 * inter), ("act_out", inter), ("y", hidden))}
+        if self.router is not None:
+            self.buffers |= {"logits": torch.empty(rows, s.num_experts, dtype=torch.bfloat16),
+                             "scratch": torch.empty(self.router.scratch_bytes(s.num_experts), dtype=torch.uint8)}
+        self.routes = {}  # layer -> (weights [rows, k] bf16, experts [rows, k] int64): its last routing in C
 
     def struct(self, decoder, li: int) -> _MoeBf16:
         packed = decoder.packed_weights()
         if packed is not self.packed:
             self.packed, self.layers = packed, {}
         if li not in self.layers:
-            s, experts = decoder.shape, packed["layers"][li]["experts"]
+            s, weights = decoder.shape, packed["layers"][li]
+            experts = weights["experts"]
             gate_up = (_ptr * len(experts))(*(pair[0].tiles.data_ptr() for pair in experts))
             down = (_ptr * len(experts))(*(pair[1].tiles.data_ptr() for pair in experts))
             struct = _MoeBf16(linear=decoder.amx_kernel.linear_address, gate_up=ctypes.addressof(gate_up),
                               down=ctypes.addressof(down), experts=len(experts), k=s.experts_per_token,
                               inter=s.moe_intermediate_size, hidden=s.hidden_size,
-                              **{name: t.data_ptr() for name, t in self.buffers.items()})
+                              **{name: self.buffers[name].data_ptr()
+                                 for name in ("slot", "rows", "gate_up_out", "act_out", "y")})
+            if self.router is not None and "router" in weights:
+                routes = self.routes.setdefault(li, (
+                    torch.empty(self.rows, s.experts_per_token, dtype=torch.bfloat16),
+                    torch.empty(self.rows, s.experts_per_token, dtype=torch.int64)))
+                struct.route, struct.router = self.router.address, weights["router"].tiles.data_ptr()
+                struct.exp16, struct.normalize = self.router.exp, int(s.norm_topk_prob)
+                struct.logits, struct.scratch = self.buffers["logits"].data_ptr(), self.buffers["scratch"].data_ptr()
+                struct.route_weights, struct.route_experts = routes[0].data_ptr(), routes[1].data_ptr()
             struct.keep = (gate_up, down)  # the pointer arrays live as long as the struct
             self.layers[li] = struct
         return self.layers[li]
+
+    def route(self, decoder, li: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer li's routing of h [R, hidden] as the C step routes it: (weights [R, k], experts [R, k])."""
+        s = decoder.shape
+        if self.router is None or "router" not in decoder.packed_weights()["layers"][li]:
+            return route(h, decoder.layers[li]["router"], s.experts_per_token, s.norm_topk_prob)
+        logits = decoder.amx_kernel.linear(h, decoder.packed_weights()["layers"][li]["router"], None)
+        return self.router.route(logits, s.experts_per_token, s.norm_topk_prob)
 
 
 _states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> _RoutedState
@@ -118,15 +146,16 @@ def _experts_struct(decoder, li: int, rows: int, gate: tuple[int, int, int, int]
 
 def routed_experts(decoder, li: int, h: torch.Tensor, kernel) -> torch.Tensor | None:
     """Routed-experts layer li's MLP output [R, hidden] for the MLP norm's output h [R, hidden] (bf16, contiguous):
-    the router in torch (moe.route, recorded for routing replay), then the experts and their weighted sum as one C call
-    (cpu_decode_layer.c's moe_experts_bf16) on the experts' AMX tiles, the bits of moe.py's dispatch on the same
-    kernels. None where it does not apply (`_experts_gate`) and the caller runs the decoder's own MLP."""
+    the routing as the one-call step routes (`_RoutedState.route`; recorded for routing replay), then the experts
+    and their weighted sum as one C call (cpu_decode_layer.c's moe_experts_bf16) on the experts' AMX tiles, the bits
+    of moe.py's dispatch on the same kernels. None where it does not apply (`_experts_gate`) and the caller runs the
+    decoder's own MLP."""
     s, rows, threads = decoder.shape, h.shape[0], torch.get_num_threads()
     gate = _experts_gate(decoder, kernel, rows, threads)
     if gate is None:
         return None
     struct = _experts_struct(decoder, li, rows, gate)
-    weights, experts = route(h, decoder.layers[li]["router"], s.experts_per_token, s.norm_topk_prob)
+    weights, experts = _states[decoder].route(decoder, li, h)
     if decoder.route_log is not None:
         decoder.route_log.append(experts)
     weights, experts = weights.contiguous(), experts.to(torch.int64).contiguous()
@@ -301,8 +330,9 @@ def step(decoder, tokens: torch.Tensor, positions: torch.Tensor, cache, rows, st
     lenA, lenB = DecodeAttentionKernel.lengths(cache, length)
     work = prepared.work(decoder, R, threads, lenA + lenB)
     layers = prepared.layer_structs(decoder, cache)
-    for li in prepared.routed:  # work buffers for this step's rows
-        layers[li].moe = ctypes.addressof(_experts_struct(decoder, li, R, prepared.experts_gate))
+    routed = {li: _experts_struct(decoder, li, R, prepared.experts_gate) for li in prepared.routed}
+    for li, struct in routed.items():  # work buffers for this step's rows
+        layers[li].moe = ctypes.addressof(struct)
     x = work.buffers["x"].copy_(decoder._embed(tokens))  # the residual stream, as `layers` starts it
     if decoder.embed_scale is not None:
         x.mul_(decoder.embed_scale)
@@ -324,6 +354,9 @@ def step(decoder, tokens: torch.Tensor, positions: torch.Tensor, cache, rows, st
         raise IndexError(f"native rollout: a router chose experts outside its {s.num_experts}")
     if failed:  # nothing computed
         return None
+    if decoder.route_log is not None:  # the routes chosen in C, layer by layer (the called-back router records its own)
+        state = _states[decoder]
+        decoder.route_log.extend(state.routes[li][1][:R].clone() for li, struct in routed.items() if struct.route)
     logits = logits.float()
     cap = s.final_softcap
     if cap is not None:  # Gemma 2, as NativeDecoder._head: cap * tanh(logits / cap)

@@ -410,6 +410,18 @@ struct moe_bf16 {
     bf16 *gate_up_out; /* [R k, 2 inter] */
     bf16 *act_out; /* [R k, inter] */
     bf16 *y;       /* [R k, hidden]: each assignment's expert output */
+    /* the routing in C (cpu_moe_router.cpp's route_bf16; NULL: the step calls the model's router back): the router's
+       product on `router` [experts, hidden] packed, into logits [R, experts], then route_weights and route_experts
+       [R, k] (this layer's own, so that a step's routes can be recorded) */
+    void (*route)(long R, long E, long k, int normalize, const bf16 *logits, const void *exp16, bf16 *weights,
+                  int64_t *experts, void *scratch);
+    const bf16 *router;
+    const void *exp16;
+    int normalize;
+    bf16 *logits;
+    void *scratch;
+    bf16 *route_weights;
+    int64_t *route_experts;
 };
 
 /* out [R, hidden] = sum over each row's k experts of weight * expert_mlp(h) for h [R, hidden], weights and expert ids
@@ -525,7 +537,8 @@ struct step_bf16 {
    logits [R, vocab] bf16 of the residual stream x [R, hidden] (the scaled embeddings, updated in place). Each layer:
    qkv product; q/k norms, rotation and contiguous q, k, v (one call); attention (writing this step's k, v into the
    cache); o product; residual add and the MLP's norm; gate_up product; the gate; down product; residual add and the
-   next norm; on a routed layer the router (called back) and moe_experts_bf16 instead of the three MLP calls.
+   next norm; on a routed layer its routing (the router's product and route_bf16, or the router called back) and
+   moe_experts_bf16 instead of the three MLP calls.
    `layers` are struct layer with bf16 tensors and AMX-packed weights. Returns 0; -1 when no vector function was given
    (nothing is computed), -2 when a router failed, -3 when it chose an expert out of range. */
 int decode_step_bf16(const struct model_bf16 *m, const struct layer *layers, long n_layers,
@@ -547,9 +560,15 @@ int decode_step_bf16(const struct model_bf16 *m, const struct layer *layers, lon
         m->linear(s->attn, R, H * D, l->o, hid, l->o_bias, s->out, T);
         m->add_rms(R, hid, s->x, s->out, m->sandwich ? l->post_attn_norm : NULL,
                    m->sandwich ? l->pre_ff_norm : l->post_attn_norm, m->eps, m->offset, s->h, T);
-        if (l->moe) {
+        const struct moe_bf16 *e = l->moe;
+        if (e && e->route) {
+            m->linear(s->h, R, hid, e->router, e->experts, NULL, e->logits, T);
+            e->route(R, e->experts, e->k, e->normalize, e->logits, e->exp16, e->route_weights, e->route_experts,
+                     e->scratch);
+            if (moe_experts_bf16(e, R, s->h, e->route_weights, e->route_experts, s->out, T) != 0) return -3;
+        } else if (e) {
             if (m->router(li) != 0) return -2;
-            if (moe_experts_bf16(l->moe, R, s->h, s->route_weights, s->route_experts, s->out, T) != 0) return -3;
+            if (moe_experts_bf16(e, R, s->h, s->route_weights, s->route_experts, s->out, T) != 0) return -3;
         } else {
             m->linear(s->h, R, hid, l->gate_up, 2 * I, l->gate_up_bias, s->gate_up, T);
             act_mul_bf16(m->act, m->act_fma, m->vact, m->vact_width, s->gate_up, R, I, s->act, T);

@@ -20,12 +20,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["dense_experts", "dispatch", "moe_mlp", "route"]
+__all__ = ["dense_experts", "dispatch", "moe_mlp", "route", "route_logits"]
 
 
 def route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], router [E, H] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
-    logits = F.linear(x, router)
+    return route_logits(F.linear(x, router), k, normalize)
+
+
+def route_logits(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's logits [T, E] -> (weights [T, k] in their dtype, expert ids [T, k])."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, k, dim=-1)
     if normalize:

@@ -335,6 +335,8 @@ class NativeDecoder:
                 packed["experts"] = [(pack(gate_up, old_gate_up), pack(down, old_down))
                                      for gate_up, down, (old_gate_up, old_down)
                                      in zip(layer["experts_gate_up"], layer["experts_down"], old_experts)]
+                if self.matmul == "amx":  # the bf16 step's router product (cpu_bf16_step.py, cpu_moe_router.py)
+                    packed["router"] = pack(layer["router"], old.get("router"))
         head = pack(self.lm_head, stale["lm_head"] if stale is not None else None)
         if buffer is not None:  # huge pages asked for: any the kernel gave as 4 KiB ones, collapsed now
             hf_device.collapse_huge_pages(buffer)
@@ -549,9 +551,9 @@ class NativeDecoder:
         try:
             if cpu_bf16_step.applies(self, self.layer_kernel):
                 return cpu_bf16_step.layers(self, tokens, positions, attend, self.layer_kernel), True
+            return self._layers(tokens, positions, attend), False
         finally:
             self._step_ops = None
-        return self._layers(tokens, positions, attend), False
 
     def prompt_logits(self, hidden: torch.Tensor, normed: bool) -> torch.Tensor:
         """fp32 logits [..., V] of rows of `prompt_layers`' hidden states."""
