@@ -185,7 +185,8 @@ def test_a_bf16_decode_step_as_one_call_is_the_layer_by_layer_steps_bits(tmp_pat
     greedy and sampled."""
     path = write_tiny_model(str(tmp_path / arch), dataclasses.replace(SIZES["tiny"], arch=arch), seed=0)
     engine = create_rollout_engine("native", path, dtype="bf16", num_threads=2, seed=3)
-    calls = _count_calls(monkeypatch, "step")
+    monkeypatch.setattr(cpu_bf16_step, "loop", lambda *args, **kwargs: None)  # the steps from Python (the C loop:
+    calls = _count_calls(monkeypatch, "step")  # test_the_bf16_decode_loop_in_c_is_the_python_loops_bits)
     counted = cpu_bf16_step.step
     prompts = make_prompts(engine.tokenizer)
     for params in (SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=7),
@@ -241,3 +242,31 @@ def test_the_one_call_steps_record_the_routes_and_raise_their_routers_errors(moe
         moe_engine.generate(prompts, params)
     monkeypatch.undo()
     assert moe_engine.generate(prompts, params).batch["responses"].shape[1] == 6  # the engine still works
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma2", "gemma3_text", "phi3"])
+def test_the_bf16_decode_loop_in_c_is_the_python_loops_bits(tmp_path, arch, monkeypatch):
+    """The bf16 decode loop in C (cpu_bf16_step.loop: choose, record, stop and the one-call step, step after step)
+    against the Python loop around the same one-call steps: sampled, greedy, top-k and top-p, rows dropped as they
+    stop, shared-prompt and per-row caches. Gemma 2's soft-capped logits keep the Python loop."""
+    path = write_tiny_model(str(tmp_path / arch), dataclasses.replace(SIZES["tiny"], arch=arch), seed=0)
+    engine = create_rollout_engine("native", path, dtype="bf16", num_threads=2, seed=3)
+    real = cpu_bf16_step.loop
+    made = []
+
+    def counted(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    prompts = make_prompts(engine.tokenizer)
+    for params in (SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=7),
+                   SamplingParams(greedy=True, max_new_tokens=12),
+                   SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=10, n=2, seed=3),
+                   SamplingParams(temperature=1.0, max_new_tokens=16, n=4, seed=5, stop_token_ids=list(range(40, 90)))):
+        monkeypatch.setattr(cpu_bf16_step, "loop", counted)
+        in_c = engine.generate(prompts, params)
+        monkeypatch.setattr(cpu_bf16_step, "loop", lambda *args, **kwargs: None)
+        python = engine.generate(prompts, params)
+        assert torch.equal(in_c.batch["responses"], python.batch["responses"])
+        assert torch.equal(in_c.batch["rollout_log_probs"], python.batch["rollout_log_probs"])
+    assert made and all((loop is None) == (arch == "gemma2") for loop in made)

@@ -18,7 +18,9 @@ Where the projections run on AMX tiles, `step` runs all of that and the output h
 (cpu_decode_layer.c's decode_step_bf16, calling the same kernels through their function pointers), without the
 Python-level work between the calls above (argument checks, allocations, ctypes conversions) at every layer; a routed
 layer's routing is the router's product on AMX tiles and one C call with torch's softmax and top-k bits
-(cpu_moe_router.py), or, where that does not run, torch's router called back from C. Elsewhere `layers` runs.
+(cpu_moe_router.py), or, where that does not run, torch's router called back from C. Elsewhere `layers` runs. Where
+the steps are one call each, `loop` runs the generate call's decode loop in C as well (choosing, recording and
+stopping between the steps, as the fp32 loop of cpu_decode_layer.py).
 
 Exactness: each C call computes what the ops it replaces compute, bit for bit (torch's bf16 add; the step-op kernels'
 norm and rotation; the gate checked against torch's per width and thread count, else torch's ops run), so tokens and
@@ -33,13 +35,13 @@ import weakref
 
 import torch
 
-from hybridflow.engines.rollout import cpu_moe_router
+from hybridflow.engines.rollout import cpu_moe_router, cpu_sampling
 from hybridflow.engines.rollout.cpu_amx_linear import KSTEP, MAX_ROWS
 from hybridflow.engines.rollout.cpu_attention import DecodeAttentionKernel
-from hybridflow.engines.rollout.cpu_decode_layer import layer_structs
+from hybridflow.engines.rollout.cpu_decode_layer import DecodeLoop, layer_structs
 from hybridflow.engines.rollout.moe import route
 
-__all__ = ["applies", "layers", "routed_experts", "step"]
+__all__ = ["applies", "layers", "loop", "routed_experts", "step"]
 
 _ptr, _long, _int, _float = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 
@@ -101,7 +103,7 @@ class _RoutedState:
                               inter=s.moe_intermediate_size, hidden=s.hidden_size,
                               **{name: self.buffers[name].data_ptr()
                                  for name in ("slot", "rows", "gate_up_out", "act_out", "y")})
-            if self.router is not None and "router" in weights:
+            if _routes_in_c(decoder, li):
                 routes = self.routes.setdefault(li, (
                     torch.empty(self.rows, s.experts_per_token, dtype=torch.bfloat16),
                     torch.empty(self.rows, s.experts_per_token, dtype=torch.int64)))
@@ -116,13 +118,18 @@ class _RoutedState:
     def route(self, decoder, li: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer li's routing of h [R, hidden] as the C step routes it: (weights [R, k], experts [R, k])."""
         s = decoder.shape
-        if self.router is None or "router" not in decoder.packed_weights()["layers"][li]:
+        if self.router is None or not _routes_in_c(decoder, li):
             return route(h, decoder.layers[li]["router"], s.experts_per_token, s.norm_topk_prob)
         logits = decoder.amx_kernel.linear(h, decoder.packed_weights()["layers"][li]["router"], None)
         return self.router.route(logits, s.experts_per_token, s.norm_topk_prob)
 
 
 _states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> _RoutedState
+
+
+def _routes_in_c(decoder, li: int) -> bool:
+    """Whether routed layer li routes in C (cpu_moe_router.py): the kernel runs here and the router is AMX-packed."""
+    return cpu_moe_router.load() is not None and "router" in decoder.packed_weights()["layers"][li]
 
 
 def _experts_gate(decoder, kernel, rows: int, threads: int) -> tuple[int, int, int, int] | None:
@@ -362,3 +369,49 @@ def step(decoder, tokens: torch.Tensor, positions: torch.Tensor, cache, rows, st
     if cap is not None:  # Gemma 2, as NativeDecoder._head: cap * tanh(logits / cap)
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+class _Bf16Loop(DecodeLoop):
+    """cpu_decode_layer.DecodeLoop with `step`'s one-call bf16 steps (cpu_decode_layer.c's decode_loop_bf16): the
+    same choosing, recording and stopping, each step's embeddings, layers and head as `step` computes them."""
+
+    def _bind(self, R: int, threads: int):
+        decoder, kernel = self.decoder, self.kernel
+        prepared = _prepared(decoder, kernel, threads)
+        work = prepared.work(decoder, R, threads, self.keys)
+        layers = prepared.layer_structs(decoder, self.cache)
+        for li in prepared.routed:  # work buffers for R rows
+            layers[li].moe = ctypes.addressof(_experts_struct(decoder, li, R, prepared.experts_gate))
+        head = decoder.packed_weights()["lm_head"]
+        step_logits = torch.empty(R, head.out_features, dtype=torch.bfloat16)
+        scale = 0.0 if decoder.embed_scale is None else float(decoder.embed_scale)
+        args = (ctypes.addressof(prepared.model), ctypes.addressof(layers), len(layers), ctypes.addressof(work))
+        rest = (decoder.embed.data_ptr(), decoder.embed.shape[0], scale, decoder.norm.data_ptr(),
+                head.tiles.data_ptr())
+
+        def call(state: int, step: int, logits: int) -> int:
+            return kernel.loop_bf16(*args, state, step, logits, *rest)
+
+        return head.out_features, call, work, {"step_logits": step_logits, "layers": layers}
+
+
+def loop(decoder, cache, prompt_bias: torch.Tensor, kernel, *, greedy: bool, temperature: float, top_k: int,
+         top_p: float, stop_ids: torch.Tensor, max_new: int, compact_fraction: float) -> DecodeLoop | None:
+    """A generate call's bf16 decode loop in C (cpu_decode_layer.DecodeLoop's contract) for `decoder` on `cache`, rows
+    with prompt masks prompt_bias [R, P]; None where it does not apply: where a step is not `step`'s one C call (see
+    `_prepared`; more than MAX_ROWS rows), a routed layer would call torch's router back, the logits are soft-capped
+    (Gemma 2: in torch after the step), the attention kernel does not read this cache or a prompt mask is not left
+    padding, or the sampling kernel did not build."""
+    if (not hasattr(kernel, "act_mul") or decoder.dtype != torch.bfloat16 or decoder.device.type != "cpu"
+            or not hasattr(decoder.step_ops, "add_rms_norm")):
+        return None
+    threads, sampler = torch.get_num_threads(), cpu_sampling.load()
+    prepared = _prepared(decoder, kernel, threads)
+    attention = decoder.attention_kernel
+    if (prepared is None or sampler is None or prompt_bias.shape[0] > MAX_ROWS or decoder.shape.final_softcap
+            or cache.keys[0].dtype != torch.bfloat16 or not attention.supports(cache)
+            or attention.starts(prompt_bias, cache.prompt_len, 1, (None,)) is None
+            or any(not _routes_in_c(decoder, li) for li in prepared.routed)):
+        return None
+    return _Bf16Loop(kernel, decoder, cache, sampler, greedy=greedy, temperature=temperature, top_k=top_k,
+                     top_p=top_p, stop_ids=stop_ids, max_new=max_new, compact_fraction=compact_fraction)

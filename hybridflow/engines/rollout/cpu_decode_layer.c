@@ -647,65 +647,109 @@ struct loop {
     long prompt_len, offset;        /* kv_cache.py's */
     int shared;                     /* a shared prompt cache (segment A the prompts, B the generated tokens) */
     long step;                      /* out: the step the call stopped at */
+    bf16 *step_logits;              /* [R, vocab]: a bf16 step's logits (decode_loop_bf16) */
 };
 
-/* Steps from `step` on, whose logits [R, vocab] are `logits` (the prefill's, or a decode step's): choose each row's
-   token, record it (token, log-prob, and the length where it is a stop token), then decode the next step with those
-   tokens, as native_rollout.py's loop does step by step. Returns 1 after the last step or once every row has
-   stopped; 0 after recording a step at which enough rows have stopped to drop them (the caller drops them and
-   decodes that step); 2 before choosing a step whose draws are not in `uniforms`; -1 when a token is outside the
-   embedding; -2 when a row of logits is no distribution (a NaN, +inf or only -inf); -3 when the top-k / top-p
-   scratch could not be allocated. L->step: the step it stopped at;
-   on 2 the step's logits are in L->logits. */
+/* Choose each row's token of step `step` from its logits [R, vocab], record it (token, log-prob, and the length where
+   it is a stop token), as native_rollout.py's loop does. Returns 1 after the last step or once every row has
+   stopped; 0 when enough rows have stopped to drop them; 2 before choosing a step whose draws are not in `uniforms`;
+   -2 when a row of logits is no distribution (a NaN, +inf or only -inf); -3 when the top-k / top-p scratch could not
+   be allocated; 3: go on (decode the next step). */
+static long choose_and_record(struct loop *L, long R, long step, const float *logits, int threads) {
+    const long V = L->vocab;
+    L->step = step;
+    if (!L->greedy && step >= L->uniforms_end) return 2;
+    const double *u = L->greedy ? NULL : L->uniforms + (step - L->uniforms_first) * R;
+    const long undecided =
+        L->filtered ? L->filtered(R, V, logits, V, L->temperature, L->top_k, L->top_p, u, L->tokens, L->log_probs,
+                                  threads)
+                    : L->sample(R, V, logits, V, L->temperature, L->greedy, u, L->tokens, L->log_probs, L->sums,
+                                threads);
+    if (undecided < 0) return -3;
+    if (undecided) return -2;
+    for (long r = 0; r < R; r++) {
+        const long at = L->row_index[r] * L->max_new + step;
+        L->out_tokens[at] = L->tokens[r];
+        L->out_log_probs[at] = L->log_probs[r];
+        if (L->done[r]) continue;
+        for (long j = 0; j < L->n_stop; j++)
+            if (L->tokens[r] == L->stop_ids[j]) {
+                L->out_lengths[L->row_index[r]] = step + 1;
+                L->done[r] = 1;
+                L->n_done++;
+                break;
+            }
+    }
+    if (step == L->max_new - 1 || L->n_done == R) return 1;
+    if (L->n_done && (double)L->n_done >= L->compact_fraction * (double)R) return 0;
+    return 3;
+}
+
+/* Decode step `step` (its K/V go to generated column `step`, it attends to `step + 1` generated keys): the cache's
+   two key counts, and each layer's first attended column per row (the pads, clamped to a sliding window, as
+   cpu_attention.py's `starts`) into starts[layers]. */
+static void step_columns(struct loop *L, long R, long n_layers, long step, int *lenA, int *lenB,
+                         const int32_t **starts) {
+    const long length = step + 1;
+    *lenA = (int)(L->shared ? L->prompt_len : L->offset + length);
+    *lenB = (int)(L->shared ? length : 0);
+    for (long li = 0; li < n_layers; li++) {
+        const long window = L->windows[li];
+        if (!window) {
+            starts[li] = L->pads;
+            continue;
+        }
+        int32_t *start = L->starts + li * R;
+        const long first = L->prompt_len + length - window;
+        for (long r = 0; r < R; r++) start[r] = L->pads[r] < first ? (int32_t)first : L->pads[r];
+        starts[li] = start;
+    }
+}
+
+/* Steps from `step` on, whose logits [R, vocab] are `logits` (the prefill's, or a decode step's): choose and record
+   each step's tokens (choose_and_record), then decode the next step with them as one C call (decode_step_f32), as
+   native_rollout.py's loop does step by step. Returns what choose_and_record returns (never 3), or -1 when a token is
+   outside the embedding. L->step: the step it stopped at; on 2 the step's logits are in L->logits. */
 long decode_loop_f32(const struct model *m, const struct layer *layers, long n_layers, struct step *s, struct loop *L,
                      long step, const float *logits, const float *embed, long vocab_rows, float embed_scale,
                      const float *final_norm, const float *head) {
     const long R = s->R, V = L->vocab;
     const int32_t *starts[n_layers > 0 ? n_layers : 1];
     for (;; step++) {
-        L->step = step;
-        if (!L->greedy && step >= L->uniforms_end) return 2;
-        const double *u = L->greedy ? NULL : L->uniforms + (step - L->uniforms_first) * R;
-        const long undecided =
-            L->filtered ? L->filtered(R, V, logits, V, L->temperature, L->top_k, L->top_p, u, L->tokens, L->log_probs,
-                                      s->threads)
-                        : L->sample(R, V, logits, V, L->temperature, L->greedy, u, L->tokens, L->log_probs, L->sums,
-                                    s->threads);
-        if (undecided < 0) return -3;
-        if (undecided) return -2;
-        for (long r = 0; r < R; r++) {
-            const long at = L->row_index[r] * L->max_new + step;
-            L->out_tokens[at] = L->tokens[r];
-            L->out_log_probs[at] = L->log_probs[r];
-            if (L->done[r]) continue;
-            for (long j = 0; j < L->n_stop; j++)
-                if (L->tokens[r] == L->stop_ids[j]) {
-                    L->out_lengths[L->row_index[r]] = step + 1;
-                    L->done[r] = 1;
-                    L->n_done++;
-                    break;
-                }
-        }
-        if (step == L->max_new - 1 || L->n_done == R) return 1;
-        if (L->n_done && (double)L->n_done >= L->compact_fraction * (double)R) return 0;
-        /* decode step `step`: its K/V go to generated column `step`, it attends to `step + 1` generated keys */
-        const long length = step + 1;
-        s->lenA = (int)(L->shared ? L->prompt_len : L->offset + length);
-        s->lenB = (int)(L->shared ? length : 0);
-        for (long li = 0; li < n_layers; li++) {
-            const long window = L->windows[li];
-            if (!window) {
-                starts[li] = L->pads;
-                continue;
-            }
-            int32_t *start = L->starts + li * R; /* the pads, clamped to the window (cpu_attention.py's `starts`) */
-            const long first = L->prompt_len + length - window;
-            for (long r = 0; r < R; r++) start[r] = L->pads[r] < first ? (int32_t)first : L->pads[r];
-            starts[li] = start;
-        }
+        const long status = choose_and_record(L, R, step, logits, s->threads);
+        if (status != 3) return status;
+        step_columns(L, R, n_layers, step, &s->lenA, &s->lenB, starts);
         if (decode_step_f32(m, layers, n_layers, s, starts, L->tokens, embed, vocab_rows, embed_scale, final_norm,
                             head, V, L->logits))
             return -1;
+        for (long r = 0; r < R; r++) L->positions[r]++;
+        logits = L->logits;
+    }
+}
+
+/* decode_loop_f32 with bf16 steps (decode_step_bf16): each step's embeddings (times embed_scale rounded to bf16 as
+   torch's bf16 product; 0: none) into s->x, its bf16 logits into L->step_logits, their fp32 values into L->logits.
+   Returns as decode_loop_f32, and -4 when a step failed (decode_step_bf16's -1 to -3). */
+long decode_loop_bf16(const struct model_bf16 *m, const struct layer *layers, long n_layers, struct step_bf16 *s,
+                      struct loop *L, long step, const float *logits, const bf16 *embed, long vocab_rows,
+                      float embed_scale, const bf16 *final_norm, const bf16 *head) {
+    const long R = s->R, V = L->vocab, hid = m->hidden;
+    const int32_t *starts[n_layers > 0 ? n_layers : 1];
+    bf16 *step_logits = L->step_logits;
+    for (;; step++) {
+        const long status = choose_and_record(L, R, step, logits, s->threads);
+        if (status != 3) return status;
+        for (long r = 0; r < R; r++)
+            if (L->tokens[r] < 0 || L->tokens[r] >= vocab_rows) return -1;
+        for (long r = 0; r < R; r++) {
+            bf16 *x = s->x + r * hid;
+            memcpy(x, embed + L->tokens[r] * hid, hid * sizeof(bf16));
+            if (embed_scale != 0.0f)
+                for (long i = 0; i < hid; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) * embed_scale);
+        }
+        step_columns(L, R, n_layers, step, &s->lenA, &s->lenB, starts);
+        if (decode_step_bf16(m, layers, n_layers, s, starts, final_norm, head, V, step_logits)) return -4;
+        for (long i = 0; i < R * V; i++) L->logits[i] = bf16_to_f32(step_logits[i]);
         for (long r = 0; r < R; r++) L->positions[r]++;
         logits = L->logits;
     }

@@ -88,7 +88,7 @@ class _Loop(ctypes.Structure):
         (name, _ptr) for name in ("out_tokens", "out_log_probs", "out_lengths", "row_index", "done")] + [
         ("n_done", _long)] + [(name, _ptr) for name in ("tokens", "log_probs", "sums", "logits", "positions", "pads",
                                                         "windows", "starts")] + [
-        ("prompt_len", _long), ("offset", _long), ("shared", _int), ("step", _long)]
+        ("prompt_len", _long), ("offset", _long), ("shared", _int), ("step", _long), ("step_logits", _ptr)]
 
 
 class _Step(ctypes.Structure):
@@ -154,6 +154,9 @@ class DecodeLayerKernel:
         self._loop = lib.decode_loop_f32
         self._loop.argtypes = [_ptr, _ptr, _long, _ptr, _ptr, _long, _ptr, _ptr, _long, _float, _ptr, _ptr]
         self._loop.restype = _long
+        self.loop_bf16 = lib.decode_loop_bf16  # the same arguments with bf16 structs (cpu_bf16_step.py's loop)
+        self.loop_bf16.argtypes = self._loop.argtypes
+        self.loop_bf16.restype = _long
         self._moe_out = lib.layer_moe_out_f32
         self._moe_out.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
         self._moe_out.restype = _int
@@ -477,7 +480,8 @@ def layer_structs(decoder, packed: dict, cache, address) -> ctypes.Array:
 
 
 class DecodeLoop:
-    """A generate call's decode loop in C (``decode_loop_f32``): from a step whose logits are ready, each step's
+    """A generate call's decode loop in C (``decode_loop_f32``; bf16: cpu_bf16_step.loop, ``decode_loop_bf16``, whose
+    subclass binds `_bind` to the bf16 one-call step): from a step whose logits are ready, each step's
     tokens are chosen (cpu_sampling.c), recorded and checked against the stop tokens, and the next step decoded as
     one C call (`DecodeLayerKernel.step`), without returning to Python between steps: at 16 rows of a tiny model the
     Python loop around a step's C calls took as long as the calls. `run` returns after the last step, once every row
@@ -506,18 +510,15 @@ class DecodeLoop:
         when greedy. Returns (the step it stopped at, that step's tokens [R], whether the loop is finished)."""
         if positions.dtype != torch.int64 or not positions.is_contiguous():  # the C loop advances them in place
             raise TypeError(f"DecodeLoop.run: positions must be contiguous int64, got {positions.dtype}")
-        decoder, cache, kernel = self.decoder, self.cache, self.kernel
+        decoder, cache = self.decoder, self.cache
         s, threads = decoder.shape, torch.get_num_threads()
-        model, layers, head = kernel._one_call(decoder, cache, threads)
-        R, V = logits.shape[0], head.out_features
+        R = logits.shape[0]
+        prompt_index = rows.prompt_index.to(torch.int64).contiguous() if cache.shared else None
+        V, call, step_struct, keep = self._bind(R, threads)
         if logits.shape[1] != V:  # the C loop reads rows of V logits
             raise ValueError(f"DecodeLoop.run: logits of {logits.shape[1]} tokens for a head of {V}")
-        step_struct, *_ = kernel._step(decoder, R, threads, self.keys)
-        x = torch.empty(R, s.hidden_size)
-        prompt_index = rows.prompt_index.to(torch.int64).contiguous() if cache.shared else None
         pads = decoder.attention_kernel.starts(prompt_bias, cache.prompt_len, 1, (None,))[None].contiguous()
-        step_struct.x, step_struct.positions, step_struct.prompt_index = x.data_ptr(), positions.data_ptr(), _data(
-            prompt_index)
+        step_struct.positions, step_struct.prompt_index = positions.data_ptr(), _data(prompt_index)
         work = {"tokens": torch.empty(R, dtype=torch.int64), "log_probs": torch.empty(R),
                 "sums": torch.empty(R, -(-V // cpu_sampling.BLOCK), dtype=torch.float64),
                 "logits": torch.empty(R, V), "starts": torch.empty(s.num_layers, R, dtype=torch.int32)}
@@ -532,17 +533,13 @@ class DecodeLoop:
                       row_index=out.row_index.data_ptr(), done=out.done.data_ptr(), n_done=out.n_done,
                       positions=positions.data_ptr(), pads=pads.data_ptr(), windows=ctypes.addressof(self.windows),
                       prompt_len=cache.prompt_len, offset=cache.offset, shared=int(cache.shared),
-                      **{name: t.data_ptr() for name, t in work.items()})
+                      step_logits=_data(keep.get("step_logits")), **{name: t.data_ptr() for name, t in work.items()})
         logits = logits.float().contiguous()
-        scale = 0.0 if decoder.embed_scale is None else float(decoder.embed_scale)
         while True:
             if draws is not None:  # the draws of `step` on, as one [steps, R] table
                 table, end = draws.block(step)
                 state.uniforms, state.uniforms_first, state.uniforms_end = table.data_ptr(), step, end
-            status = kernel._loop(ctypes.addressof(model), ctypes.addressof(layers), len(layers),
-                                  ctypes.addressof(step_struct), ctypes.addressof(state), step, logits.data_ptr(),
-                                  decoder.embed.data_ptr(), decoder.embed.shape[0], scale, decoder.norm.data_ptr(),
-                                  head.panels.data_ptr())
+            status = call(ctypes.addressof(state), step, logits.data_ptr())
             step = state.step
             if status != 2:  # 2: the draws ran out before `step`, whose logits are in work["logits"]
                 break
@@ -557,4 +554,24 @@ class DecodeLoop:
             raise ValueError(NOT_A_DISTRIBUTION)
         if status == -3:
             raise MemoryError(cpu_sampling.filtered_scratch_error(R, V))
+        if status == -4:
+            raise RuntimeError("native rollout: a bf16 decode step in the C loop failed (its router)")
         return step, work["tokens"], status == 1
+
+    def _bind(self, R: int, threads: int) -> tuple[int, object, ctypes.Structure, dict]:
+        """The loop's C call for R rows: (vocabulary size, ``call(state address, step, logits address) -> status``,
+        the step struct whose positions and prompt index the caller sets, tensors to keep alive during the call)."""
+        decoder, kernel = self.decoder, self.kernel
+        model, layers, head = kernel._one_call(decoder, self.cache, threads)
+        step_struct, *_ = kernel._step(decoder, R, threads, self.keys)
+        x = torch.empty(R, decoder.shape.hidden_size)
+        step_struct.x = x.data_ptr()
+        scale = 0.0 if decoder.embed_scale is None else float(decoder.embed_scale)
+        args = (ctypes.addressof(model), ctypes.addressof(layers), len(layers), ctypes.addressof(step_struct))
+        rest = (decoder.embed.data_ptr(), decoder.embed.shape[0], scale, decoder.norm.data_ptr(),
+                head.panels.data_ptr())
+
+        def call(state: int, step: int, logits: int) -> int:
+            return kernel._loop(*args, state, step, logits, *rest)
+
+        return head.out_features, call, step_struct, {"x": x}

@@ -40,7 +40,7 @@ import torch
 
 from hybridflow import device as hf_device
 from hybridflow.engines.batch_invariant import onednn_matmuls
-from hybridflow.engines.rollout import cpu_attention, cpu_decode_layer, cpu_sampling, cpu_step_ops
+from hybridflow.engines.rollout import cpu_attention, cpu_bf16_step, cpu_decode_layer, cpu_sampling, cpu_step_ops
 from hybridflow.engines.rollout.arch_specs import resolve
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
 from hybridflow.engines.rollout.chunked_prefill import chunked_prefill
@@ -484,14 +484,16 @@ class _EagerSteps:
         return self.model.decode(tokens, positions, self.cache, self.running, self.row_bias, column=step)
 
     def c_loop(self, params: SamplingParams, stop_ids: torch.Tensor, max_new: int):
-        """The decode loop in C (cpu_decode_layer.DecodeLoop) where its steps are one C call each; None elsewhere
-        (the loop stays in Python)."""
+        """The decode loop in C (cpu_decode_layer.DecodeLoop; in bf16 cpu_bf16_step.loop) where its steps are one C
+        call each; None elsewhere (the loop stays in Python)."""
         kernel = self.model.layer_kernel
         if not isinstance(kernel, cpu_decode_layer.DecodeLayerKernel):
             return None
-        return kernel.loop(self.model, self.cache, self.row_bias, greedy=params.greedy,
-                           temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, stop_ids=stop_ids,
-                           max_new=max_new, compact_fraction=self.compact_fraction)
+        options = dict(greedy=params.greedy, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                       stop_ids=stop_ids, max_new=max_new, compact_fraction=self.compact_fraction)
+        if self.model.dtype == torch.bfloat16:
+            return cpu_bf16_step.loop(self.model, self.cache, self.row_bias, kernel, **options)
+        return kernel.loop(self.model, self.cache, self.row_bias, **options)
 
 
 class _StaticSteps:
