@@ -10,6 +10,7 @@ path. A library is loaded after torch, so its OpenMP calls run on torch's OpenMP
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -18,9 +19,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from hybridflow.common.machine import cpu_description
 
-__all__ = ["load_library"]
+__all__ = ["load_library", "torch_vector_function"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,3 +82,19 @@ def load_library(source: Path, stem: str, what: str, fallback: str, fast_math: b
         logger.warning("native rollout: building the CPU %s kernel with %s failed, so %s: %s", what, compiler,
                        fallback, err)
         return None
+
+
+@functools.cache
+def torch_vector_function(name: str) -> tuple[int, int] | None:
+    """(address, width) of the vector `name` ("exp" or "tanh") torch's fp32 elementwise kernels call here (Sleef's, in
+    libtorch_cpu), for the CPU capability torch dispatches to (16 floats with AVX-512, 8 with AVX2); None where it is
+    not found."""
+    width = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability())
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    if width is None or not path.exists():
+        return None
+    try:
+        function = getattr(ctypes.CDLL(os.fspath(path)), f"Sleef_{name}f{width}_u10")
+    except (OSError, AttributeError):
+        return None
+    return ctypes.cast(function, ctypes.c_void_p).value, width

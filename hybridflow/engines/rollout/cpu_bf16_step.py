@@ -103,7 +103,7 @@ class _RoutedState:
                               inter=s.moe_intermediate_size, hidden=s.hidden_size,
                               **{name: self.buffers[name].data_ptr()
                                  for name in ("slot", "rows", "gate_up_out", "act_out", "y")})
-            if _routes_in_c(decoder, li):
+            if self.router is not None and _routes_in_c(decoder, li):
                 routes = self.routes.setdefault(li, (
                     torch.empty(self.rows, s.experts_per_token, dtype=torch.bfloat16),
                     torch.empty(self.rows, s.experts_per_token, dtype=torch.int64)))
@@ -128,8 +128,11 @@ _states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> _
 
 
 def _routes_in_c(decoder, li: int) -> bool:
-    """Whether routed layer li routes in C (cpu_moe_router.py): the kernel runs here and the router is AMX-packed."""
-    return cpu_moe_router.load() is not None and "router" in decoder.packed_weights()["layers"][li]
+    """Whether routed layer li routes in C (cpu_moe_router.py): the kernel runs here, gives torch's bits for this
+    router's shape, and the router is AMX-packed."""
+    s, router = decoder.shape, cpu_moe_router.load()
+    return (router is not None and "router" in decoder.packed_weights()["layers"][li]
+            and router.agrees(s.num_experts, s.experts_per_token, s.norm_topk_prob, torch.bfloat16))
 
 
 def _experts_gate(decoder, kernel, rows: int, threads: int) -> tuple[int, int, int, int] | None:

@@ -32,15 +32,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import weakref
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from hybridflow.engines.rollout import cpu_sampling
-from hybridflow.engines.rollout.c_kernels import load_library
+from hybridflow.engines.rollout import cpu_moe_router, cpu_sampling
+from hybridflow.engines.rollout.c_kernels import load_library, torch_vector_function
 from hybridflow.engines.rollout.cpu_attention import DecodeAttentionKernel
 from hybridflow.engines.rollout.cpu_linear import PanelLinearKernel, PanelWeight
 from hybridflow.engines.rollout.cpu_step_ops import StepOpsKernel
@@ -115,22 +114,6 @@ def _panels(weight: PanelWeight | None) -> int | None:
 
 # the activations the C file computes as torch does: config name -> (its enum, the vector function torch's kernel calls)
 _ACTIVATIONS = {"silu": (0, "exp"), "gelu_pytorch_tanh": (1, "tanh")}
-
-
-@functools.cache
-def torch_vector_function(name: str) -> tuple[int, int] | None:
-    """(address, width) of the vector `name` ("exp" or "tanh") torch's fp32 elementwise kernels call here (Sleef's, in
-    libtorch_cpu), for the CPU capability torch dispatches to (16 floats with AVX-512, 8 with AVX2); None where it is
-    not found."""
-    width = {"AVX512": 16, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability())
-    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
-    if width is None or not path.exists():
-        return None
-    try:
-        function = getattr(ctypes.CDLL(os.fspath(path)), f"Sleef_{name}f{width}_u10")
-    except (OSError, AttributeError):
-        return None
-    return ctypes.cast(function, ctypes.c_void_p).value, width
 
 
 class DecodeLayerKernel:
@@ -373,11 +356,17 @@ class DecodeLayerKernel:
 
     def _routed(self, decoder, li: int, x: torch.Tensor, step: _Step, moe: _MoeStep, experts_struct: _MoeLayer,
                 model_p: int, step_p: int) -> None:
-        """Routed-experts layer li's MLP on the norm's output in the step's h buffer, added to x: the router in
-        torch (moe.route, recorded for routing replay as the eager step records it), the experts as one C call;
-        moe.py's dispatch in torch where the C gate is not torch's for the experts' width."""
+        """Routed-experts layer li's MLP on the norm's output in the step's h buffer, added to x: the router's
+        product in torch, its softmax and top-k as one C call where cpu_moe_router runs (moe.route's bits; recorded
+        for routing replay as the eager step records it), the experts as one C call; moe.py's dispatch in torch where
+        the C gate is not torch's for the experts' width."""
         s, h = decoder.shape, step.buffers["h"]
-        weights, experts = route(h, decoder.layers[li]["router"], s.experts_per_token, s.norm_topk_prob)
+        router = cpu_moe_router.load()  # torch's softmax and top-k as one C call, their bits (cpu_moe_router.py)
+        if router is None or not router.agrees(s.num_experts, s.experts_per_token, s.norm_topk_prob, h.dtype):
+            weights, experts = route(h, decoder.layers[li]["router"], s.experts_per_token, s.norm_topk_prob)
+        else:
+            weights, experts = router.route(F.linear(h, decoder.layers[li]["router"]), s.experts_per_token,
+                                            s.norm_topk_prob)
         if decoder.route_log is not None:
             decoder.route_log.append(experts)
         if moe.act < 0:

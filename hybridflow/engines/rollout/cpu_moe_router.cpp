@@ -1,7 +1,8 @@
 /* The routed layers' routing after the router's product, as torch computes it on CPU (cpu_moe_router.py).
 
-   moe.py's route_logits on bf16 logits [R, E]: softmax over the E experts in fp32, the k largest probabilities
-   (torch.topk, sorted), optionally divided by their sum, rounded to bf16. Reproduced operation by operation:
+   moe.py's route_logits on bf16 or fp32 logits [R, E]: softmax over the E experts in fp32, the k largest
+   probabilities (torch.topk, sorted), optionally divided by their sum, in the logits' dtype (bf16: rounded).
+   Reproduced operation by operation:
      - softmax: torch's last-dimension kernel on 16-float vectors (AVX-512): the maximum, exp(x - max) with the vector
        exp torch calls (Sleef's, passed in), their sum (in order below 16 experts, else 16 lanes then a fixed tree
        of lane pairs), one reciprocal, then a product per probability;
@@ -34,6 +35,10 @@ static inline bf16 to_bf16(float f) { /* round to nearest even; NaN: torch's vec
     return (bf16)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
 }
 
+static inline float to_f32(float v) { return v; }
+static inline void store(float v, bf16 *out) { *out = to_bf16(v); }
+static inline void store(float v, float *out) { *out = v; }
+
 static inline float lane_sum(__m512 v) { /* torch's reduction of one 16-lane vector */
     v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
     v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
@@ -42,8 +47,9 @@ static inline float lane_sum(__m512 v) { /* torch's reduction of one 16-lane vec
     return _mm512_cvtss_f32(v);
 }
 
-/* p [E] = softmax of the bf16 logits l [E] */
-static void softmax(const bf16 *l, long E, float *p, vector_exp exp16) {
+/* p [E] = softmax of the logits l [E] (bf16 or fp32) */
+template <typename T>
+static void softmax(const T *l, long E, float *p, vector_exp exp16) {
     float m = to_f32(l[0]);
     for (long e = 1; e < E; e++) {
         const float v = to_f32(l[e]);
@@ -80,9 +86,11 @@ static bool before(const scored &x, const scored &y) { /* NaN first, then larger
     return (x.first != x.first && y.first == y.first) || x.first > y.first;
 }
 
-/* weights [R, k] bf16 and experts [R, k] of bf16 router logits [R, E]; scratch: route_scratch_bytes(E) bytes. */
-extern "C" void route_bf16(long R, long E, long k, int normalize, const bf16 *logits, void *exp16, bf16 *weights,
-                           int64_t *experts, void *scratch) {
+/* weights [R, k] and experts [R, k] of router logits [R, E] (weights in the logits' dtype); scratch:
+   route_scratch_bytes(E) bytes. */
+template <typename T>
+static void route(long R, long E, long k, int normalize, const T *logits, void *exp16, T *weights, int64_t *experts,
+                  void *scratch) {
     scored *pairs = (scored *)scratch;
     float *probs = (float *)(pairs + E);
     for (long r = 0; r < R; r++) {
@@ -97,10 +105,20 @@ extern "C" void route_bf16(long R, long E, long k, int normalize, const bf16 *lo
         float sum = 0.0f;
         for (long j = 0; j < k; j++) sum = sum + pairs[j].first;
         for (long j = 0; j < k; j++) {
-            weights[r * k + j] = to_bf16(normalize ? pairs[j].first / sum : pairs[j].first);
+            store(normalize ? pairs[j].first / sum : pairs[j].first, weights + r * k + j);
             experts[r * k + j] = pairs[j].second;
         }
     }
+}
+
+extern "C" void route_bf16(long R, long E, long k, int normalize, const bf16 *logits, void *exp16, bf16 *weights,
+                           int64_t *experts, void *scratch) {
+    route(R, E, k, normalize, logits, exp16, weights, experts, scratch);
+}
+
+extern "C" void route_f32(long R, long E, long k, int normalize, const float *logits, void *exp16, float *weights,
+                          int64_t *experts, void *scratch) {
+    route(R, E, k, normalize, logits, exp16, weights, experts, scratch);
 }
 
 /* The scratch route_bf16 needs per call, in bytes, for E experts. */
