@@ -11,10 +11,13 @@ AMX: elsewhere these tests skip and the bf16 decoder keeps oneDNN (test_rollout_
 from __future__ import annotations
 
 import dataclasses
+import glob
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from test_rollout_engines import make_prompts, write_model
 
 from hybridflow.engines.rollout import SamplingParams, cpu_amx_linear, cpu_bf16_step, create_rollout_engine
@@ -270,3 +273,24 @@ def test_the_bf16_decode_loop_in_c_is_the_python_loops_bits(tmp_path, arch, monk
         assert torch.equal(in_c.batch["responses"], python.batch["responses"])
         assert torch.equal(in_c.batch["rollout_log_probs"], python.batch["rollout_log_probs"])
     assert made and all((loop is None) == (arch == "gemma2") for loop in made)
+
+
+def test_after_a_weight_update_the_c_routing_and_loop_match_a_fresh_engine(tmp_path):
+    """update_weights re-packs the experts and the router in place: the next call (the router's product and routing
+    in C, the loop in C) gives the tokens and log-probs of an engine loaded from the updated weights."""
+    path = write_tiny_model(str(tmp_path / "before"), dataclasses.replace(SIZES["tiny"], arch="qwen3_moe"), seed=0)
+    engine = create_rollout_engine("native", path, dtype="bf16", num_threads=2, seed=3)
+    prompts, params = make_prompts(engine.tokenizer), SamplingParams(temperature=1.0, max_new_tokens=12, n=4, seed=7)
+    engine.generate(prompts, params)
+    g = torch.Generator().manual_seed(1)
+    (weights_file,) = glob.glob(f"{path}/*.safetensors")
+    updated = {name: t + 0.05 * torch.randn(t.shape, generator=g).to(t.dtype) if t.is_floating_point() else t
+               for name, t in load_file(weights_file).items()}
+    engine.update_weights(updated.items())
+    after = engine.generate(prompts, params)
+    assert all(struct.route for struct in cpu_bf16_step._states[engine.model].layers.values())
+    other = shutil.copytree(path, str(tmp_path / "after"))
+    save_file(updated, glob.glob(f"{other}/*.safetensors")[0], metadata={"format": "pt"})
+    fresh = create_rollout_engine("native", other, dtype="bf16", num_threads=2, seed=3).generate(prompts, params)
+    assert torch.equal(after.batch["responses"], fresh.batch["responses"])
+    assert torch.equal(after.batch["rollout_log_probs"], fresh.batch["rollout_log_probs"])
