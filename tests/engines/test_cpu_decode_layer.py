@@ -358,6 +358,21 @@ def test_bf16_steps_with_the_fused_norms_and_gate_are_the_same_bits(kernel, tmp_
         assert torch.equal(got.batch["rollout_log_probs"], want.batch["rollout_log_probs"])
 
 
+def _prompt_batches(engine) -> tuple:
+    """Two prompts left-padded to one length, and two of equal length (the padded prefill runs for those)."""
+    return (engine.tokenizer(["a b c", "e f g h i j k l"], return_tensors="pt", padding=True, padding_side="left"),
+            engine.tokenizer(["a b c d", "e f g h"], return_tensors="pt"))
+
+
+def _prefill(engine, batch, dtype: torch.dtype) -> tuple[torch.Tensor, KVCache]:
+    """The engine's prefill of `batch` into a fresh cache: (the prompts' last logits, the cache)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    s = engine.model.shape
+    cache = KVCache(s.num_layers, s.num_kv_heads, s.head_dim, prompts=ids.shape[0], prompt_len=ids.shape[1], n=1,
+                    max_new=1, dtype=dtype, device=torch.device("cpu"))
+    return chunked_prefill(engine.model, ids, (mask.cumsum(-1) - 1).clamp(min=0), mask, cache, None), cache
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text", "qwen3_moe"])
 def test_a_bf16_prefill_runs_the_fused_layers_and_follows_torchs_ops(kernel, tmp_path, arch, monkeypatch):
     """The bf16 prefill (packed, and padded where no prompt is padded) with the decode step's C calls
@@ -365,8 +380,6 @@ def test_a_bf16_prefill_runs_the_fused_layers_and_follows_torchs_ops(kernel, tmp
     other way from torch's (test_cpu_step_ops.py), so the prompt's last logits agree to bf16 rounding."""
     path = write_tiny_model(str(tmp_path / arch), dataclasses.replace(SIZES["tiny"], arch=arch), seed=0)
     engine = create_rollout_engine("native", path, dtype="bf16", seed=3)
-    enc = engine.tokenizer(["a b c", "e f g h i j k l"], return_tensors="pt", padding=True, padding_side="left")
-    unpadded = engine.tokenizer(["a b c d", "e f g h"], return_tensors="pt")
     calls, real = {"fused": 0}, cpu_bf16_step.layers
 
     def counted(*args):
@@ -374,16 +387,11 @@ def test_a_bf16_prefill_runs_the_fused_layers_and_follows_torchs_ops(kernel, tmp
         return real(*args)
 
     monkeypatch.setattr(cpu_bf16_step, "layers", counted)
-    for batch in (enc, unpadded):
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    for batch in _prompt_batches(engine):
         logits = []
         for layer_kernel in (kernel, None):
             engine.model.layer_kernel = layer_kernel
-            s = engine.model.shape
-            cache = KVCache(s.num_layers, s.num_kv_heads, s.head_dim, prompts=ids.shape[0], prompt_len=ids.shape[1],
-                            n=1, max_new=1, dtype=torch.bfloat16, device=torch.device("cpu"))
-            logits.append(chunked_prefill(engine.model, ids, positions, mask, cache, None))
+            logits.append(_prefill(engine, batch, torch.bfloat16)[0])
         engine.model.layer_kernel = kernel
         torch.testing.assert_close(logits[0], logits[1], atol=0.05, rtol=0.02)
     assert calls["fused"] == 2
@@ -404,23 +412,16 @@ def test_an_fp32_prefill_with_the_step_ops_is_torchs_bit_for_bit(tmp_path, arch,
         return real(*args)
 
     monkeypatch.setattr(ops, "rms_norm", counted)
-    padded = engine.tokenizer(["a b c", "e f g h i j k l"], return_tensors="pt", padding=True, padding_side="left")
-    unpadded = engine.tokenizer(["a b c d", "e f g h"], return_tensors="pt")
-    for batch in (padded, unpadded):
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    for batch in _prompt_batches(engine):
         results = []
         for step_ops in (ops, None):
             engine.model.step_ops = step_ops
-            s = engine.model.shape
-            cache = KVCache(s.num_layers, s.num_kv_heads, s.head_dim, prompts=ids.shape[0], prompt_len=ids.shape[1],
-                            n=1, max_new=1, dtype=torch.float32, device=torch.device("cpu"))
-            results.append((chunked_prefill(engine.model, ids, positions, mask, cache, None), cache))
+            results.append(_prefill(engine, batch, torch.float32))
         engine.model.step_ops = ops
         (fused, fused_cache), (torch_ops, torch_cache) = results
         assert torch.equal(fused, torch_ops)
-        P = ids.shape[1]  # the prompts' columns (past them: the generated tokens', not written here)
-        for li in range(s.num_layers):
+        P = batch["input_ids"].shape[1]  # the prompts' columns (past them: the generated tokens', not written here)
+        for li in range(engine.model.shape.num_layers):
             assert torch.equal(fused_cache.keys[li][..., :P], torch_cache.keys[li][..., :P])
             assert torch.equal(fused_cache.values[li][:, :, :P], torch_cache.values[li][:, :, :P])
     assert calls["norms"] > 0
