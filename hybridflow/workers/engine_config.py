@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridflow.engines.fsdp_engine import EngineConfig, OptimConfig
+from hybridflow.engines.engine_config import EngineConfig, OptimConfig
 from hybridflow.engines.lora import LoraSettings
 
 STRATEGIES = ("fsdp", "fsdp2")  # veRL's names; both mean FSDP2 (torch's fully_shard) here

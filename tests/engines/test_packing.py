@@ -252,7 +252,7 @@ def test_the_default_packs_where_packing_applies_and_says_why_not_elsewhere(tiny
     model with a sliding window are bucketed, each with its reason logged; True/False are obeyed."""
     import logging
 
-    from hybridflow.engines.fsdp_engine import why_not_packed
+    from hybridflow.engines.engine_config import why_not_packed
 
     assert all(engine(tiny_model_path, role=role).packing for role in ("actor", "ref", "critic"))
     assert not engine(tiny_model_path, use_sequence_packing=False).packing
