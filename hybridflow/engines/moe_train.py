@@ -8,7 +8,8 @@ module and keeps what the routers of one micro-batch forward returned, so the en
   the real tokens only), weighted by ``router_aux_loss_coef``: the same term transformers' CausalLM forward adds when
   ``config.output_router_logits`` is true (the engine runs the backbone itself, so it adds the term itself);
 * log router statistics: how evenly each layer spreads its token->expert assignments (``max_load_ratio`` = the
-  busiest expert's share times E; 1.0 is a perfect balance, E means one expert takes every token);
+  busiest expert's share times E; 1.0 is a perfect balance, E means one expert takes every token), per MoE layer,
+  their mean and the worst layer's;
 * replay the rollout's routing (R3, ``actor.router_replay.mode=R3``): the native rollout records the experts each
   token went to (``routed_experts``), and the training forwards use that choice instead of their own top-k. Only
   the discrete choice is replayed: the weights of the chosen experts are the live router's softmax at those experts
@@ -139,17 +140,21 @@ class RouterTap:
 
     @torch.no_grad()
     def stats(self, attention_mask: torch.Tensor | None) -> dict[str, float]:
-        """Token->expert balance of the recorded forward over its real tokens: mean and worst layer."""
+        """Token->expert balance of the recorded forward over its real tokens: each MoE layer's max_load_ratio
+        (``router/layer_<i>/max_load_ratio``, i counting the MoE layers from 0), their mean and the worst layer's."""
         if not self._experts:
             return {}
         valid = None if attention_mask is None else attention_mask.reshape(-1).bool()
-        ratios = []
-        for experts in self._experts:
+        ratios: dict[int, float] = {}
+        for layer, experts in enumerate(self._experts):
             chosen = experts if valid is None else experts[valid[: experts.shape[0]]]
             if chosen.numel() == 0:
                 continue
             load = torch.bincount(chosen.reshape(-1), minlength=self.num_experts).float()
-            ratios.append(float(load.max() / load.sum() * self.num_experts))
+            ratios[layer] = float(load.max() / load.sum() * self.num_experts)
         if not ratios:
             return {}
-        return {"router/max_load_ratio": sum(ratios) / len(ratios), "router/max_load_ratio_worst_layer": max(ratios)}
+        values = list(ratios.values())
+        width = len(str(len(self._experts) - 1))  # zero-padded, so the layers sort in order in a tracker
+        return {"router/max_load_ratio": sum(values) / len(values), "router/max_load_ratio_worst_layer": max(values),
+                **{f"router/layer_{layer:0{width}d}/max_load_ratio": r for layer, r in ratios.items()}}

@@ -75,6 +75,10 @@ def test_aux_loss_adds_to_the_policy_loss_and_stats_are_logged(moe_path):
     m0 = plain.forward_backward(data, _pg_loss)
     assert "router/aux_loss" not in m0 and 1.0 <= m0["router/max_load_ratio"] <= 4.0
     assert m0["router/max_load_ratio_worst_layer"] >= m0["router/max_load_ratio"]
+    layers = [m0[key] for key in sorted(m0) if key.startswith("router/layer_")]
+    assert len(layers) == len(plain.router_tap.routers) > 1  # one ratio per MoE layer
+    assert max(layers) == m0["router/max_load_ratio_worst_layer"]
+    assert sum(layers) / len(layers) == pytest.approx(m0["router/max_load_ratio"])
     g0 = _grads(plain)
     with_aux = _engine(moe_path, router_aux_loss_coef=0.5)
     with_aux.forward_backward(data, _pg_loss)
