@@ -104,11 +104,20 @@ def apply_lora(hf_model: nn.Module, settings: LoraSettings) -> nn.Module:
 
 @contextlib.contextmanager
 def adapter_disabled(peft_model: nn.Module | None):
-    """The base model inside the block (the LoRA reference policy); nothing changes when peft_model is None."""
+    """The base model inside the block (the LoRA reference policy); nothing changes when peft_model is None.
+
+    PEFT also freezes a disabled adapter (requires_grad False until it is enabled again). The adapter stays trainable
+    here: FSDP2 fixes at a model's first forward which parameters train, and casts only their reduced gradients back
+    to the fp32 master shards (bf16 compute on several ranks). The reference pass is often the actor engine's first
+    forward (a GRPO step with KL), and an adapter frozen then would get bf16 gradients it cannot take. The pass runs
+    without grad, so the flag changes nothing else; PEFT's forward reads only whether the adapter is disabled."""
     if peft_model is None:
         yield
         return
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
     with peft_model.disable_adapter():
+        for p in trainable:
+            p.requires_grad_(True)
         yield
 
 

@@ -73,8 +73,11 @@ class EngineRank:
             self.engine.lr_scheduler_step()
         return out
 
-    def log_probs(self, shard: DataProto) -> dict:
-        return self.engine.compute_log_prob(shard, temperature=0.8, calculate_entropy=True)
+    def log_probs(self, shard: DataProto, base: bool = False) -> dict:
+        return self.engine.compute_log_prob(shard, temperature=0.8, calculate_entropy=True, base=base)
+
+    def local_lora_shards(self) -> dict[str, torch.Tensor]:
+        return {n: p.to_local().clone() for n, p in self.engine.model.named_parameters() if ".lora_" in n}
 
     def full_state_dict(self) -> dict:
         return self.engine.full_state_dict()
@@ -189,3 +192,28 @@ def test_two_ranks_train_lora_like_one_rank(ranks, tiny_model_path, tmp_path, on
     assert second[0][0]["grad_norm"] == first[0][0]["grad_norm"]
     resumed = on_all(ranks, "full_state_dict")[0]
     assert all(torch.equal(after[k], resumed[k]) for k in after)
+
+
+def test_two_ranks_lora_in_bf16_train_after_the_reference_pass(ranks, tiny_model_path):
+    """bf16 compute on sharded ranks (FSDP2 gathers bf16 parameters, reduces gradients in fp32 into the fp32 master
+    shards) with LoRA, where the actor's first forward is the reference pass with the adapter disabled, as in a
+    GRPO step with KL: PEFT freezes a disabled adapter, and FSDP2 fixes at its first forward which parameters train
+    and casts only their reduced gradients back to fp32. The updates then match one rank's within bf16 rounding."""
+    from hybridflow.engines.lora import LoraSettings
+
+    lora = LoraSettings(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    overrides = {"micro_batch_size_per_gpu": 2, "lora": lora, "param_dtype": "bf16"}
+    batches = [make_batch(rows=8, prompt_len=8, response_len=16, seed=60 + i) for i in range(2)]
+    single = FSDPEngine(EngineConfig(model_path=tiny_model_path, optim=OPTIM, **overrides))
+    base_single = single.compute_log_prob(batches[0], temperature=0.8, base=True)["log_probs"]
+    single_metrics = [single.train_step(batch, seq_mean_pg_loss) for batch in batches]
+    on_all(ranks, "build", [tiny_model_path] * WORLD, **overrides)
+    base = on_all(ranks, "log_probs", [batches[0][0:4], batches[0][4:8]], base=True)
+    assert float((torch.cat([b["log_probs"] for b in base]) - base_single).abs().max()) <= 0.05
+    before = on_all(ranks, "local_lora_shards")
+    metrics = on_all(ranks, "train", [[b[r * 4 : (r + 1) * 4] for b in batches] for r in range(WORLD)])
+    for old, new in zip(before, on_all(ranks, "local_lora_shards")):
+        assert old.keys() == new.keys() and {t.dtype for t in new.values()} == {torch.float32}
+        assert any(not torch.equal(old[k], new[k]) for k in new)
+    for step in range(2):
+        assert metrics[0][step]["grad_norm"] == pytest.approx(single_metrics[step]["grad_norm"], rel=0.05)
