@@ -8,11 +8,18 @@ with ``q_proj`` now a ``lora.Linear`` holding ``base_layer`` (the frozen weight)
 The reference policy is the same model with the adapter layers switched off (`adapter_disabled`), so a LoRA run holds
 one copy of the base weights. Weight sync and export use `merged_parameters`: HF (base) names, and for every
 LoRA-wrapped weight ``W + scaling * B @ A`` computed as that one tensor is yielded (no merged copy of the model).
+
+Mixture-of-experts models (Qwen3-MoE in transformers 5) keep their experts as 3-D parameters (``experts.gate_up_proj
+[E, ...]``) and the router as a weight of its own module; PEFT's ``all-linear`` adapts those too, each through a
+``ParamWrapper`` around the module that holds the parameter (nested: ``experts.base_layer.base_layer.gate_up_proj``
+under two wrappers, one per parameter). Their merged weight is the parameter plus PEFT's own ``get_delta_weight`` of
+each wrapper of that parameter, computed on the gathered adapter tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -129,7 +136,9 @@ def base_name(name: str) -> str | None:
     """
     if ".lora_" in name:
         return None
-    return name.replace(BASE_LAYER + ".", ".")
+    while BASE_LAYER + "." in name:  # nested wrappers (MoE experts: one per parameter) leave base_layer.base_layer
+        name = name.replace(BASE_LAYER + ".", ".")
+    return name
 
 
 def merged_parameters(
@@ -139,7 +148,8 @@ def merged_parameters(
 
     named: ``model.named_parameters()`` (names relative to `model`); gather(param) -> its full tensor (a collective
     under FSDP2: every rank iterates the same way). `prefix` is stripped from the yielded names. For the weight of a
-    LoRA Linear: ``W + scaling * B [out, r] @ A [r, in]``, one temporary of W's size.
+    LoRA Linear: ``W + scaling * B [out, r] @ A [r, in]``, one temporary of W's size; for a parameter under PEFT
+    ParamWrappers (MoE experts and router): plus each wrapper's delta of that parameter.
     """
     modules = dict(model.named_modules())
     for name, param in named:
@@ -147,11 +157,39 @@ def merged_parameters(
         if plain is None:
             continue
         full = gather(param)
-        if name.endswith(BASE_LAYER + ".weight"):
-            lora_layer = modules[name[: -len(BASE_LAYER + ".weight")]]
-            if ADAPTER in getattr(lora_layer, "lora_A", {}):
-                a = gather(lora_layer.lora_A[ADAPTER].weight)
-                b = gather(lora_layer.lora_B[ADAPTER].weight)
-                full = full + lora_layer.scaling[ADAPTER] * (b @ a).to(full.dtype)
-                del a, b
+        for layer in _lora_layers_of(name, modules):
+            full = full + _delta_weight(layer, gather).to(full.dtype)
         yield plain[len(prefix) :] if plain.startswith(prefix) else plain, full
+
+
+def _lora_layers_of(name: str, modules: dict[str, nn.Module]) -> list[nn.Module]:
+    """The LoRA layers whose adapter adds to parameter `name`: the wrappers above its module (``a.base_layer.weight``
+    -> ``a``; ``e.base_layer.base_layer.p`` -> ``e.base_layer`` and ``e``), a ParamWrapper only for its own
+    parameter."""
+    owner, _, leaf = name.rpartition(".")
+    layers = []
+    while owner.endswith(BASE_LAYER):
+        owner = owner[: -len(BASE_LAYER)]
+        layer = modules[owner]
+        if ADAPTER not in getattr(layer, "lora_A", {}):
+            continue
+        if getattr(layer, "parameter_name", "weight") == leaf:
+            layers.append(layer)
+    return layers
+
+
+def _delta_weight(layer: nn.Module, gather) -> torch.Tensor:
+    """The layer's ``scaling * B @ A`` in its base parameter's shape, from the gathered adapter tensors. A lora.Linear:
+    that product. A ParamWrapper: PEFT's own get_delta_weight (its expert layout), called on a shallow copy of the
+    layer that holds the gathered tensors instead of its (possibly sharded) ones."""
+    a = gather(layer.lora_A[ADAPTER].weight)
+    b = gather(layer.lora_B[ADAPTER].weight)
+    if not hasattr(layer, "parameter_name"):
+        return layer.scaling[ADAPTER] * (b @ a)
+    full = copy.copy(layer)
+    full._modules = dict(layer._modules)  # the copy's own children: lora_A / lora_B replaced below, not the layer's
+    for key, weight in (("lora_A", a), ("lora_B", b)):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        full._modules[key] = nn.ModuleDict({ADAPTER: linear})
+    return full.get_delta_weight(ADAPTER)

@@ -162,3 +162,51 @@ def test_lora_composes_with_gradient_checkpointing(tiny_model_path):
     assert a["grad_norm"] > 0 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * a["grad_norm"]
     x, y = plain.full_state_dict(), recomputed.full_state_dict()
     assert max(float((x[k] - y[k]).abs().max()) for k in x) <= 1e-6
+
+
+def test_mixture_of_experts_adapts_experts_and_router_and_merges_them(tmp_path):
+    """PEFT's all-linear on Qwen3-MoE (transformers 5) adapts the attention Linears and, through ParamWrappers, the 3-D
+    expert parameters and the router weight. The merged weights carry the plain names, give the adapted model's
+    logits, sync the native rollout (mismatch within fp32 rounding) and export as a merged model and as a PEFT adapter
+    that loads back."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.cli import main as cli_main
+    from hybridflow.engines.tiny import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "moe", "unit", arch="qwen3_moe", seed=0)
+    engine = lora_engine(path, LoraSettings(rank=4, alpha=8))
+    adapted = {n for n, _ in engine.model.named_parameters() if ".lora_A." in n}
+    assert any(".experts." in n for n in adapted) and any(".mlp.gate." in n for n in adapted)
+    for i in range(2):
+        engine.train_step(make_batch(rows=8, prompt_len=8, response_len=12, seed=i), seq_mean_pg_loss)
+    merged = dict(engine.named_full_parameters())
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    base = plain.state_dict()
+    assert set(merged) <= set(base) and set(base) - set(merged) <= {"lm_head.weight"}  # a tied head once
+    experts = "model.layers.1.mlp.experts.gate_up_proj"
+    assert not torch.equal(merged[experts], base[experts])
+    plain.load_state_dict(merged, strict=False)
+    ids = torch.randint(4, 250, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = engine.model.hf(input_ids=ids).logits
+        assert float((plain(input_ids=ids).logits - want).abs().max()) <= 1e-5
+
+    rollout = create_rollout_engine("native", path, num_threads=1)
+    rollout.update_weights(engine.named_full_parameters())
+    params = SamplingParams(temperature=0.8, n=2, max_new_tokens=10, seed=1)
+    out = rollout.generate(make_prompts(rollout.tokenizer), params)
+    train = engine.compute_log_prob(out, temperature=0.8)["log_probs"]
+    stats = logprob_mismatch(out.batch["rollout_log_probs"], train, out.batch["response_mask"])
+    assert stats["mismatch/max_abs"] <= 1e-5, stats
+
+    engine.save_checkpoint(str(tmp_path / "actor"))
+    assert cli_main(["export", str(tmp_path / "actor"), str(tmp_path / "merged")]) == 0
+    assert cli_main(["export", str(tmp_path / "actor"), str(tmp_path / "adapter"), "--adapter"]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                     str(tmp_path / "adapter"))
+    with torch.no_grad():
+        assert float((exported(input_ids=ids).logits - want).abs().max()) <= 1e-5
+        assert float((peft(input_ids=ids).logits - want).abs().max()) <= 1e-5
