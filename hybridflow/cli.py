@@ -203,7 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("path")
     tiny.add_argument("--size", default="tiny", help="unit | tiny | small | mid")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--arch", default=None, help="qwen2 (default) | qwen3 | qwen3_moe | llama | mistral | gemma2 | gemma3_text | phi3")
+    tiny.add_argument("--arch", default=None,
+                      help="qwen2 (default) | qwen3 | qwen3_moe | llama | mistral | gemma2 | gemma3_text | phi3 | "
+                           "smollm3")
     tiny.set_defaults(func=_cmd_make_tiny_model)
     return parser
 

@@ -28,10 +28,10 @@ do not move; gradients differ by rounding only (fp32 sums in another order; in b
 subclass with the fused forward; parameters and state dict are unchanged, so checkpoints, FSDP2, PEFT and export
 are too), and the rotary function of the model's transformers module is wrapped: the wrapper takes the fused path for
 plain CPU tensors of the dtypes above and calls transformers' function for anything else (bf16 tables, another
-device, a DTensor, torch.compile). Architectures: the RMSNorm of Qwen2/3, Qwen3-MoE, Llama, Mistral, Phi-3 and
-Gemma 2/3 (1 + w), the SiLU-gated MLP of Qwen2/3, Qwen3-MoE's shared/dense MLP, Llama, Mistral and Phi-3, and
-transformers' rotary function of any of them. `fused_ops_here` says whether the kernels build and the engine wants
-them (EngineConfig.fused_cpu_ops).
+device, a DTensor, torch.compile). Architectures: the RMSNorm of Qwen2/3, Qwen3-MoE, Llama, Mistral, Phi-3, SmolLM3
+and Gemma 2/3 (1 + w), the SiLU-gated MLP of Qwen2/3, Qwen3-MoE's shared/dense MLP, Llama, Mistral, Phi-3 and
+SmolLM3, and transformers' rotary function of any of them. `fused_ops_here` says whether the kernels build and the
+engine wants them (EngineConfig.fused_cpu_ops).
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ _SOURCE = Path(__file__).with_name("cpu_train_ops.c")
 
 # transformers' norm classes whose fp32 forward is x * rsqrt(mean(x^2) + eps) * w, or * (1 + w) (Gemma)
 _NORMS = {"Qwen2RMSNorm": False, "Qwen3RMSNorm": False, "Qwen3MoeRMSNorm": False, "LlamaRMSNorm": False,
-          "MistralRMSNorm": False, "Phi3RMSNorm": False, "Gemma2RMSNorm": True, "Gemma3RMSNorm": True}
+          "MistralRMSNorm": False, "Phi3RMSNorm": False, "SmolLM3RMSNorm": False, "Gemma2RMSNorm": True,
+          "Gemma3RMSNorm": True}
 # MLP classes computing down(act(gate(x)) * up(x)), and Phi-3's with one gate_up projection split in two
-_GATED_MLPS = {"Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "LlamaMLP", "MistralMLP"}
+_GATED_MLPS = {"Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "LlamaMLP", "MistralMLP", "SmolLM3MLP"}
 _FUSED_GATE_UP_MLPS = {"Phi3MLP"}
 _SILU = {"silu", "swish"}
 

@@ -22,7 +22,7 @@ from torch import nn
 __all__ = ["TP_ARCHITECTURES", "apply_tensor_parallel", "check_tensor_parallel"]
 
 # transformers model_type -> the decoder layer's projection names are the Llama ones (q/k/v/o, gate/up/down)
-TP_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text")
+TP_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "smollm3")
 
 _COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 _ROWWISE = ("self_attn.o_proj", "mlp.down_proj")

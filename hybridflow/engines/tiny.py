@@ -83,7 +83,7 @@ def build_char_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
 
 
 # Architectures a tiny model can be written in (transformers model_type names; all run on the native rollout).
-TINY_ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma2", "gemma3_text", "phi3")
+TINY_ARCHITECTURES = ("qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma2", "gemma3_text", "phi3", "smollm3")
 
 
 @dataclass
@@ -175,6 +175,12 @@ def make_config(spec: TinyModelSpec, tokenizer=None):
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
         )
+    if spec.arch == "smollm3":
+        # SmolLM3-3B's pattern: every fourth layer has no rotary embedding; the last layer is one of those here so that
+        # a two-layer model has one of each.
+        no_rope = [int((spec.num_layers - 1 - i) % 4 != 0) for i in range(spec.num_layers)]
+        return transformers.SmolLM3Config(**common, rope_parameters=rope, no_rope_layers=no_rope,
+                                          use_sliding_window=window is not None, sliding_window=window)
     raise ValueError(f"unknown tiny-model architecture {spec.arch!r}; choose one of {list(TINY_ARCHITECTURES)}")
 
 

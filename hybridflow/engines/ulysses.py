@@ -28,7 +28,7 @@ __all__ = ["ATTENTION_NAME", "SP_ARCHITECTURES", "SequenceParallelHead", "check_
 
 ATTENTION_NAME = "hybridflow_ulysses"  # registered with transformers' AttentionInterface
 # Gemma 2/3 soft-cap attention scores and slide windows, which plain causal SDPA cannot do.
-SP_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+SP_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "smollm3")
 
 
 def check_sequence_parallel(hf_config, sp: int, tp: int = 1, where: str = "ulysses_sequence_parallel_size") -> None:

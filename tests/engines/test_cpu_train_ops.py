@@ -64,6 +64,13 @@ def _forward_backward(model, ids, position_ids=None, original_rotary=None):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _rotating_layers(config) -> int:
+    """The layers that apply the rotary embedding: all but SmolLM3's NoPE layers (no_rope_layers 0)."""
+    flags = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
+    assert len(flags) == config.num_hidden_layers and sum(flags) > 0
+    return sum(flags)
+
+
 def _pair(tmp_path, arch, spec="unit"):
     path = write_tiny_model(tmp_path / arch, spec, arch=arch, seed=0)
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -86,10 +93,10 @@ def test_every_architecture_same_logits_bitwise_and_gradients(tmp_path, arch, ro
     plain, fused, counts = _pair(tmp_path, arch)
     layers = plain.config.num_hidden_layers
     assert counts["rms_norm"] >= 2 * layers + 1 and counts["rotary"] == layers
-    dense_silu = arch in ("qwen2", "qwen3", "llama", "mistral", "phi3")
+    dense_silu = arch in ("qwen2", "qwen3", "llama", "mistral", "phi3", "smollm3")
     assert counts["swiglu"] == (layers if dense_silu else 0)  # Gemma: gelu; Qwen3-MoE: routed experts
     _assert_same_model_math(plain, fused, torch.randint(4, 200, (2, 21)))
-    assert len(rotary_calls) == 2 * layers  # q and k of each layer took the fused path
+    assert len(rotary_calls) == 2 * _rotating_layers(plain.config)  # q and k of each layer took the fused path
 
 
 def test_partial_rotary_and_per_row_position_tables(tmp_path, rotary_calls):
@@ -151,7 +158,7 @@ def test_bf16_autocast_same_logits_bitwise_and_gradients_as_close(tmp_path, arch
         a, ga = _forward_backward(plain, ids, original_rotary=True)
         b, gb = _forward_backward(fused, ids)
     assert torch.equal(a, b), "the fused forward under bf16 autocast is not transformers' bits"
-    assert len(rotary_calls) == 2 * plain.config.num_hidden_layers  # the rotation took the fused path
+    assert len(rotary_calls) == 2 * _rotating_layers(plain.config)  # the rotation took the fused path
 
     def error(grads):
         return sum(float((grads[n] - exact[n]).pow(2).sum()) for n in exact) ** 0.5

@@ -2,9 +2,9 @@
 
 Per architecture, on a unit-size random model whose config turns on that architecture's features (sliding windows
 shorter than the sequences, Llama-3 rope scaling, q/k norms, Gemma's soft-capping and (1 + w) norms, Phi-3's fused
-weights, partial rotary and longrope): greedy native == HF ``generate`` token for token in every decode mode; native
-log-probs == the FSDP engine's within 1e-5 (fp32), also after a weight update; the exported folder loads with
-AutoModelForCausalLM and gives the same logits.
+weights, partial rotary and longrope, SmolLM3's layers without rotary embedding): greedy native == HF ``generate``
+token for token in every decode mode; native log-probs == the FSDP engine's within 1e-5 (fp32), also after a weight
+update; the exported folder loads with AutoModelForCausalLM and gives the same logits.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from hybridflow.engines.tiny import SIZES, TINY_ARCHITECTURES, build_char_tokeni
 from hybridflow.trainer.config import ConfigError, load_config
 from hybridflow.trainer.main import run_training
 
-ARCHS = ["qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma2", "gemma3_text", "phi3"]
+ARCHS = ["qwen2", "qwen3", "qwen3_moe", "llama", "mistral", "gemma2", "gemma3_text", "phi3", "smollm3"]
 WINDOW = 8  # shorter than prompt + response: the sliding layers really drop keys
 # decode mode -> engine kwargs. "panel" and "onednn": eager steps with packed weights (on by default only from hidden
 # size 256 up; forced here on the unit model), multiplied by the panel kernel (cpu_linear.py; oneDNN where it cannot
@@ -60,6 +60,8 @@ def arch_config(arch: str, init: float = 0.3):
         config.rope_parameters = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 16}
+    if arch == "smollm3":  # its last layer has no rotary embedding and slides (the config's own rule)
+        config.attention_bias = config.mlp_bias = True
     if arch == "gemma2":  # small caps, so that the wide-init scores and logits really get capped
         config.attn_logit_softcapping, config.final_logit_softcapping = 2.0, 3.0
     if arch == "gemma3_text":
@@ -151,6 +153,7 @@ def test_arch_features_are_really_on():
     assert gemma.attn_softcap is None and shapes["gemma2"].attn_softcap == 2.0
     assert "self_attn.qkv_proj" in shapes["phi3"].spec.projections
     assert [layer.moe for layer in shapes["qwen3_moe"].layers] == [False, True]
+    assert [(layer.rope, layer.window) for layer in shapes["smollm3"].layers] == [("default", None), ("none", WINDOW)]
     assert set(supported_architectures()) == set(ARCHS) == set(TINY_ARCHITECTURES)
 
 
@@ -302,7 +305,7 @@ def test_moe_refuses_cuda_graphs_and_longrope_stays_in_its_short_range(tmp_path)
     assert out.batch["input_ids"].shape[1] <= 64
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma2", "gemma3_text", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma2", "gemma3_text", "phi3", "smollm3"])
 def test_grpo_trains_each_architecture_with_the_native_rollout(arithmetic_files, tmp_path, arch):
     """Two GRPO steps through the trainer (local backend): rollout, log-prob passes, update, weight sync. The
     second step's rollout runs on the synced weights, so its log-probs must equal the actor's old log-probs."""

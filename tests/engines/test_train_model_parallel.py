@@ -98,6 +98,10 @@ CASES = [
     pytest.param(4, 2, 1, "llama", False, id="tp2xdp2-llama-vocab-parallel-head"),
     pytest.param(4, 1, 4, "qwen2", True, id="sp4-qwen2-kv-heads-repeated"),
     pytest.param(4, 2, 2, "mistral", False, id="tp2xsp2-mistral"),
+    # a layer without rotary embedding (SmolLM3's NoPE) among rotating ones: each rank with a slice of the heads, or
+    # with a piece of every sequence
+    pytest.param(2, 2, 1, "smollm3", False, id="tp2-smollm3-nope"),
+    pytest.param(2, 1, 2, "smollm3", True, id="sp2-smollm3-nope"),
 ]
 
 

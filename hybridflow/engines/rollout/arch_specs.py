@@ -4,10 +4,11 @@ The native decoder (native_model.py) is one forward pass: embed -> N x [norm, at
 residual] -> norm -> output head. An architecture is an ``ArchSpec``: which of that pass's options it takes (q/k norm,
 Gemma's (1 + weight) norms and its extra norms around the attention and MLP outputs, embedding scaling, the attention
 scale, attention-score and logit soft-capping, the MLP activation, dense or routed-expert MLP (moe.py), which layers
-use a sliding window) and how its HF parameter names map onto the decoder's fused tensors. The rotary embedding
-(default, scaled like Llama 3's ``rope_type=llama3``, per layer type, partial, longrope) is read from the config's
-``rope_parameters`` by rope.py for every architecture alike. ``resolve`` reads one checkpoint's config through its
-spec into the numbers the forward pass needs (``DecoderShape``).
+use a sliding window, which layers have no position embedding) and how its HF parameter names map onto the
+decoder's fused tensors. The rotary embedding (default, scaled like Llama 3's ``rope_type=llama3``, per layer type,
+partial, longrope) is read from the config's ``rope_parameters`` by rope.py for every architecture alike; a layer
+without one (SmolLM3's NoPE layers) rotates by the identity table ``NO_ROPE``. ``resolve`` reads one checkpoint's
+config through its spec into the numbers the forward pass needs (``DecoderShape``).
 
 Adding an architecture = one ``ArchSpec`` in ``ARCHITECTURES`` (plus its test in tests/engines/test_native_archs.py).
 The values come from transformers' own modeling files (models/<arch>/modeling_<arch>.py); each spec says where it
@@ -18,7 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ARCHITECTURES", "ArchSpec", "DecoderShape", "LayerShape", "resolve", "supported_architectures"]
+__all__ = ["ARCHITECTURES", "NO_ROPE", "ArchSpec", "DecoderShape", "LayerShape", "resolve", "supported_architectures"]
+
+# LayerShape.rope of a layer without a position embedding: rope.py gives it cos 1 and sin 0, so every decode path
+# (eager, the C step, bf16, CUDA graphs, tensor-parallel) leaves its q and k exactly as they are
+NO_ROPE = "none"
 
 # HF module name inside a layer -> (fused decoder tensor, part of it). Parts are q/k/v of "qkv" and gate/up of
 # "gate_up"; None: the whole tensor. Llama's layout; Phi-3 stores q/k/v and gate/up already fused.
@@ -66,6 +71,10 @@ class ArchSpec:
     # Which layers slide: "layer_types" (config.layer_types names them), "all" (every layer when
     # config.sliding_window is set), "none".
     sliding: str = "none"
+    # A config flag that must be true for any layer to slide (SmolLM3's attention reads use_sliding_window itself)
+    sliding_switch: str | None = None
+    # A config list with one entry per layer, 0 where the layer has no rotary embedding (SmolLM3's no_rope_layers)
+    rope_layers_key: str | None = None
     # Mixture-of-experts MLP (Qwen3-MoE): a top-k router (mlp.gate) over config.num_experts experts on the layers
     # that config.decoder_sparse_step / mlp_only_layers make sparse; the other layers keep the dense MLP.
     moe: bool = False
@@ -113,6 +122,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ArchSpec("qwen3_moe", qk_norm=True, sliding="all", moe=True),
         # Phi-3: fused qkv_proj and gate_up_proj, no biases, partial rotary / longrope from rope_parameters.
         ArchSpec("phi3", name_map=FUSED_PROJECTIONS, qkv_bias=False, o_bias=False, sliding="all"),
+        # SmolLM3: Llama with no rotary embedding on the layers config.no_rope_layers marks 0 (every fourth), and
+        # sliding layers only while use_sliding_window is set.
+        ArchSpec("smollm3", mlp_bias="mlp_bias", sliding="layer_types", sliding_switch="use_sliding_window",
+                 rope_layers_key="no_rope_layers"),
     )
 }
 
@@ -125,7 +138,7 @@ def supported_architectures() -> list[str]:
 class LayerShape:
     """Per-layer attention choices: the rope table it uses and its sliding window (None: full attention)."""
 
-    rope: str  # key of the decoder's rotary tables: "default", or the layer type when rope differs per type
+    rope: str  # key of the decoder's rotary tables: "default", the layer type when rope differs per type, NO_ROPE
     window: int | None
     moe: bool = False  # routed experts instead of the dense MLP
 
@@ -191,7 +204,23 @@ def _layer_types(config, spec: ArchSpec) -> list[str]:
                          "(actor_rollout_ref.rollout.name=hf)")
     if "sliding_attention" in types and not window:
         raise ValueError("native rollout: sliding-attention layers but config.sliding_window is not set")
+    if "sliding_attention" in types and spec.sliding_switch and not getattr(config, spec.sliding_switch, False):
+        # the attention would not slide but transformers' mask for these layers would: refuse the contradiction
+        raise ValueError(f"native rollout: config.layer_types names sliding-attention layers but "
+                         f"{spec.sliding_switch} is false; set both or neither")
     return types
+
+
+def _rotary_layers(config, spec: ArchSpec) -> list[bool]:
+    """Per layer, whether it applies the rotary embedding (all, unless spec.rope_layers_key marks some 0)."""
+    n = int(config.num_hidden_layers)
+    if spec.rope_layers_key is None:
+        return [True] * n
+    flags = getattr(config, spec.rope_layers_key, None)
+    if flags is None or len(flags) != n or any(f not in (0, 1, True, False) for f in flags):
+        raise ValueError(f"native rollout: config.{spec.rope_layers_key}={flags} must give each of the {n} layers "
+                         "1 (rotary embedding) or 0 (none)")
+    return [bool(f) for f in flags]
 
 
 def resolve(config) -> DecoderShape:
@@ -215,10 +244,11 @@ def resolve(config) -> DecoderShape:
     types = _layer_types(config, spec)
     window = getattr(config, "sliding_window", None)
     per_type_rope = _rope_per_layer_type(config)
+    rotary = _rotary_layers(config, spec)
     sparse = _sparse_layers(config, spec)
     layers = tuple(
-        LayerShape(rope=t if per_type_rope else "default", window=int(window) if t == "sliding_attention" else None,
-                   moe=i in sparse)
+        LayerShape(rope=(t if per_type_rope else "default") if rotary[i] else NO_ROPE,
+                   window=int(window) if t == "sliding_attention" else None, moe=i in sparse)
         for i, t in enumerate(types)
     )
     softcap = getattr(config, spec.final_softcap_key, None) if spec.final_softcap_key else None

@@ -5,6 +5,10 @@ keyed by layer type (Gemma 3: local rope on sliding layers, global rope, possibl
 scalings (linear, llama3, yarn, ...) come from transformers' own ``ROPE_INIT_FUNCTIONS``; ``partial_rotary_factor``
 < 1 rotates only the first part of each head (Phi-3/Phi-4 style).
 
+A layer without a position embedding (``arch_specs.NO_ROPE``: SmolLM3's NoPE layers) gets a table of cos 1 and sin
+0 over the same rotary width: every decode path rotates every layer alike, and this rotation leaves q and k as they
+are (x * 1 + y * 0 is x).
+
 ``longrope`` (Phi-3's, "su" in older configs) switches from its short to its long factors once a forward pass
 covers more than ``original_max_position_embeddings`` positions, decided per call by the longest sequence in the
 batch, so the answer depends on what else is in the batch. The decoder uses the short factors and refuses to
@@ -16,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from hybridflow.engines.rollout.arch_specs import NO_ROPE
 
 __all__ = ["RotaryTables", "rotary_tables"]
 
@@ -65,7 +71,7 @@ def rotary_tables(config, rope_keys: set[str], head_dim: int, max_positions: int
     if not params:  # pre-5 configs: rope_theta at the top level
         params = {"rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
     cos, sin, dims, limits = {}, {}, set(), set()
-    for key in sorted(rope_keys):
+    for key in sorted(rope_keys - {NO_ROPE}):
         per_type = key != "default"
         c, s, dim, limit = _one_table(config, params[key] if per_type else params, key if per_type else None,
                                       head_dim, max_positions)
@@ -76,6 +82,10 @@ def rotary_tables(config, rope_keys: set[str], head_dim: int, max_positions: int
         dims.add(dim)
         if limit is not None:
             limits.add(limit)
-    if len(dims) != 1:
+    if len(dims) > 1:
         raise ValueError(f"native rollout: layer types rotate different head fractions {sorted(dims)}; use 'hf'")
-    return RotaryTables(cos, sin, dims.pop(), min(limits) if limits else None)
+    dim = dims.pop() if dims else head_dim
+    if NO_ROPE in rope_keys:
+        cos[NO_ROPE] = torch.ones(max_positions, dim, device=device, dtype=dtype)
+        sin[NO_ROPE] = torch.zeros(max_positions, dim, device=device, dtype=dtype)
+    return RotaryTables(cos, sin, dim, min(limits) if limits else None)
