@@ -217,8 +217,14 @@ class ActorRolloutRefWorker(Worker):
         return out
 
     def _adapter_sync_wanted(self) -> bool:
+        """LoRA with the vLLM rollout: vLLM applies the adapter itself, except for a mixture-of-experts model, which
+        takes the merged weights as the other engines do. PEFT adapts its fused experts through parameter wrappers,
+        gate_up_proj at twice lora_rank (its rank_pattern), above the max_lora_rank vLLM was started with, and vLLM's
+        LoRA on fused experts runs Triton kernels, which its CPU build cannot."""
         arr = self.config.actor_rollout_ref
-        return self.is_actor and arr.rollout.name == "vllm" and int(arr.model.lora_rank) > 0
+        if not (self.is_actor and arr.rollout.name == "vllm" and int(arr.model.lora_rank) > 0):
+            return False
+        return len(self.actor.router_tap) == 0
 
     def _push_to_rollout(self) -> None:
         """Hybrid engine: the actor's weights into the rollout engine -- the LoRA adapter alone when the engine
