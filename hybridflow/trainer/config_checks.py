@@ -4,6 +4,8 @@ message each naming the key, the value and what to set instead; and `check_resou
 
 from __future__ import annotations
 
+import os
+
 from hybridflow.trainer.config import (
     FILTER_METRICS,
     ROUTER_REPLAY_MODES,
@@ -199,6 +201,7 @@ def config_errors(cfg: HybridFlowConfig) -> list[str]:
     errors += model_parallel_errors(cfg)
     errors += packing_errors(cfg)
     errors += batch_invariant_errors(cfg)
+    errors += _vllm_moe_errors(cfg)
     if t.fault_injection:
         from hybridflow.common.faults import parse_fault_specs
 
@@ -220,6 +223,30 @@ def _router_replay_errors(mode: str, rollout_name: str) -> list[str]:
     if mode == "R3" and rollout_name != "native":
         return [f"{key}=R3 needs the rollout to record its routes, which the native engine does; set "
                 f"actor_rollout_ref.rollout.name=native (it is {rollout_name!r})"]
+    return []
+
+
+def _vllm_moe_errors(cfg: HybridFlowConfig) -> list[str]:
+    """The vLLM rollout cannot follow a mixture-of-experts policy on CPU (VLLMRollout.update_weights says why): found
+    before the workers start instead of at the first weight sync."""
+    arr = cfg.actor_rollout_ref
+    path = arr.model.path
+    if arr.rollout.name != "vllm" or not path or not os.path.isdir(path):
+        return []
+    from hybridflow.device import device_name
+
+    if (cfg.trainer.device if cfg.trainer.device != "auto" else device_name()) != "cpu":
+        return []
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return []  # the model checks name an unreadable model
+    if int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0) > 0:
+        return [f"actor_rollout_ref.rollout.name=vllm: the model at {path} is a mixture-of-experts model, and on CPU "
+                "vLLM computes with wrong experts after an in-place weight update, so its rollout would not follow "
+                "the policy; use actor_rollout_ref.rollout.name=native (or vLLM on a GPU)"]
     return []
 
 

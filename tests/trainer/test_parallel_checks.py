@@ -61,3 +61,20 @@ def test_batch_invariance_names_the_setting_that_breaks_it(overrides, match):
 
 def test_batch_invariance_is_taken_with_the_defaults():
     assert load_config([BI]).actor_rollout_ref.model.batch_invariant is True
+
+
+def test_vllm_on_cpu_with_a_mixture_of_experts_model_is_refused_at_start_up(tmp_path, tiny_model_path):
+    """vLLM's CPU build computes with wrong experts after an in-place weight update (vllm_rollout.py), so the vLLM
+    rollout of an MoE policy on CPU is a start-up error naming the native engine; a dense model is not refused."""
+    from hybridflow.engines.tiny import write_tiny_model
+
+    moe = write_tiny_model(tmp_path / "moe", "unit", arch="qwen3_moe")
+    with pytest.raises(ConfigError, match=r"mixture-of-experts.*wrong experts.*rollout\.name=native"):
+        load_config([f"actor_rollout_ref.model.path={moe}", "actor_rollout_ref.rollout.name=vllm",
+                     "trainer.device=cpu"])
+    for model, name in ((moe, "native"), (tiny_model_path, "vllm")):
+        try:
+            load_config([f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.rollout.name={name}",
+                         "trainer.device=cpu"])
+        except ConfigError as err:  # the main venv has no vLLM: that error, never the experts one
+            assert "wrong experts" not in str(err)

