@@ -52,7 +52,7 @@ from hybridflow.engines.cpu_train_ops import fused_ops_here, use_fused_ops
 from hybridflow.engines.engine_config import PARAM_DTYPES, EngineConfig, why_not_packed
 from hybridflow.engines.hf_model import HeadOnPositions, drop_hub_kernels, hf_name, load_model, load_tokenizer
 from hybridflow.engines.lora import adapter_disabled, apply_lora, base_name, merged_parameters
-from hybridflow.engines.moe_train import RouterTap, aux_loss_coef
+from hybridflow.engines.moe_train import RouterTap, aux_loss_coef, is_mixture_of_experts
 from hybridflow.engines.onednn_train import onednn_training, use_onednn_linears
 from hybridflow.engines.optim import OptimConfig, build_lr_scheduler, build_optimizer
 from hybridflow.protocol import DataProto
@@ -147,8 +147,7 @@ class FSDPEngine:
         """EngineConfig.share_prompts resolved: why not, where it cannot run (packing off, flash-attn's varlen kernel
         on CUDA, router replay, a mixture-of-experts model, whose router statistics count tokens)."""
         c = self.config
-        text = hf_model.config.get_text_config()
-        moe = any(getattr(text, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+        moe = is_mixture_of_experts(hf_model.config)
         flash = self.device.type == "cuda" and packing._flash_varlen() is not None
         reason = ("the engine does not pack (use_sequence_packing)" if not self.packing else
                   "flash-attn's varlen kernel runs the packed attention" if flash else

@@ -32,7 +32,14 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["RouterTap", "aux_loss_coef", "find_routers"]
+__all__ = ["RouterTap", "aux_loss_coef", "find_routers", "is_mixture_of_experts"]
+
+
+def is_mixture_of_experts(hf_config) -> bool:
+    """Whether a transformers config routes tokens to experts (Qwen-MoE's num_experts, Mixtral's num_local_experts,
+    DeepSeek's n_routed_experts), read from its text config."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return any(getattr(text, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def find_routers(model: nn.Module) -> list[nn.Module]:

@@ -243,7 +243,9 @@ def _vllm_moe_errors(cfg: HybridFlowConfig) -> list[str]:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError):
         return []  # the model checks name an unreadable model
-    if int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0) > 0:
+    from hybridflow.engines.moe_train import is_mixture_of_experts
+
+    if is_mixture_of_experts(config):
         return [f"actor_rollout_ref.rollout.name=vllm: the model at {path} is a mixture-of-experts model, and on CPU "
                 "vLLM computes with wrong experts after an in-place weight update, so its rollout would not follow "
                 "the policy; use actor_rollout_ref.rollout.name=native (or vLLM on a GPU)"]

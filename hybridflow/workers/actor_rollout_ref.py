@@ -218,9 +218,8 @@ class ActorRolloutRefWorker(Worker):
 
     def _adapter_sync_wanted(self) -> bool:
         """LoRA with the vLLM rollout: vLLM applies the adapter itself, except for a mixture-of-experts model, which
-        takes the merged weights as the other engines do. PEFT adapts its fused experts through parameter wrappers,
-        gate_up_proj at twice lora_rank (its rank_pattern), above the max_lora_rank vLLM was started with, and vLLM's
-        LoRA on fused experts runs Triton kernels, which its CPU build cannot."""
+        takes the merged weights as the other engines do: PEFT adapts its fused experts through parameter wrappers,
+        gate_up_proj at twice lora_rank (its rank_pattern), above the max_lora_rank vLLM was started with."""
         arr = self.config.actor_rollout_ref
         if not (self.is_actor and arr.rollout.name == "vllm" and int(arr.model.lora_rank) > 0):
             return False

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from hybridflow import device
+from hybridflow.engines.moe_train import is_mixture_of_experts
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
 from hybridflow.engines.rollout.layout import assemble_output, read_prompts, special_token_ids
 from hybridflow.protocol import DataProto
@@ -186,29 +187,6 @@ def _with_tied_lm_head(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Ite
         yield "lm_head.weight", embedding
 
 
-def _per_expert(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The weights with a mixture-of-experts layer's fused experts split per expert, as checkpoints name them.
-
-    transformers 5 keeps a layer's experts as two 3-D parameters (Qwen3-MoE: ``mlp.experts.gate_up_proj [E, 2I, H]``,
-    each expert's gate rows before its up rows, and ``mlp.experts.down_proj [E, H, I]``); ``save_pretrained`` writes
-    them per expert (``mlp.experts.{e}.gate_proj.weight [I, H]``, ``up_proj``, ``down_proj``), and vLLM's loader
-    reads those names. Given the fused ones, vLLM's reload takes them without an error and computes with wrong
-    experts; so they are sent as the checkpoint has them (views, no copies). Other names pass unchanged.
-    """
-    for name, tensor in named_tensors:
-        stem, _, leaf = name.rpartition(".")
-        if stem.endswith(".experts") and tensor.dim() == 3 and leaf in ("gate_up_proj", "down_proj"):
-            half = tensor.shape[1] // 2
-            for e in range(tensor.shape[0]):
-                if leaf == "down_proj":
-                    yield f"{stem}.{e}.down_proj.weight", tensor[e]
-                else:
-                    yield f"{stem}.{e}.gate_proj.weight", tensor[e, :half]
-                    yield f"{stem}.{e}.up_proj.weight", tensor[e, half:]
-        else:
-            yield name, tensor
-
-
 class VLLMRollout(RolloutEngine):
     """Rollout engine backed by an in-process ``vllm.LLM``.
 
@@ -351,8 +329,7 @@ class VLLMRollout(RolloutEngine):
 
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
-        self.mixture_of_experts = int(experts) > 0  # update_weights refuses these on CPU
+        self.mixture_of_experts = is_mixture_of_experts(hf_config)  # update_weights refuses these on CPU
         from transformers import GenerationConfig
 
         try:
@@ -448,7 +425,7 @@ class VLLMRollout(RolloutEngine):
             )
         start = time.perf_counter()
         self._wake_up()
-        weights = _per_expert(_with_tied_lm_head(named_tensors) if self.tie_word_embeddings else named_tensors)
+        weights = _with_tied_lm_head(named_tensors) if self.tie_word_embeddings else iter(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("VLLMRollout.update_weights: vLLM refused to reset its prefix cache (requests running?)")
