@@ -65,6 +65,27 @@ logger = logging.getLogger(__name__)
 LossFn = Callable[[DataProto, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]]
 
 
+def _store_projections_in(hf_model: nn.Module, dtype: torch.dtype) -> None:
+    """A reference engine computing in `dtype` under autocast (fp32 weights loaded): its linear layers' weights and
+    biases stored in `dtype` once, instead of autocast casting every one of them again in every forward (the casts were
+    a fifth of a bf16 reference pass on CPU, docs/benchmarks.md). The same bits: autocast rounds an fp32 weight to
+    `dtype` for the linear exactly as this does, and leaves a weight already in `dtype` as it is. Embeddings, norms,
+    routers and expert tensors keep their dtype (they are not autocast's linears), and so does an output head that
+    shares the input embedding's weight. Only without sharding: FSDP2 casts the gathered parameters itself."""
+    if dtype == torch.float32:
+        return
+    inputs = hf_model.get_input_embeddings()
+    tied = inputs.weight if inputs is not None else None
+    with torch.no_grad():
+        for module in hf_model.modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            for name in ("weight", "bias"):
+                param = getattr(module, name)
+                if param is not None and param is not tied and param.dtype == torch.float32:
+                    setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=False))
+
+
 class FSDPEngine:
     """Holds the (sharded) model, optimizer and LR schedule of one rank. See the module docstring."""
 
@@ -129,6 +150,8 @@ class FSDPEngine:
         self.model.logits_checkpointing = config.logits_checkpointing
         self.model.row_multiple = ROW_MULTIPLE if config.batch_invariant else 1
         self.sharded = self.distributed and self.world_size > 1
+        if not self.trainable and not self.sharded and self.train_mesh is None:
+            _store_projections_in(hf_model, self.compute_dtype)
         offload = self.device.type != "cpu"
         # param_offload on one rank: no FSDP offload policy to do it, so the engine moves the model per call
         self._move_params = offload and config.param_offload and not self.sharded

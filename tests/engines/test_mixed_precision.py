@@ -60,3 +60,28 @@ def test_the_keys(tiny_model_path):
     assert (made.param_dtype, made.reduce_dtype, made.buffer_dtype) == ("bf16", "bf16", "bf16")
     with pytest.raises(ConfigError, match=r"mixed_precision\.reduce_dtype='fp16': choose fp32"):
         load_config([f"{p}.reduce_dtype=fp16"])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3_moe"])  # tied head + biases; untied head; experts
+def test_a_bf16_reference_stores_its_projections_in_bf16_and_scores_as_the_actor(arch, tmp_path):
+    """The reference (no optimizer) keeps its linear weights in bf16 instead of autocast casting them in every forward:
+    its log-probs are the bf16 actor's (fp32 master weights under autocast) bit for bit, so the KL before the first
+    update is exactly 0; embeddings, norms and expert tensors stay fp32."""
+    from test_native_archs import write_arch_model
+
+    path = write_arch_model(tmp_path / arch, arch)
+    actor = FSDPEngine(EngineConfig(model_path=path, role="actor", param_dtype="bf16", optim=OPTIM))
+    ref = FSDPEngine(EngineConfig(model_path=path, role="ref", param_dtype="bf16"))
+    kept = {n: p.dtype for n, p in ref.model.named_parameters()}
+    linear = {n for n, m in ref.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert linear and all(kept[f"{n}.weight"] == torch.bfloat16 for n in linear if f"{n}.weight" in kept)
+    assert {d for n, d in kept.items() if n.rsplit(".", 1)[0] not in linear} == {torch.float32}
+    assert (arch == "llama") == (ref.model.hf.get_output_embeddings().weight.dtype == torch.bfloat16)  # untied only
+    assert all(p.dtype == torch.float32 for p in actor.model.parameters())
+    data = engine_batch(rows=5, prompt_len=7, response_len=9, seed=3)
+    for temperature in (1.0, 0.7):
+        expect = actor.compute_log_prob(data, temperature=temperature, calculate_entropy=True)
+        got = ref.compute_log_prob(data, temperature=temperature, calculate_entropy=True)
+        assert torch.equal(got["log_probs"], expect["log_probs"]) and torch.equal(got["entropy"], expect["entropy"])
+    fp32 = FSDPEngine(EngineConfig(model_path=path, role="ref"))  # an fp32 reference keeps fp32 weights
+    assert all(p.dtype == torch.float32 for p in fp32.model.parameters())
