@@ -11,12 +11,17 @@ on, vLLM renormalises over the tokens that survive the filter, so the reported v
 sampling distribution (>= the full-vocabulary value); generate warns once when that happens. RL rollouts normally leave
 both off, and then the values are exact.
 
-vLLM in-process has two process-wide side effects that would change the training side silently; this module undoes
-them: on CPU it replaces ``torch.set_num_threads`` with a no-op (restored after construction), and it re-seeds the
-global RNGs (python, numpy, torch) at construction and draws from torch's global generator while sampling (their states
-are saved and restored around every call into vLLM). Sampling randomness comes from per-request seeds instead: row r
-of the output (sample j of prompt i, r = i*n+j) gets the r-th draw of numpy's default_rng(SamplingParams.seed), or, when
-that is None, of an engine-owned generator seeded with the constructor's seed (fresh samples every call).
+vLLM in-process has three process-wide side effects that would change the training side; this module undoes them:
+on CPU it replaces ``torch.set_num_threads`` with a no-op (restored after construction); it re-seeds the global RNGs
+(python, numpy, torch) at construction and draws from torch's global generator while sampling (their states are saved
+and restored around every call into vLLM); and a model it has no implementation of (SmolLM3 in vLLM 0.32) runs through
+its Transformers backend, which decorates the transformers model class itself for torch.compile, replacing its
+``__init__`` and ``__call__`` for the whole process: the training engine's instances of that class then fail at their
+next forward, and later ones would be built as vLLM modules. The class is restored once vLLM has built its model, and
+vLLM's own modules keep the decorated methods through a subclass of their own (`_restore_model_classes`).
+Sampling randomness comes from per-request seeds instead of the global RNGs: row r of the output (sample j of prompt
+i, r = i*n+j) gets the r-th draw of numpy's default_rng(SamplingParams.seed), or, when that is None, of an
+engine-owned generator seeded with the constructor's seed (fresh samples every call).
 
 Install: ``bash scripts/setup_vllm_env.sh`` (a separate .venv-vllm; vLLM pins clash with the main venv) or
 ``pip install 'hybridflow[vllm]'``.
@@ -158,6 +163,58 @@ def _preserved_rng() -> Iterator[None]:
         torch.set_rng_state(torch_state)
         if cuda_state is not None:
             torch.cuda.set_rng_state(cuda_state)
+
+
+_DECORATED = ("__init__", "__call__")  # what vLLM's support_torch_compile replaces on a class
+
+
+def _model_classes(model_path: str) -> list[type]:
+    """The transformers classes (imported here) that vLLM's Transformers backend may decorate for `model_path`."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return []
+    classes = []
+    for auto in (AutoModel, AutoModelForCausalLM):
+        try:
+            classes.append(auto._model_mapping[type(config)])
+        except (KeyError, ValueError):
+            continue
+    return classes
+
+
+def _methods(classes: Iterable[type]) -> dict[type, dict[str, Any]]:
+    return {cls: {name: cls.__dict__.get(name) for name in _DECORATED} for cls in classes}
+
+
+def _restore_model_classes(llm: Any, before: dict[type, dict[str, Any]]) -> None:
+    """After vLLM's construction: each class in `before` whose ``__init__`` / ``__call__`` vLLM replaced gets its own
+    back, and the modules vLLM built of it move to a subclass that keeps vLLM's, so vLLM runs as it would alone and
+    the training engine's modules stay transformers'."""
+    subclasses = {}
+    for cls, methods in before.items():
+        decorated = _methods([cls])[cls]
+        if decorated == methods:
+            continue
+        subclasses[cls] = type(cls.__name__, (cls,), {name: m for name, m in decorated.items() if m is not None})
+        for name, method in methods.items():
+            if method is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, method)
+        logger.info("vLLM decorated transformers' %s for its own modules; the class is restored for the training "
+                    "engine's", cls.__name__)
+    if subclasses:
+        llm.collective_rpc(_move_to_subclasses, kwargs={"subclasses": subclasses})
+
+
+def _move_to_subclasses(worker: Any, subclasses: dict[type, type]) -> None:
+    """(Runs on vLLM's worker, in this process.) Its model's modules of each class -> that class's subclass."""
+    for module in worker.get_model().modules():
+        if type(module) in subclasses:
+            module.__class__ = subclasses[type(module)]
 
 
 def _set_cpu_env(num_threads: int | None) -> None:
@@ -313,7 +370,9 @@ class VLLMRollout(RolloutEngine):
                         "does this)."
                     ) from e
                 start = time.perf_counter()
+                classes = _methods(_model_classes(self.model_path))
                 self.llm = LLM(**engine_kw)
+                _restore_model_classes(self.llm, classes)
                 global _live_engines
                 _live_engines += 1
                 vllm_finalizer = getattr(self.llm.llm_engine.engine_core, "_finalizer", None)
