@@ -65,13 +65,14 @@ logger = logging.getLogger(__name__)
 LossFn = Callable[[DataProto, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]]
 
 
-def _store_projections_in(hf_model: nn.Module, dtype: torch.dtype) -> None:
-    """A reference engine computing in `dtype` under autocast (fp32 weights loaded): its linear layers' weights and
-    biases stored in `dtype` once, instead of autocast casting every one of them again in every forward (the casts were
-    a fifth of a bf16 reference pass on CPU, docs/benchmarks.md). The same bits: autocast rounds an fp32 weight to
-    `dtype` for the linear exactly as this does, and leaves a weight already in `dtype` as it is. Embeddings, norms,
-    routers and expert tensors keep their dtype (they are not autocast's linears), and so does an output head that
-    shares the input embedding's weight. Only without sharding: FSDP2 casts the gathered parameters itself."""
+def _store_frozen_projections_in(hf_model: nn.Module, dtype: torch.dtype) -> None:
+    """An engine computing in `dtype` under autocast over fp32 weights: its frozen linear layers (all of a reference
+    engine's, the base layers under a LoRA adapter) stored in `dtype` once, instead of autocast casting each of them
+    again in every forward (it caches casts of trainable weights only; the casts were a fifth of a bf16 reference pass
+    on CPU, docs/benchmarks.md), and in half the memory. The same bits: autocast rounds an fp32 weight to `dtype` for
+    the linear exactly as this does, and leaves a weight already in `dtype` as it is. Embeddings, norms, routers and
+    expert tensors keep their dtype (they are not autocast's linears), and so does an output head that shares the input
+    embedding's weight. Only without sharding: FSDP2 casts the gathered parameters itself."""
     if dtype == torch.float32:
         return
     inputs = hf_model.get_input_embeddings()
@@ -82,7 +83,8 @@ def _store_projections_in(hf_model: nn.Module, dtype: torch.dtype) -> None:
                 continue
             for name in ("weight", "bias"):
                 param = getattr(module, name)
-                if param is not None and param is not tied and param.dtype == torch.float32:
+                if (param is not None and not param.requires_grad and param is not tied
+                        and param.dtype == torch.float32):
                     setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=False))
 
 
@@ -150,8 +152,8 @@ class FSDPEngine:
         self.model.logits_checkpointing = config.logits_checkpointing
         self.model.row_multiple = ROW_MULTIPLE if config.batch_invariant else 1
         self.sharded = self.distributed and self.world_size > 1
-        if not self.trainable and not self.sharded and self.train_mesh is None:
-            _store_projections_in(hf_model, self.compute_dtype)
+        if (not self.trainable or self.peft_model is not None) and not self.sharded and self.train_mesh is None:
+            _store_frozen_projections_in(hf_model, self.compute_dtype)
         offload = self.device.type != "cpu"
         # param_offload on one rank: no FSDP offload policy to do it, so the engine moves the model per call
         self._move_params = offload and config.param_offload and not self.sharded
@@ -598,8 +600,9 @@ class FSDPEngine:
         embedding's name). Each yielded tensor is a fresh gather: drop it before asking for the next one.
         With LoRA: the plain model's names and merged weights ``W + (alpha / r) B A`` (lora.py), no adapter tensors.
         """
-        if self.peft_model is not None:
-            yield from merged_parameters(self.model.named_parameters(), self.model, self._gather, prefix="hf.")
+        if self.peft_model is not None:  # in the weights' dtype, also those stored in the compute dtype
+            yield from merged_parameters(self.model.named_parameters(), self.model, self._gather, prefix="hf.",
+                                         dtype=PARAM_DTYPES[self.config.model_dtype])
             return
         for name, param in self.model.named_parameters():
             yield hf_name(name), self._gather(param)
@@ -613,10 +616,14 @@ class FSDPEngine:
     def named_parameter_shapes(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(hf_name, parameter)`` in named_full_parameters' order, without gathering: ``.shape`` / ``.dtype`` of a
         sharded parameter are those of the full tensor (what a weight receiver must allocate)."""
+        dtype = PARAM_DTYPES[self.config.model_dtype]
         for name, param in self.model.named_parameters():
             plain = base_name(hf_name(name))
-            if plain is not None:  # LoRA: the adapter tensors are folded into their base weights
-                yield plain, param
+            if plain is None:  # LoRA: the adapter tensors are folded into their base weights
+                continue
+            if self.peft_model is not None and param.dtype != dtype:  # a frozen base weight kept in compute dtype
+                param = torch.empty(param.shape, dtype=dtype, device="meta")
+            yield plain, param
 
     def save_adapter(self, directory: str, every_rank: bool = False) -> None:
         """LoRA: the adapter alone as a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``), for a

@@ -142,14 +142,16 @@ def base_name(name: str) -> str | None:
 
 
 def merged_parameters(
-    named: Iterator[tuple[str, nn.Parameter]], model: nn.Module, gather, prefix: str = ""
+    named: Iterator[tuple[str, nn.Parameter]], model: nn.Module, gather, prefix: str = "",
+    dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(base name, full tensor)`` per weight of the plain model, in `named`'s order, adapter tensors folded in.
 
     named: ``model.named_parameters()`` (names relative to `model`); gather(param) -> its full tensor (a collective
     under FSDP2: every rank iterates the same way). `prefix` is stripped from the yielded names. For the weight of a
     LoRA Linear: ``W + scaling * B [out, r] @ A [r, in]``, one temporary of W's size; for a parameter under PEFT
-    ParamWrappers (MoE experts and router): plus each wrapper's delta of that parameter.
+    ParamWrappers (MoE experts and router): plus each wrapper's delta of that parameter. `dtype`: every tensor in it
+    (the engine's weights dtype, where frozen base weights are stored in the compute dtype), the sum taken in it.
     """
     modules = dict(model.named_modules())
     for name, param in named:
@@ -157,6 +159,8 @@ def merged_parameters(
         if plain is None:
             continue
         full = gather(param)
+        if dtype is not None:
+            full = full.to(dtype)
         for layer in _lora_layers_of(name, modules):
             full = full + _delta_weight(layer, gather).to(full.dtype)
         yield plain[len(prefix) :] if plain.startswith(prefix) else plain, full

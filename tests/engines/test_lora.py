@@ -210,3 +210,49 @@ def test_mixture_of_experts_adapts_experts_and_router_and_merges_them(tmp_path):
     with torch.no_grad():
         assert float((exported(input_ids=ids).logits - want).abs().max()) <= 1e-5
         assert float((peft(input_ids=ids).logits - want).abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # tied head; an untied head (frozen, not adapted)
+def test_bf16_compute_keeps_the_frozen_base_in_bf16_with_the_same_bits(arch, tmp_path, monkeypatch):
+    """With bf16 compute on one rank the frozen base projections are stored in bf16 once (autocast would cast them in
+    every forward): log-probs, gradient norms and adapters after updates are those of the base kept in fp32, bit for
+    bit; the adapters stay fp32; the merged weights synced out are fp32, W rounded to bf16 plus the adapter's delta."""
+    from test_native_archs import write_arch_model
+
+    from hybridflow.engines import fsdp_engine
+    from hybridflow.engines.hf_model import hf_name
+    from hybridflow.engines.lora import base_name
+
+    path = write_arch_model(tmp_path / arch, arch)
+    lora = LoraSettings(rank=4, alpha=8, exclude_modules=["o_proj"])  # frozen and not adapted: stored in bf16 too
+    kept = lora_engine(path, lora, param_dtype="bf16")
+    with monkeypatch.context() as m:
+        m.setattr(fsdp_engine, "_store_frozen_projections_in", lambda model, dtype: None)
+        master = lora_engine(path, lora, param_dtype="bf16")
+    dtypes = {n: p.dtype for n, p in kept.model.named_parameters()}
+    assert all(d == torch.float32 for n, d in dtypes.items() if ".lora_" in n or "norm" in n or "embed" in n)
+    assert {d for n, d in dtypes.items() if "base_layer" in n or ".o_proj." in n} == {torch.bfloat16}
+    assert (arch == "llama") == (dtypes["hf.lm_head.weight"] == torch.bfloat16 if "hf.lm_head.weight" in dtypes
+                                 else False)
+    assert sum(p.numel() * p.element_size() for p in kept.model.parameters()) < sum(
+        p.numel() * p.element_size() for p in master.model.parameters())
+    probe = make_batch(rows=4, prompt_len=6, response_len=8, seed=60)
+    for step in range(2):
+        batch = make_batch(rows=8, prompt_len=8, response_len=12, seed=step)
+        got, want = kept.train_step(batch, seq_mean_pg_loss), master.train_step(batch, seq_mean_pg_loss)
+        assert got["grad_norm"] == want["grad_norm"] > 0
+        for base in (False, True):
+            assert torch.equal(kept.compute_log_prob(probe, temperature=0.8, base=base)["log_probs"],
+                               master.compute_log_prob(probe, temperature=0.8, base=base)["log_probs"])
+    synced, exact = dict(kept.named_full_parameters()), dict(master.named_full_parameters())
+    shapes = {n: (tuple(p.shape), p.dtype) for n, p in kept.named_parameter_shapes()}
+    assert shapes == {n: (tuple(t.shape), t.dtype) for n, t in synced.items()} and synced.keys() == exact.keys()
+    bases = {base_name(hf_name(n)): p.detach() for n, p in master.model.named_parameters()
+             if base_name(hf_name(n)) is not None}
+    stored = {base_name(hf_name(n)): p.dtype for n, p in kept.model.named_parameters()
+              if base_name(hf_name(n)) is not None}
+    for name, tensor in synced.items():  # differing by W's bf16 rounding where W is kept in bf16, no more
+        rounding = bases[name].to(stored[name]).float() - bases[name]
+        assert tensor.dtype == torch.float32 and torch.allclose(tensor - exact[name], rounding, atol=1e-6), name
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(synced[q], exact[q])  # the merged q_proj does carry the rounded base
