@@ -145,6 +145,19 @@ def test_other_models_and_dtypes_keep_transformers_ops(tmp_path, rotary_calls):
         assert torch.equal(fused(input_ids=ids).logits, plain(input_ids=ids).logits)
 
 
+def test_another_model_of_the_architecture_still_compiles(tmp_path):
+    """The wrapped rotary function is the transformers module's, so a model that torch.compile traces in the same
+    process (vLLM's Transformers backend compiles transformers' own model code) meets it too: it must trace, whole
+    graph, to transformers' function."""
+    plain, fused, _ = _pair(tmp_path, "smollm3")
+    ids = torch.randint(4, 200, (2, 9))
+    torch._dynamo.reset()
+    compiled = torch.compile(plain, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(input_ids=ids).logits, plain(input_ids=ids).logits)
+        assert torch.equal(fused(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_autocast_same_logits_bitwise_and_gradients_as_close(tmp_path, arch, rotary_calls):
     """The engine's bf16 mode: fp32 parameters under bf16 autocast. The norms see the fp32 residual stream, the

@@ -14,6 +14,9 @@ from hybridflow.engines.rollout.base import SamplingParams
 from hybridflow.engines.tiny import write_tiny_model
 
 TEXTS = ["hello there", "12+34=", "the policy generates"]
+# vLLM's pooling engine is kept to the end of the session: dropping one mid-session tears down process-wide state
+# that the other tests' engines still use (as test_reward_model_vllm.py's session fixture does)
+_KEPT: list = []
 
 
 def test_the_training_engine_keeps_transformers_classes_next_to_vllms_transformers_backend(tmp_path):
@@ -45,3 +48,26 @@ def test_the_training_engine_keeps_transformers_classes_next_to_vllms_transforme
         assert [r[:n].tolist() for r, n in zip(out.batch["responses"], lengths)] == hf_greedy(hf_model(path), TEXTS, 10)
     finally:
         engine.shutdown()
+
+
+def test_a_pooling_reward_model_through_the_transformers_backend_leaves_the_training_engine_alone(tmp_path):
+    """The same with the vLLM reward-model engine (reward_model.rollout.name=vllm), colocated with a policy of the
+    same architecture: a SmolLM3 reward model decorates the SmolLM3 decoder class the policy's engine is built of."""
+    from transformers.models.smollm3 import modeling_smollm3
+
+    from hybridflow.engines.reward_model.vllm import VLLMRewardScorer
+    from hybridflow.engines.tiny import write_tiny_reward_model
+
+    cls = modeling_smollm3.SmolLM3Model
+    policy = write_tiny_model(tmp_path / "policy", "small", arch="smollm3", seed=0)
+    reward = write_tiny_reward_model(tmp_path / "rm", "small", seed=2, arch="smollm3")
+    data = make_batch(rows=3, prompt_len=6, response_len=8, seed=1)
+    engine = FSDPEngine(EngineConfig(model_path=policy, role="ref"))
+    expected = engine.compute_log_prob(data, temperature=1.0)["log_probs"]
+    scorer = VLLMRewardScorer(reward, max_model_len=64, max_num_seqs=4)
+    _KEPT.append(scorer)
+    scores = scorer.score([[5, 6, 7, 8], [9, 10, 11]])
+    assert scores.shape == (2,) and torch.isfinite(scores).all() and scores[0] != scores[1]
+    assert cls.__call__ is torch.nn.Module.__call__
+    assert torch.equal(engine.compute_log_prob(data, temperature=1.0)["log_probs"], expected)
+    assert torch.equal(scorer.score([[5, 6, 7, 8], [9, 10, 11]]), scores)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from hybridflow import device
+from hybridflow.engines.vllm_classes import restore_model_classes, snapshot_model_classes
 
 VLLM_MISSING = (
     "reward_model.rollout.name=vllm needs vLLM, which is not installed in this Python environment ({python}); build "
@@ -68,7 +69,9 @@ class VLLMRewardScorer:
         kw.update(engine_kwargs or {})
         set_num_threads = torch.set_num_threads
         try:
+            classes = snapshot_model_classes(path)  # a model run by vLLM's Transformers backend: vllm_classes.py
             self.llm = LLM(**kw)
+            restore_model_classes(self.llm, classes)
         finally:
             torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it with a no-op process-wide
         self.engine_kwargs = kw

@@ -18,7 +18,7 @@ and restored around every call into vLLM); and a model it has no implementation 
 its Transformers backend, which decorates the transformers model class itself for torch.compile, replacing its
 ``__init__`` and ``__call__`` for the whole process: the training engine's instances of that class then fail at their
 next forward, and later ones would be built as vLLM modules. The class is restored once vLLM has built its model, and
-vLLM's own modules keep the decorated methods through a subclass of their own (`_restore_model_classes`).
+vLLM's own modules keep the decorated methods through a subclass of their own (`engines/vllm_classes.py`).
 Sampling randomness comes from per-request seeds instead of the global RNGs: row r of the output (sample j of prompt
 i, r = i*n+j) gets the r-th draw of numpy's default_rng(SamplingParams.seed), or, when that is None, of an
 engine-owned generator seeded with the constructor's seed (fresh samples every call).
@@ -49,6 +49,7 @@ from hybridflow import device
 from hybridflow.engines.moe_train import is_mixture_of_experts
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
 from hybridflow.engines.rollout.layout import assemble_output, read_prompts, special_token_ids
+from hybridflow.engines.vllm_classes import restore_model_classes, snapshot_model_classes
 from hybridflow.protocol import DataProto
 
 _INSTALL_HINT = (
@@ -163,58 +164,6 @@ def _preserved_rng() -> Iterator[None]:
         torch.set_rng_state(torch_state)
         if cuda_state is not None:
             torch.cuda.set_rng_state(cuda_state)
-
-
-_DECORATED = ("__init__", "__call__")  # what vLLM's support_torch_compile replaces on a class
-
-
-def _model_classes(model_path: str) -> list[type]:
-    """The transformers classes (imported here) that vLLM's Transformers backend may decorate for `model_path`."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-    try:
-        config = AutoConfig.from_pretrained(model_path)
-    except (OSError, ValueError):
-        return []
-    classes = []
-    for auto in (AutoModel, AutoModelForCausalLM):
-        try:
-            classes.append(auto._model_mapping[type(config)])
-        except (KeyError, ValueError):
-            continue
-    return classes
-
-
-def _methods(classes: Iterable[type]) -> dict[type, dict[str, Any]]:
-    return {cls: {name: cls.__dict__.get(name) for name in _DECORATED} for cls in classes}
-
-
-def _restore_model_classes(llm: Any, before: dict[type, dict[str, Any]]) -> None:
-    """After vLLM's construction: each class in `before` whose ``__init__`` / ``__call__`` vLLM replaced gets its own
-    back, and the modules vLLM built of it move to a subclass that keeps vLLM's, so vLLM runs as it would alone and
-    the training engine's modules stay transformers'."""
-    subclasses = {}
-    for cls, methods in before.items():
-        decorated = _methods([cls])[cls]
-        if decorated == methods:
-            continue
-        subclasses[cls] = type(cls.__name__, (cls,), {name: m for name, m in decorated.items() if m is not None})
-        for name, method in methods.items():
-            if method is None:
-                delattr(cls, name)
-            else:
-                setattr(cls, name, method)
-        logger.info("vLLM decorated transformers' %s for its own modules; the class is restored for the training "
-                    "engine's", cls.__name__)
-    if subclasses:
-        llm.collective_rpc(_move_to_subclasses, kwargs={"subclasses": subclasses})
-
-
-def _move_to_subclasses(worker: Any, subclasses: dict[type, type]) -> None:
-    """(Runs on vLLM's worker, in this process.) Its model's modules of each class -> that class's subclass."""
-    for module in worker.get_model().modules():
-        if type(module) in subclasses:
-            module.__class__ = subclasses[type(module)]
 
 
 def _set_cpu_env(num_threads: int | None) -> None:
@@ -370,9 +319,9 @@ class VLLMRollout(RolloutEngine):
                         "does this)."
                     ) from e
                 start = time.perf_counter()
-                classes = _methods(_model_classes(self.model_path))
+                classes = snapshot_model_classes(self.model_path)
                 self.llm = LLM(**engine_kw)
-                _restore_model_classes(self.llm, classes)
+                restore_model_classes(self.llm, classes)
                 global _live_engines
                 _live_engines += 1
                 vllm_finalizer = getattr(self.llm.llm_engine.engine_core, "_finalizer", None)
