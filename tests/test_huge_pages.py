@@ -48,6 +48,11 @@ def test_collapse_keeps_the_values_and_what_it_reports_is_there():
     t = torch.arange(40 * MIB // 4, dtype=torch.float32)
     done = device.collapse_huge_pages(t)
     assert torch.equal(t, torch.arange(40 * MIB // 4, dtype=torch.float32))
-    if done:  # the kernel collapsed every whole 2 MiB page inside it (19 of them)
-        assert device.huge_page_state(t)["bytes"] >= 38 * MIB
+    if done:  # the kernel collapsed every whole 2 MiB page inside it (19 of them)...
+        seen = [device.huge_page_state(t)["bytes"]]
+        # ...but may split one again before smaps is read (reclaim under the other test process's load did, once
+        # in CI: 18 of 19); a collapse that reports success and never leaves them there fails all three reads
+        while seen[-1] < 38 * MIB and len(seen) < 3 and device.collapse_huge_pages(t):
+            seen.append(device.huge_page_state(t)["bytes"])
+        assert max(seen) >= 38 * MIB, seen
     assert not device.collapse_huge_pages(torch.zeros(16))  # no whole 2 MiB page inside: nothing to do
