@@ -314,7 +314,8 @@ def _fused_rotary(original):
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         unsqueeze_dim = args[0] if args else kwargs.get("unsqueeze_dim", 1)
         # torch.compile first: dynamo cannot trace ContextVar.get (vLLM compiles transformers' model code in-process)
-        if (torch.compiler.is_compiling() or not _IN_FUSED_ATTENTION.get() or unsqueeze_dim != 1 or len(args) > 1 or set(kwargs) - {"unsqueeze_dim"}
+        if (torch.compiler.is_compiling() or not _IN_FUSED_ATTENTION.get()
+                or unsqueeze_dim != 1 or len(args) > 1 or set(kwargs) - {"unsqueeze_dim"}
                 or q.dim() != 4 or k.dim() != 4
                 or cos.dim() != 3 or cos.shape != sin.shape or cos.requires_grad or sin.requires_grad
                 or cos.shape[0] not in (1, q.shape[0]) or cos.shape[1] != q.shape[2] or k.shape[2] != q.shape[2]
