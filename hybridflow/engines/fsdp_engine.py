@@ -72,7 +72,8 @@ def _store_frozen_projections_in(hf_model: nn.Module, dtype: torch.dtype) -> Non
     on CPU, docs/benchmarks.md), and in half the memory. The same bits: autocast rounds an fp32 weight to `dtype` for
     the linear exactly as this does, and leaves a weight already in `dtype` as it is. Embeddings, norms, routers and
     expert tensors keep their dtype (they are not autocast's linears), and so does an output head that shares the input
-    embedding's weight. Only without sharding: FSDP2 casts the gathered parameters itself."""
+    embedding's weight. Sharded (FSDP2), the shards are kept in `dtype`: FSDP2 would cast them to it for every
+    all-gather (the same rounding), and gathers a frozen bf16 shard as it is."""
     if dtype == torch.float32:
         return
     inputs = hf_model.get_input_embeddings()
@@ -152,8 +153,8 @@ class FSDPEngine:
         self.model.logits_checkpointing = config.logits_checkpointing
         self.model.row_multiple = ROW_MULTIPLE if config.batch_invariant else 1
         self.sharded = self.distributed and self.world_size > 1
-        if (not self.trainable or self.peft_model is not None) and not self.sharded and self.train_mesh is None:
-            _store_frozen_projections_in(hf_model, self.compute_dtype)
+        if (not self.trainable or self.peft_model is not None) and self.train_mesh is None:
+            _store_frozen_projections_in(hf_model, self.compute_dtype)  # before sharding: bf16 shards
         offload = self.device.type != "cpu"
         # param_offload on one rank: no FSDP offload policy to do it, so the engine moves the model per call
         self._move_params = offload and config.param_offload and not self.sharded

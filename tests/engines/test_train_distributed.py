@@ -85,6 +85,9 @@ class EngineRank:
     def names(self) -> list[str]:
         return [name for name, _ in self.engine.named_full_parameters()]
 
+    def local_dtypes(self) -> dict[str, torch.dtype]:
+        return {n: p.dtype for n, p in self.engine.model.named_parameters()}
+
     def local_numel(self) -> int:
         return sum(p.to_local().numel() for p in self.engine.model.parameters())
 
@@ -208,6 +211,9 @@ def test_two_ranks_lora_in_bf16_train_after_the_reference_pass(ranks, tiny_model
     base_single = single.compute_log_prob(batches[0], temperature=0.8, base=True)["log_probs"]
     single_metrics = [single.train_step(batch, seq_mean_pg_loss) for batch in batches]
     on_all(ranks, "build", [tiny_model_path] * WORLD, **overrides)
+    for dtypes in on_all(ranks, "local_dtypes"):  # the frozen base's projections sharded in bf16, adapters fp32
+        assert {d for n, d in dtypes.items() if ".base_layer." in n} == {torch.bfloat16}
+        assert {d for n, d in dtypes.items() if ".lora_" in n or "norm" in n} == {torch.float32}
     base = on_all(ranks, "log_probs", [batches[0][0:4], batches[0][4:8]], base=True)
     assert float((torch.cat([b["log_probs"] for b in base]) - base_single).abs().max()) <= 0.05
     before = on_all(ranks, "local_lora_shards")
