@@ -50,7 +50,14 @@ from hybridflow.engines.checkpoint_io import load_engine_state, save_engine_stat
 from hybridflow.engines.cpu_flash_attention import flash_attention_here, use_flash_attention
 from hybridflow.engines.cpu_train_ops import fused_ops_here, use_fused_ops
 from hybridflow.engines.engine_config import PARAM_DTYPES, EngineConfig, why_not_packed
-from hybridflow.engines.hf_model import HeadOnPositions, drop_hub_kernels, hf_name, load_model, load_tokenizer
+from hybridflow.engines.hf_model import (
+    HeadOnPositions,
+    drop_hub_kernels,
+    hf_name,
+    load_model,
+    load_tokenizer,
+    store_frozen_projections_in,
+)
 from hybridflow.engines.lora import adapter_disabled, apply_lora, base_name, merged_parameters
 from hybridflow.engines.moe_train import RouterTap, aux_loss_coef, is_mixture_of_experts
 from hybridflow.engines.onednn_train import onednn_training, use_onednn_linears
@@ -63,30 +70,6 @@ logger = logging.getLogger(__name__)
 
 # loss_fn(micro, outputs) -> (loss, metrics). outputs: {"log_probs": [b, R], "entropy": [b, R]} or {"values": [b, R]}.
 LossFn = Callable[[DataProto, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, Any]]]
-
-
-def _store_frozen_projections_in(hf_model: nn.Module, dtype: torch.dtype) -> None:
-    """An engine computing in `dtype` under autocast over fp32 weights: its frozen linear layers (all of a reference
-    engine's, the base layers under a LoRA adapter) stored in `dtype` once, instead of autocast casting each of them
-    again in every forward (it caches casts of trainable weights only; the casts were a fifth of a bf16 reference pass
-    on CPU, docs/benchmarks.md), and in half the memory. The same bits: autocast rounds an fp32 weight to `dtype` for
-    the linear exactly as this does, and leaves a weight already in `dtype` as it is. Embeddings, norms, routers and
-    expert tensors keep their dtype (they are not autocast's linears), and so does an output head that shares the input
-    embedding's weight. Sharded (FSDP2), the shards are kept in `dtype`: FSDP2 would cast them to it for every
-    all-gather (the same rounding), and gathers a frozen bf16 shard as it is."""
-    if dtype == torch.float32:
-        return
-    inputs = hf_model.get_input_embeddings()
-    tied = inputs.weight if inputs is not None else None
-    with torch.no_grad():
-        for module in hf_model.modules():
-            if not isinstance(module, nn.Linear):
-                continue
-            for name in ("weight", "bias"):
-                param = getattr(module, name)
-                if (param is not None and not param.requires_grad and param is not tied
-                        and param.dtype == torch.float32):
-                    setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=False))
 
 
 class FSDPEngine:
@@ -154,7 +137,7 @@ class FSDPEngine:
         self.model.row_multiple = ROW_MULTIPLE if config.batch_invariant else 1
         self.sharded = self.distributed and self.world_size > 1
         if (not self.trainable or self.peft_model is not None) and self.train_mesh is None:
-            _store_frozen_projections_in(hf_model, self.compute_dtype)  # before sharding: bf16 shards
+            store_frozen_projections_in(hf_model, self.compute_dtype)  # before sharding: bf16 shards
         offload = self.device.type != "cpu"
         # param_offload on one rank: no FSDP offload policy to do it, so the engine moves the model per call
         self._move_params = offload and config.param_offload and not self.sharded

@@ -71,6 +71,30 @@ def drop_hub_kernels(model: nn.Module) -> None:
         model.use_kernels = False  # transformers' setter: kernelize with an empty mapping once, then never again
 
 
+def store_frozen_projections_in(hf_model: nn.Module, dtype: torch.dtype) -> None:
+    """An engine computing in `dtype` under autocast over fp32 weights: its frozen linear layers (all of a reference
+    engine's, the base layers under a LoRA adapter) stored in `dtype` once, instead of autocast casting each of them
+    again in every forward (it caches casts of trainable weights only; the casts were a fifth of a bf16 reference pass
+    on CPU, docs/benchmarks.md), and in half the memory. The same bits: autocast rounds an fp32 weight to `dtype` for
+    the linear exactly as this does, and leaves a weight already in `dtype` as it is. Embeddings, norms, routers and
+    expert tensors keep their dtype (they are not autocast's linears), and so does an output head that shares the input
+    embedding's weight. Sharded (FSDP2), the shards are kept in `dtype`: FSDP2 would cast them to it for every
+    all-gather (the same rounding), and gathers a frozen bf16 shard as it is."""
+    if dtype == torch.float32:
+        return
+    inputs = hf_model.get_input_embeddings()
+    tied = inputs.weight if inputs is not None else None
+    with torch.no_grad():
+        for module in hf_model.modules():
+            if not isinstance(module, nn.Linear):
+                continue
+            for name in ("weight", "bias"):
+                param = getattr(module, name)
+                if (param is not None and not param.requires_grad and param is not tied
+                        and param.dtype == torch.float32):
+                    setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=False))
+
+
 def load_model(path: str, role: str, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
                ) -> nn.Module:
     """The transformers model for `role` ("actor" | "ref" -> causal LM, "critic" -> one-label token classifier), in

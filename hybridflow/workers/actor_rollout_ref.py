@@ -33,6 +33,7 @@ from hybridflow.common.ports import hold_free_port
 from hybridflow.common.seeds import derive_seed
 from hybridflow.engines.fsdp_engine import FSDPEngine
 from hybridflow.engines.mismatch import logprob_mismatch
+from hybridflow.engines.moe_train import is_mixture_of_experts
 from hybridflow.engines.resharding import sync_tensor_parallel
 from hybridflow.engines.rollout import SamplingParams, create_rollout_engine
 from hybridflow.engines.rollout.layout import pad_responses
@@ -223,7 +224,7 @@ class ActorRolloutRefWorker(Worker):
         arr = self.config.actor_rollout_ref
         if not (self.is_actor and arr.rollout.name == "vllm" and int(arr.model.lora_rank) > 0):
             return False
-        return len(self.actor.router_tap) == 0
+        return not is_mixture_of_experts(self.actor.hf_config)
 
     def _push_to_rollout(self) -> None:
         """Hybrid engine: the actor's weights into the rollout engine -- the LoRA adapter alone when the engine

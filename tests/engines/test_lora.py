@@ -227,7 +227,7 @@ def test_bf16_compute_keeps_the_frozen_base_in_bf16_with_the_same_bits(arch, tmp
     lora = LoraSettings(rank=4, alpha=8, exclude_modules=["o_proj"])  # frozen and not adapted: stored in bf16 too
     kept = lora_engine(path, lora, param_dtype="bf16")
     with monkeypatch.context() as m:
-        m.setattr(fsdp_engine, "_store_frozen_projections_in", lambda model, dtype: None)
+        m.setattr(fsdp_engine, "store_frozen_projections_in", lambda model, dtype: None)
         master = lora_engine(path, lora, param_dtype="bf16")
     dtypes = {n: p.dtype for n, p in kept.model.named_parameters()}
     assert all(d == torch.float32 for n, d in dtypes.items() if ".lora_" in n or "norm" in n or "embed" in n)
