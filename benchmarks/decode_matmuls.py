@@ -1,10 +1,10 @@
 """A decode step's projections alone, by kernel and row count: the native rollout's C kernel (fp32: the panel kernel of
-cpu_linear.py; bf16: the AMX tiles of cpu_amx_linear.py, on CPUs with AMX) against oneDNN's packed matmul
+cpu_linear.py; bf16: the tiles of cpu_bf16_linear.py, each kind that runs here: AMX, AVX512-BF16) against oneDNN's packed matmul
 (onednn_linear.py) and F.linear, next to the step's two floors; prints one JSON document.
 
     .venv/bin/python benchmarks/decode_matmuls.py                          # mid, rows 1-64, 2 threads
     .venv/bin/python benchmarks/decode_matmuls.py --size tiny --rows 16,64,512 --threads 1
-    .venv/bin/python benchmarks/decode_matmuls.py --dtype bf16 --rows 16,32,64,256   # AMX tiles against oneDNN
+    .venv/bin/python benchmarks/decode_matmuls.py --dtype bf16 --rows 16,32,64,256   # bf16 tiles against oneDNN
 
 The step is every layer's q/k/v, o, gate/up and down product plus the output head, on their own (the weights of
 all layers in turn, so each is read from memory as in a real step). Kernels alternate (A B C A B C ...), --repeats
@@ -12,7 +12,8 @@ rounds of --steps steps each; reported is each kernel's best round in millisecon
 FLOPs over the measured matmul peak (metrics.measure_peak_flops), and its fp32 weight bytes over the measured read
 bandwidth (profile_step.read_bandwidth: a sum over a 256 MB tensor); a decode step cannot take less than the larger.
 Also the time to re-pack all the weights for the C kernel after a weight update (``repack_ms``), into new tensors and
-into the old ones. The C kernel's columns are named after it: ``panel_*`` in fp32, ``amx_*`` in bf16.
+into the old ones. The C kernel's columns are named after it: ``panel_*`` in fp32, ``amx_*`` and
+``avx512_bf16_*`` in bf16.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from _common import document, emit, log
 from profile_step import read_bandwidth
 
 from hybridflow.common.metrics import measure_peak_flops
-from hybridflow.engines.rollout import cpu_amx_linear, cpu_linear
+from hybridflow.engines.rollout import cpu_bf16_linear, cpu_linear
 from hybridflow.engines.rollout.onednn_linear import onednn_available, onednn_linear, pack_onednn
 from hybridflow.engines.tiny import SIZES
 
@@ -52,13 +53,16 @@ def main() -> None:
     shapes = [(h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter)] * spec.num_layers + [(spec.vocab_size, h)]
     g = torch.Generator().manual_seed(0)
     weights = [(torch.randn(o, i, generator=g) * 0.02).to(dtype) for o, i in shapes]
-    kernel, name_c = (cpu_amx_linear.load(), "amx") if dtype == torch.bfloat16 else (cpu_linear.load(), "panel")
+    if dtype == torch.bfloat16:
+        kernels = {kind: cpu_bf16_linear.load(kind) for kind in cpu_bf16_linear.available_kinds()}
+    else:
+        kernels = {"panel": cpu_linear.load()} if cpu_linear.load() is not None else {}
     packed = {
         "F.linear": (weights, lambda x, w: F.linear(x, w)),
         **({"onednn": ([pack_onednn(w) for w in weights], lambda x, w: onednn_linear(x, w, None))}
            if onednn_available(dtype) else {}),
-        **({name_c: ([kernel.pack(w) for w in weights], lambda x, w: kernel.linear(x, w, None))}
-           if kernel is not None else {}),
+        **{name: ([kernel.pack(w) for w in weights], lambda x, w, kernel=kernel: kernel.linear(x, w, None))
+           for name, kernel in kernels.items()},
     }
     peak = measure_peak_flops(dtype=dtype, num_threads=args.threads)
     bandwidth = read_bandwidth(args.threads)
@@ -80,7 +84,7 @@ def main() -> None:
         row = {f"{name}_ms": round(s * 1e3, 3) for name, s in best.items()}
         row["math_floor_ms"] = round(flops / peak * 1e3, 3)
         row["weight_read_floor_ms"] = round(weight_bytes / bandwidth * 1e3, 3)
-        if name_c in best:
+        for name_c in kernels:
             row.update({f"{name_c}_vs_{name}": round(best[name_c] / best[name], 3) for name in best if name != name_c})
             row[f"{name_c}_over_floor"] = round(best[name_c] * 1e3 / max(row["math_floor_ms"],
                                                                         row["weight_read_floor_ms"]), 2)
@@ -88,12 +92,14 @@ def main() -> None:
         log(f"rows {rows}: {row}")
     doc_results = {"peak_flops_per_s": peak, "read_bytes_per_s": bandwidth, "weight_bytes": weight_bytes,
                    "by_rows": results}
-    if kernel is not None:
+    for name_c, kernel in kernels.items():  # the kinds share one packed layout: the same re-pack
         doc_results["repack_ms"] = repack_times(kernel, weights, packed[name_c][0], args.repeats)
         log(f"re-pack after a weight update: {doc_results['repack_ms']}")
+        break
+    first = next(iter(kernels.values()), None)
     emit(document("decode_matmuls", {"size": args.size, "dtype": args.dtype, "threads": args.threads,
-                                     "steps": args.steps, "repeats": args.repeats, "kernel": kernel and name_c,
-                                     "vector_width": getattr(kernel, "vector_width", None)},
+                                     "steps": args.steps, "repeats": args.repeats, "kernels": list(kernels),
+                                     "vector_width": getattr(first, "vector_width", None)},
                   doc_results))
 
 

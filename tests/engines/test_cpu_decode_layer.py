@@ -328,7 +328,7 @@ def test_the_bf16_gate_is_torchs_bit_for_bit(kernel, activation, rows, inter):
 def test_bf16_steps_with_the_fused_norms_and_gate_are_the_same_bits(kernel, tmp_path, arch, monkeypatch):
     """The eager bf16 step with each residual add and the next norm as one call and the gate as one
     (cpu_bf16_step.layers) against the same engine's op-by-op step. (Where the whole step is one C call,
-    cpu_bf16_step.step, that is compared with `layers` in test_cpu_amx_linear.py; here it is off.)"""
+    cpu_bf16_step.step, that is compared with `layers` in test_cpu_bf16_linear.py; here it is off.)"""
     monkeypatch.setattr(cpu_bf16_step, "step", lambda *args: None)
     path = write_tiny_model(str(tmp_path / arch), dataclasses.replace(SIZES["tiny"], arch=arch), seed=0)
     engine = create_rollout_engine("native", path, dtype="bf16", seed=3)

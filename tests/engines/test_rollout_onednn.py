@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from test_rollout_engines import make_prompts, write_model
 
 from hybridflow import device
-from hybridflow.engines.rollout import SamplingParams, cpu_amx_linear, cpu_linear, create_rollout_engine
+from hybridflow.engines.rollout import SamplingParams, cpu_bf16_linear, cpu_linear, create_rollout_engine
 from hybridflow.engines.rollout.native_model import NativeDecoder
 from hybridflow.engines.rollout.onednn_linear import (
     MIN_PACKED_WIDTH,
@@ -80,7 +80,7 @@ def test_int8_does_not_use_the_onednn_packing_and_bf16_only_with_bf16_units(tmp_
     with warnings.catch_warnings():  # "bf16 is emulated" on CPUs without bf16 units
         warnings.simplefilter("ignore")
         bf16 = create_rollout_engine("native", path, dtype="bf16", prepack=True)
-    assert bf16.model.matmul == ("amx" if cpu_amx_linear.load() else "onednn" if native_bf16() else "dense")
+    assert bf16.model.matmul == ("bf16_tiles" if cpu_bf16_linear.load() else "onednn" if native_bf16() else "dense")
     assert onednn_available(torch.bfloat16) == native_bf16()
 
 
@@ -101,15 +101,15 @@ def test_bf16_packed_linear_is_f_linear_bitwise():
 
 @needs_bf16_units
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("matmul", ["onednn", "amx"])
+@pytest.mark.parametrize("matmul", ["onednn", "bf16_tiles"])
 def test_bf16_packed_decoder_is_the_unpacked_one(tmp_path, arch, matmul):
-    """Packing changes the layout, not the bf16 arithmetic: same tokens and bitwise the same log-probs (AMX's tiles:
-    at these row counts its sums are oneDNN's)."""
-    if matmul == "amx" and cpu_amx_linear.load() is None:
-        pytest.skip("no AMX here: the bf16 decoder packs for oneDNN")
+    """Packing changes the layout, not the bf16 arithmetic: same tokens and bitwise the same log-probs (the bf16
+    tiles, AMX's or AVX512-BF16's: at these row counts their sums are oneDNN's)."""
+    if matmul == "bf16_tiles" and cpu_bf16_linear.load() is None:
+        pytest.skip("no bf16 tile kernel here: the bf16 decoder packs for oneDNN")
     path = write_model(tmp_path / arch, arch, seed=3, tie=False)  # untied head: the packed lm_head is used
     packed = create_rollout_engine("native", path, dtype="bf16", num_threads=1, prepack=True,
-                                   linear_kernel=matmul == "amx")
+                                   linear_kernel=matmul == "bf16_tiles")
     plain = create_rollout_engine("native", path, dtype="bf16", num_threads=1, prepack=False)
     assert packed.model.matmul == matmul and plain.model.matmul == "dense"
     prompts = make_prompts(packed.tokenizer)

@@ -1,7 +1,7 @@
 """An eager bf16 decode step on CPU in fewer ops: NativeDecoder._layers with its small ops as C calls.
 
 Why: the fp32 decode step is one C call (cpu_decode_layer.py), but its driver calls fp32 kernels; in bf16 the
-projections are calls of their own (AMX tiles, cpu_amx_linear.py, or oneDNN's packed product), and between them the
+projections are calls of their own (bf16 tiles, cpu_bf16_linear.py, or oneDNN's packed product), and between them the
 eager step ran a dozen ops a layer (norms, residual adds, rotation, the attention kernel's copies of q, k and v, the
 gate's silu and product, slicing and views), each with its dispatch, allocation and a trip through memory. Here each
 layer is its projections plus four C calls:
@@ -14,10 +14,10 @@ layer is its projections plus four C calls:
                    (torch's), the experts, their gates and the weighted sum as one call instead (`routed_experts`)
     add_rms_norm   the MLP's residual add and the next layer's input norm, or the final norm after the last layer
 
-Where the projections run on AMX tiles, `step` runs all of that and the output head as one C call
+Where the projections run on the bf16 tiles (AMX or AVX512-BF16), `step` runs all of that and the output head as one C call
 (cpu_decode_layer.c's decode_step_bf16, calling the same kernels through their function pointers), without the
 Python-level work between the calls above (argument checks, allocations, ctypes conversions) at every layer; a routed
-layer's routing is the router's product on AMX tiles and one C call with torch's softmax and top-k bits
+layer's routing is the router's product on those tiles and one C call with torch's softmax and top-k bits
 (cpu_moe_router.py), or, where that does not run, torch's router called back from C. Elsewhere `layers` runs. Where
 the steps are one call each, `loop` runs the generate call's decode loop in C as well (choosing, recording and
 stopping between the steps, as the fp32 loop of cpu_decode_layer.py).
@@ -36,8 +36,8 @@ import weakref
 import torch
 
 from hybridflow.engines.rollout import cpu_moe_router, cpu_sampling
-from hybridflow.engines.rollout.cpu_amx_linear import KSTEP, MAX_ROWS
 from hybridflow.engines.rollout.cpu_attention import DecodeAttentionKernel
+from hybridflow.engines.rollout.cpu_bf16_linear import KSTEP, MAX_ROWS
 from hybridflow.engines.rollout.cpu_decode_layer import DecodeLoop, layer_structs
 from hybridflow.engines.rollout.moe import route
 
@@ -98,7 +98,7 @@ class _RoutedState:
             experts = weights["experts"]
             gate_up = (_ptr * len(experts))(*(pair[0].tiles.data_ptr() for pair in experts))
             down = (_ptr * len(experts))(*(pair[1].tiles.data_ptr() for pair in experts))
-            struct = _MoeBf16(linear=decoder.amx_kernel.linear_address, gate_up=ctypes.addressof(gate_up),
+            struct = _MoeBf16(linear=decoder.bf16_kernel.linear_address, gate_up=ctypes.addressof(gate_up),
                               down=ctypes.addressof(down), experts=len(experts), k=s.experts_per_token,
                               inter=s.moe_intermediate_size, hidden=s.hidden_size,
                               **{name: self.buffers[name].data_ptr()
@@ -120,7 +120,7 @@ class _RoutedState:
         s = decoder.shape
         if self.router is None or not _routes_in_c(decoder, li):
             return route(h, decoder.layers[li]["router"], s.experts_per_token, s.norm_topk_prob)
-        logits = decoder.amx_kernel.linear(h, decoder.packed_weights()["layers"][li]["router"], None)
+        logits = decoder.bf16_kernel.linear(h, decoder.packed_weights()["layers"][li]["router"], None)
         return self.router.route(logits, s.experts_per_token, s.norm_topk_prob)
 
 
@@ -129,17 +129,17 @@ _states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> _
 
 def _routes_in_c(decoder, li: int) -> bool:
     """Whether routed layer li routes in C (cpu_moe_router.py): the kernel runs here, gives torch's bits for this
-    router's shape, and the router is AMX-packed."""
+    router's shape, and the router is packed in bf16 tiles."""
     s, router = decoder.shape, cpu_moe_router.load()
     return (router is not None and "router" in decoder.packed_weights()["layers"][li]
             and router.agrees(s.num_experts, s.experts_per_token, s.norm_topk_prob, torch.bfloat16))
 
 
 def _experts_gate(decoder, kernel, rows: int, threads: int) -> tuple[int, int, int, int] | None:
-    """The experts' act_mul_bf16 arguments where their C call applies to `rows` rows (AMX-packed, at most MAX_ROWS
+    """The experts' act_mul_bf16 arguments where their C call applies to `rows` rows (packed in bf16 tiles, at most MAX_ROWS
     rows, widths whole tiles of k, a gate the C file computes as torch does here); else None."""
     s = decoder.shape
-    if decoder.matmul != "amx" or rows > MAX_ROWS or s.hidden_size % KSTEP or s.moe_intermediate_size % KSTEP:
+    if decoder.matmul != "bf16_tiles" or rows > MAX_ROWS or s.hidden_size % KSTEP or s.moe_intermediate_size % KSTEP:
         return None
     return kernel.bf16_gate(s.activation, s.moe_intermediate_size, threads)
 
@@ -157,7 +157,7 @@ def _experts_struct(decoder, li: int, rows: int, gate: tuple[int, int, int, int]
 def routed_experts(decoder, li: int, h: torch.Tensor, kernel) -> torch.Tensor | None:
     """Routed-experts layer li's MLP output [R, hidden] for the MLP norm's output h [R, hidden] (bf16, contiguous):
     the routing as the one-call step routes (`_RoutedState.route`; recorded for routing replay), then the experts
-    and their weighted sum as one C call (cpu_decode_layer.c's moe_experts_bf16) on the experts' AMX tiles, the bits
+    and their weighted sum as one C call (cpu_decode_layer.c's moe_experts_bf16) on the experts' bf16 tiles, the bits
     of moe.py's dispatch on the same kernels. None where it does not apply (`_experts_gate`) and the caller runs the
     decoder's own MLP."""
     s, rows, threads = decoder.shape, h.shape[0], torch.get_num_threads()
@@ -235,7 +235,7 @@ class _OneCall:
     def __init__(self, decoder, gate: tuple[int, int, int, int], experts_gate: tuple[int, int, int, int] | None):
         s, ops = decoder.shape, decoder.step_ops
         self.model = _ModelBf16(
-            linear=decoder.amx_kernel.linear_address, rms=ops.addresses["rms_norm_bf16"],
+            linear=decoder.bf16_kernel.linear_address, rms=ops.addresses["rms_norm_bf16"],
             add_rms=ops.addresses["add_rms_norm_bf16"], heads=ops.addresses["qkv_heads_bf16"],
             attn=decoder.attention_kernel.addresses[torch.bfloat16], hidden=s.hidden_size, heads_n=s.num_heads,
             kv_heads=s.num_kv_heads, head_dim=s.head_dim, inter=s.intermediate_size, eps=s.rms_norm_eps,
@@ -299,7 +299,7 @@ _one_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _prepared(decoder, kernel, threads: int) -> _OneCall | None:
     """The decoder's _OneCall at `threads` threads, or None where a step cannot be one call (asked once per thread
-    count and kernels): projections not on AMX tiles, widths not whole tiles of k, tensors not in bf16, rotary tables
+    count and kernels): projections not on bf16 tiles, widths not whole tiles of k, tensors not in bf16, rotary tables
     not read in place, a gate the C file does not compute as torch does here (the dense MLP's or the experts')."""
     kernels = (kernel, decoder.attention_kernel, decoder.step_ops, decoder.rope)
     memo = _one_calls.get(decoder)
@@ -313,7 +313,7 @@ def _prepared(decoder, kernel, threads: int) -> _OneCall | None:
     dense = not all(layer.moe for layer in s.layers)
     gate = kernel.bf16_gate(s.activation, s.intermediate_size, threads) if dense else experts_gate
     widths = (s.hidden_size, s.num_heads * s.head_dim) + ((s.intermediate_size,) if dense else ())
-    fits = (decoder.matmul == "amx" and gate is not None and (experts_gate is not None or not s.moe)
+    fits = (decoder.matmul == "bf16_tiles" and gate is not None and (experts_gate is not None or not s.moe)
             and decoder.embed.is_contiguous()
             and isinstance(decoder.attention_kernel, DecodeAttentionKernel)
             and all(width % KSTEP == 0 for width in widths)

@@ -10,7 +10,7 @@
    layer_mlp_out_f32:   x += down_proj(act) (post-MLP norm first, where the architecture has one).
    decode_step_f32:     a whole decode step in one call: the token embeddings, every layer with the MLP's gate in C
                         (act_mul_f32), the final norm and the output head's logits.
-   decode_step_bf16:    the same in bf16 (cpu_bf16_step.py): the AMX projections (cpu_amx_linear.c), the fused
+   decode_step_bf16:    the same in bf16 (cpu_bf16_step.py): the bf16 projections (cpu_bf16_linear.c: AMX or AVX512-BF16), the fused
                         residual norms and attention inputs (cpu_step_ops.c), the attention and act_mul_bf16.
    moe_experts_bf16:    a bf16 step's routed experts and their weighted sum (cpu_bf16_step.py).
 
@@ -23,7 +23,7 @@
    torch's build fused x + kappa x^3 into one multiply-add, so does `fma`. cpu_decode_layer.py checks the result
    against torch's before using it. act_mul_bf16 is the same for the eager bf16 decode step's gate (cpu_bf16_step.py),
    which keeps its bf16 projections between its C calls; moe_experts_bf16 runs that step's routed experts, their
-   projections through the AMX kernel's function pointer (cpu_amx_linear.c). */
+   projections through the bf16 kernel's function pointer (cpu_bf16_linear.c). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -57,7 +57,7 @@ struct model {
 };
 
 /* one layer's tensors: packed weights, biases and norms (NULL where absent), its rotary table, its KV cache; fp32
-   for the fp32 step, bf16 (AMX-packed weights) for decode_step_bf16 */
+   for the fp32 step, bf16 (weights packed in bf16 tiles) for decode_step_bf16 */
 struct layer {
     const void *input_norm, *post_attn_norm, *pre_ff_norm, *post_ff_norm, *q_norm, *k_norm;
     const void *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
@@ -392,7 +392,7 @@ int act_mul_bf16(int act, int fma, const void *vfn, int width, const bf16 *gate_
 
 /* ---- routed experts in bf16 (the eager bf16 decode step, cpu_bf16_step.py) ---------------------------------- */
 
-/* y [M, N] = x [M, K] times a packed weight (cpu_amx_linear.c's amx_linear_bf16; K a multiple of 32) */
+/* y [M, N] = x [M, K] times a packed weight (cpu_bf16_linear.c's amx_linear_bf16 or dot_linear_bf16; K a multiple of 32) */
 typedef void (*bf16_linear_fn)(const bf16 *x, long M, long K, const bf16 *packed, long N, const bf16 *bias, bf16 *y,
                                int nthreads);
 
@@ -497,7 +497,7 @@ typedef void (*attn_bf16_fn)(int R, int KV, int G, int D, const bf16 *q, bf16 *o
                              const bf16 *vB, long vBr, long vBh, int lenB, const int32_t *start, const bf16 *kN,
                              const bf16 *vN, float *scratch, int nthreads);
 
-/* the kernels (cpu_amx_linear.c, cpu_step_ops.c, cpu_decode_attention.c) and the model's shape */
+/* the kernels (cpu_bf16_linear.c, cpu_step_ops.c, cpu_decode_attention.c) and the model's shape */
 struct model_bf16 {
     bf16_linear_fn linear;
     rms_bf16_fn rms;
@@ -539,7 +539,7 @@ struct step_bf16 {
    cache); o product; residual add and the MLP's norm; gate_up product; the gate; down product; residual add and the
    next norm; on a routed layer its routing (the router's product and route_bf16, or the router called back) and
    moe_experts_bf16 instead of the three MLP calls.
-   `layers` are struct layer with bf16 tensors and AMX-packed weights. Returns 0; -1 when no vector function was given
+   `layers` are struct layer with bf16 tensors and weights packed in bf16 tiles. Returns 0; -1 when no vector function was given
    (nothing is computed), -2 when a router failed, -3 when it chose an expert out of range. */
 int decode_step_bf16(const struct model_bf16 *m, const struct layer *layers, long n_layers,
                      const struct step_bf16 *s, const int32_t *const *starts, const bf16 *final_norm,

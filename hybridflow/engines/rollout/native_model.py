@@ -15,9 +15,9 @@ MLP) so fp32 greedy decoding picks the same tokens. Differences are for speed:
   * on CPU the matmul weights are packed once into a kernel's own layout and re-packed lazily after a weight update
     (by default only from hidden size 128 up for the panel kernel, 256 for oneDNN, below which packing was slower):
     fp32 -> panels of 16 output columns for the C kernel of cpu_linear.py (``matmul == "panel"``; oneDNN's layout
-    where that kernel is not the default or cannot be built, or with ``linear_kernel=False``); bf16 on CPUs with AMX
-    -> the tiles of cpu_amx_linear.py's C kernel (``matmul == "amx"``), on other CPUs with bf16 units (or with
-    ``linear_kernel=False``) oneDNN's blocked layout (onednn_linear.py; same arithmetic, ~1.6x faster layer matmuls at
+    where that kernel is not the default or cannot be built, or with ``linear_kernel=False``); bf16 on CPUs with bf16
+    units -> the tiles of cpu_bf16_linear.py's C kernel (``matmul == "bf16_tiles"``: AMX's product, or AVX512-BF16's),
+    where it cannot be built (or with ``linear_kernel=False``) oneDNN's blocked layout (onednn_linear.py; same arithmetic, ~1.6x faster layer matmuls at
     64 rows of the mid model than F.linear), or,
     with ``int8=True``, int8 weights for the layer matmuls (int8_linear.py; embeddings, norms, attention, the KV
     cache and the output head stay in ``dtype``). The packed copies cost a second copy of the weights' memory.
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow import device as hf_device
-from hybridflow.engines.rollout import cpu_amx_linear, cpu_bf16_step, cpu_linear
+from hybridflow.engines.rollout import cpu_bf16_linear, cpu_bf16_step, cpu_linear
 from hybridflow.engines.rollout.arch_specs import DecoderShape, resolve, supported_architectures
 from hybridflow.engines.rollout.compiled_step import packed_linear as compiled_packed_linear
 from hybridflow.engines.rollout.compiled_step import register_decoder
@@ -112,34 +112,34 @@ class NativeDecoder:
         self.spec = s.spec
         if prepack is None:  # auto: where it was measured to pay (cpu_linear.MIN_PANEL_WIDTH, onednn MIN_PACKED_WIDTH)
             panel = dtype == torch.float32 and device.type == "cpu" and cpu_linear.kernel_for(linear_kernel) is not None
-            # the AMX tiles too from hidden 128 (a tiny model's 16-row generate call: 26 ms against F.linear's 41)
-            amx = (dtype == torch.bfloat16 and device.type == "cpu" and linear_kernel is not False
-                   and cpu_amx_linear.load() is not None)
-            prepack = s.hidden_size >= (cpu_linear.MIN_PANEL_WIDTH if panel or amx else MIN_PACKED_WIDTH)
+            # the bf16 tiles too from hidden 128 (AMX: a tiny model's 16-row generate call 26 ms against F.linear's 41)
+            tiles = (dtype == torch.bfloat16 and device.type == "cpu" and linear_kernel is not False
+                   and cpu_bf16_linear.load() is not None)
+            prepack = s.hidden_size >= (cpu_linear.MIN_PANEL_WIDTH if panel or tiles else MIN_PACKED_WIDTH)
         self.panel_kernel = None  # cpu_linear.PanelLinearKernel when matmul == "panel"
-        self.amx_kernel = None  # cpu_amx_linear.AmxLinearKernel when matmul == "amx"
+        self.bf16_kernel = None  # cpu_bf16_linear.Bf16LinearKernel when matmul == "bf16_tiles"
         if int8:
             check_int8_supported(device)
             self.matmul = "int8"
         elif prepack and device.type == "cpu" and onednn_available(dtype):  # fp32; bf16 where the CPU has bf16 units
             # the C kernel of packed weights unless linear_kernel=False or it cannot run here: fp32 -> the panel kernel
-            # (cpu_linear.py), bf16 -> AMX tiles (cpu_amx_linear.py); else oneDNN's packed product
+            # (cpu_linear.py), bf16 -> the bf16 tiles (cpu_bf16_linear.py); else oneDNN's packed product
             if dtype == torch.float32:
                 self.panel_kernel = cpu_linear.kernel_for(linear_kernel)
             elif linear_kernel is not False:
-                self.amx_kernel = cpu_amx_linear.load()
-            self.matmul = ("panel" if self.panel_kernel is not None else "amx" if self.amx_kernel is not None
+                self.bf16_kernel = cpu_bf16_linear.load()
+            self.matmul = ("panel" if self.panel_kernel is not None else "bf16_tiles" if self.bf16_kernel is not None
                            else "onednn")
         else:
             self.matmul = "dense"  # F.linear on the fused tensors (GPUs, emulated bf16, small models, prepack=False)
-        if linear_kernel and self.matmul not in ("panel", "amx"):
-            built = (cpu_linear.load() if dtype == torch.float32 else cpu_amx_linear.load()) is not None
+        if linear_kernel and self.matmul not in ("panel", "bf16_tiles"):
+            built = (cpu_linear.load() if dtype == torch.float32 else cpu_bf16_linear.load()) is not None
             raise ValueError(f"native rollout: linear_kernel=True is the CPU projection kernel of packed weights "
-                             f"(fp32: cpu_linear.py; bf16: cpu_amx_linear.py, on CPUs with AMX), but this decoder's "
+                             f"(fp32: cpu_linear.py; bf16: cpu_bf16_linear.py, on CPUs with AMX or AVX512-BF16), but this decoder's "
                              f"projections are {self.matmul!r} (dtype {dtype}, device {device.type}, "
                              f"prepack={prepack}, kernel built: {built}); leave linear_kernel unset to choose by "
                              "device")
-        self.prepacked = self.matmul in ("panel", "onednn", "amx")
+        self.prepacked = self.matmul in ("panel", "onednn", "bf16_tiles")
         # the panel kernel's packed weights in transparent huge pages (device.huge_page_buffer): None = where the
         # machine allows it; True = required
         if huge_pages and not (self.matmul == "panel" and hf_device.huge_pages_available()):
@@ -321,8 +321,8 @@ class NativeDecoder:
             pack = self.panel_kernel.pack
             if stale is None:  # the first pack: every panel in one buffer, in huge pages where asked
                 stale, buffer = self._panel_buffer(names)
-        elif self.matmul == "amx":  # into the stale tiles' memory where their shapes match
-            pack = self.amx_kernel.pack
+        elif self.matmul == "bf16_tiles":  # into the stale tiles' memory where their shapes match
+            pack = self.bf16_kernel.pack
         else:
             def pack(weight: torch.Tensor, out=None):
                 return pack_onednn(weight)
@@ -335,7 +335,7 @@ class NativeDecoder:
                 packed["experts"] = [(pack(gate_up, old_gate_up), pack(down, old_down))
                                      for gate_up, down, (old_gate_up, old_down)
                                      in zip(layer["experts_gate_up"], layer["experts_down"], old_experts)]
-                if self.matmul == "amx":  # the bf16 step's router product (cpu_bf16_step.py, cpu_moe_router.py)
+                if self.matmul == "bf16_tiles":  # the bf16 step's router product (cpu_bf16_step.py, cpu_moe_router.py)
                     packed["router"] = pack(layer["router"], old.get("router"))
         head = pack(self.lm_head, stale["lm_head"] if stale is not None else None)
         if buffer is not None:  # huge pages asked for: any the kernel gave as 4 KiB ones, collapsed now
@@ -384,8 +384,8 @@ class NativeDecoder:
     def packed_linear(self, li: int, name: str, x: torch.Tensor, expert: int = -1) -> torch.Tensor:
         """x [..., in] times a packed weight: layer li's projection `name`; with `expert` >= 0 that routed expert's
         'gate_up' or 'down'; li = -1: the output head ('lm_head', not int8). Output in x's dtype."""
-        multiply = (self.panel_kernel.linear if self.matmul == "panel" else self.amx_kernel.linear
-                    if self.matmul == "amx" else onednn_linear)
+        multiply = (self.panel_kernel.linear if self.matmul == "panel" else self.bf16_kernel.linear
+                    if self.matmul == "bf16_tiles" else onednn_linear)
         if li < 0:
             return multiply(x, self.packed_weights()["lm_head"], None)
         packed = self.packed_weights()["layers"][li]

@@ -1,12 +1,13 @@
-"""The bf16 projections on AMX tiles (engines/rollout/cpu_amx_linear.py, cpu_amx_linear.c): F.linear's result to one
+"""The bf16 projections on packed tiles (engines/rollout/cpu_bf16_linear.py, cpu_bf16_linear.c): F.linear's result to one
 bf16 rounding per output (mostly bit for bit) on shapes whose rows, k and columns are not whole tiles, with and
 without a bias, past MAX_ROWS too; a row's result does not depend on the other rows of a call; a re-pack into the
 old tiles gives the new weight's products; the bf16 native decoder uses it by default where it runs, and its greedy
 tokens are the oneDNN-packed decoder's; a routed-experts layer's experts as one C call on these tiles
 (cpu_bf16_step.routed_experts) are the bits of moe.py's dispatch over the same kernel; a dense model's whole bf16
 decode step as one C call (cpu_bf16_step.step) gives the tokens and log-probs of its steps as Python-level calls
-(cpu_bf16_step.layers), bit for bit. It runs only on CPUs with
-AMX: elsewhere these tests skip and the bf16 decoder keeps oneDNN (test_rollout_onednn.py)."""
+(cpu_bf16_step.layers), bit for bit. Each test runs once per kind of the kernel that runs here (AMX tiles, AVX512-BF16
+dot products); on CPUs without bf16 units these tests skip and the bf16 decoder keeps oneDNN or F.linear
+(test_rollout_onednn.py)."""
 
 from __future__ import annotations
 
@@ -20,16 +21,27 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from test_rollout_engines import make_prompts, write_model
 
-from hybridflow.engines.rollout import SamplingParams, cpu_amx_linear, cpu_bf16_step, create_rollout_engine
+from hybridflow.engines.rollout import SamplingParams, cpu_bf16_linear, cpu_bf16_step, create_rollout_engine
 from hybridflow.engines.tiny import SIZES, write_tiny_model
 
-pytestmark = pytest.mark.skipif(cpu_amx_linear.load() is None, reason="no AMX tiles on this CPU (or no compiler "
-                                "that knows them): the bf16 decoder keeps oneDNN's packed product")
+pytestmark = pytest.mark.skipif(cpu_bf16_linear.load() is None, reason="no AMX or AVX512-BF16 on this CPU (or no "
+                                "compiler that knows them): the bf16 decoder keeps oneDNN's packed product")
+
+
+@pytest.fixture(scope="module", autouse=True, params=cpu_bf16_linear.available_kinds() or ["none"])
+def kind(request):
+    """Each kind of the kernel that runs here (AMX hosts have both), as the one the decoders choose."""
+    real = cpu_bf16_linear.load
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_bf16_linear, "load", lambda kind=None: real(kind or request.param))
+        yield request.param
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    return cpu_amx_linear.load()
+def kernel(kind):
+    kernel = cpu_bf16_linear.load(kind)
+    assert kernel.kind == kind
+    return kernel
 
 
 def _within_one_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -79,14 +91,15 @@ def test_a_mismatched_input_is_a_clear_error(kernel):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3_text"])
-def test_the_bf16_decoder_uses_it_and_follows_the_onednn_decoder(tmp_path, arch):
+def test_the_bf16_decoder_uses_it_and_follows_the_onednn_decoder(tmp_path, arch, kind):
     path = write_model(tmp_path / arch, arch, seed=3, tie=False)  # untied head: the packed lm_head is used
-    amx = create_rollout_engine("native", path, dtype="bf16", num_threads=2, prepack=True)
+    tiles = create_rollout_engine("native", path, dtype="bf16", num_threads=2, prepack=True)
     onednn = create_rollout_engine("native", path, dtype="bf16", num_threads=2, prepack=True, linear_kernel=False)
-    assert amx.model.matmul == "amx" and onednn.model.matmul == "onednn"
-    prompts = make_prompts(amx.tokenizer)
+    assert tiles.model.matmul == "bf16_tiles" and onednn.model.matmul == "onednn"
+    assert tiles.model.bf16_kernel.kind == kind
+    prompts = make_prompts(tiles.tokenizer)
     params = SamplingParams(greedy=True, max_new_tokens=16)
-    a, b = amx.generate(prompts, params), onednn.generate(prompts, params)
+    a, b = tiles.generate(prompts, params), onednn.generate(prompts, params)
     assert torch.equal(a.batch["responses"], b.batch["responses"])
     torch.testing.assert_close(a.batch["rollout_log_probs"], b.batch["rollout_log_probs"], atol=2e-2, rtol=0)
 
@@ -109,7 +122,7 @@ def moe_engine(tmp_path_factory):
     path = write_tiny_model(str(tmp_path_factory.mktemp("moe") / "qwen3_moe"),
                             dataclasses.replace(SIZES["tiny"], arch="qwen3_moe"), seed=0)
     engine = create_rollout_engine("native", path, dtype="bf16", num_threads=2, seed=5)
-    assert engine.model.matmul == "amx" and engine.model.layer_kernel is not None
+    assert engine.model.matmul == "bf16_tiles" and engine.model.layer_kernel is not None
     return engine
 
 
@@ -123,7 +136,7 @@ def test_routed_experts_in_one_call_are_the_dispatchs_bits(moe_engine, rows):
         routes, decoder.route_log = decoder.route_log, None
         assert got is not None and len(routes) == 1 and routes[0].shape == (rows, decoder.shape.experts_per_token)
         assert torch.equal(got, decoder._mlp(li, h))  # router, then each expert's rows through F.linear-like calls
-    more = torch.zeros(cpu_amx_linear.MAX_ROWS + 1, decoder.shape.hidden_size, dtype=torch.bfloat16)
+    more = torch.zeros(cpu_bf16_linear.MAX_ROWS + 1, decoder.shape.hidden_size, dtype=torch.bfloat16)
     assert cpu_bf16_step.routed_experts(decoder, 0, more, decoder.layer_kernel) is None  # the caller's MLP runs
 
 
@@ -144,7 +157,7 @@ def _torch_router(monkeypatch, decoder) -> None:
 
 
 def test_routing_in_c_gives_the_torch_routers_tokens_and_routes(tmp_path, monkeypatch):
-    """The one-call step's routing in C (the router's AMX product, cpu_moe_router's softmax and top-k) against the
+    """The one-call step's routing in C (the router's bf16 tile product, cpu_moe_router's softmax and top-k) against the
     same step calling torch's router back: the same tokens, log-probs and recorded routes."""
     router = cpu_bf16_step.cpu_moe_router.load()
     if router is None or not router.agrees(4, 2, True, torch.bfloat16):  # the tiny qwen3_moe's router

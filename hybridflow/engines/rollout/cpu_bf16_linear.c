@@ -1,25 +1,28 @@
-/* The native rollout's bf16 projections on AMX tiles (cpu_amx_linear.py): y = x W^T (+ bias) for bf16 x [M, K] and a
- * weight W [N, K] packed once into tiles.
+/* The native rollout's bf16 projections (cpu_bf16_linear.py): y = x W^T (+ bias) for bf16 x [M, K] and a weight
+ * W [N, K] packed once, as the products of AMX tiles where the CPU has AMX, and of AVX512-BF16's dot products on other
+ * CPUs with bf16 units (AMD Zen 4 and later; Intel Cooper Lake).
  *
  * Packed layout: [ceil(N / 16)][ceil(K / 32)] tiles of 16 rows x 64 bytes, zero past N and K. Row r of tile (nb, kb)
  * holds, for the 16 columns n = 16 nb + c, the pair W[n][32 kb + 2 r], W[n][32 kb + 2 r + 1]: the layout TDPBF16PS
- * reads its second operand in. A column block's tiles follow one another in k, so a call streams the weights from
- * memory once, in order.
+ * reads its second operand in, and one zmm register of VDPBF16PS's (16 columns, a k pair each). A column block's
+ * tiles follow one another in k, so a call streams the weights from memory once, in order.
  *
- * A call computes four 16 x 16 accumulator tiles at a time (16 rows by 64 columns, or 32 by 32), each weight tile
- * loaded from memory once and kept in cache for the call's other rows: each product sums 32 k into the fp32
- * accumulators, k in order. Then bias (fp32) is added and each sum rounded to bf16 to nearest even. K must be a
- * multiple of 32 (the caller pads with zeros; rows may be any number); each row's result does not depend on the
- * other rows of the call.
+ * Both products sum the bf16 products of each output in fp32, k in order from zero; then bias (fp32) is added and
+ * each sum rounded to bf16 to nearest even. K must be a multiple of 32 (the caller pads with zeros; rows may be any
+ * number); each row's result does not depend on the other rows of the call.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BW__)
-#error "the AMX projection kernel needs AMX-TILE, AMX-BF16 and AVX-512BW (built with -march=native on such a CPU)"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#define HAVE_AMX 1
+#endif
+#if !defined(HAVE_AMX) && !(defined(__AVX512BF16__) && defined(__AVX512BW__))
+#error "the bf16 projection kernel needs AMX-TILE and AMX-BF16, or AVX512-BF16 (built with -march=native on such a CPU)"
 #endif
 
 typedef uint16_t bf16;
@@ -27,11 +30,7 @@ typedef uint16_t bf16;
 #define ROWS 16  /* rows of a tile */
 #define KSTEP 32 /* bf16 k per tile row (64 bytes) */
 
-/* Linux's permission for this process to use the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
- * 0 when granted. */
-int amx_request(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
-
-void amx_pack_bf16(const bf16 *w, long N, long K, long ld, bf16 *packed, int nthreads) {
+void bf16_pack(const bf16 *w, long N, long K, long ld, bf16 *packed, int nthreads) {
     const long NB = (N + 15) / 16, KB = (K + KSTEP - 1) / KSTEP;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long nb = 0; nb < NB; nb++)
@@ -54,12 +53,6 @@ void amx_pack_bf16(const bf16 *w, long N, long K, long ld, bf16 *packed, int nth
         }
 }
 
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
-
 /* 16 sums + bias, rounded to bf16 to nearest even (NaN: torch's quiet NaN), the first `n` stored */
 static inline void store_row(const float *sums, const bf16 *bias, bf16 *y, int n) {
     const __mmask16 mask = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
@@ -72,6 +65,17 @@ static inline void store_row(const float *sums, const bf16 *bias, bf16 *y, int n
     rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
     _mm256_mask_storeu_epi16(y, mask, _mm512_cvtepi32_epi16(rounded));
 }
+
+#ifdef HAVE_AMX
+/* Linux's permission for this process to use the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+ * 0 when granted. */
+int amx_request(void) { return (int)syscall(SYS_arch_prctl, 0x1023, 18); }
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
 
 /* The products of up to four accumulator tiles (tiles 0-3), over all of k, each a block of 16 rows x 16 columns:
  * RB row blocks (16 rows of x each, `xs` apart) by CB column blocks (their packed tiles `ws` apart), 16 rows by up to
@@ -187,3 +191,70 @@ void amx_linear_bf16(const bf16 *x, long M, long K, const bf16 *packed, long N, 
         _tile_release();
     }
 }
+#endif /* HAVE_AMX */
+
+#ifdef __AVX512BF16__
+/* The AVX512-BF16 product of RB rows of x by CB column blocks (16 columns each, their packed tiles `ws` apart), over
+ * all of k: sums[r * CB + c] holds the 16 fp32 sums of row r and column block c. Per k pair one weight register per
+ * column block and one broadcast of the row's pair (the layout's zmm rows are VDPBF16PS's operand as they are); RB x
+ * CB accumulators, as many as the pass's rows and columns allow, at most 24 (6 rows by 4 blocks: the fewest loads per
+ * product of the shapes measured, docs/benchmarks.md). Each accumulator adds its pairs in k order, from zero. */
+#define DOT_BLOCK(RB, CB)                                                                                             \
+    static void dot_##RB##_##CB(const bf16 *x, long K, const bf16 *w, long ws, float *sums) {                        \
+        __m512 acc[RB][CB];                                                                                           \
+        for (int r = 0; r < RB; r++)                                                                                  \
+            for (int c = 0; c < CB; c++) acc[r][c] = _mm512_setzero_ps();                                             \
+        for (long j = 0; j < K / 2; j++) {                                                                            \
+            __m512bh wv[CB];                                                                                          \
+            for (int c = 0; c < CB; c++) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * ws + j * 32);                   \
+            for (int r = 0; r < RB; r++) {                                                                            \
+                int32_t pair;                                                                                         \
+                memcpy(&pair, x + r * K + 2 * j, sizeof pair);                                                        \
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);                                                \
+                for (int c = 0; c < CB; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);                      \
+            }                                                                                                         \
+        }                                                                                                             \
+        for (int r = 0; r < RB; r++)                                                                                  \
+            for (int c = 0; c < CB; c++) _mm512_storeu_ps(sums + (r * CB + c) * 16, acc[r][c]);                       \
+    }
+#define DOT_ROWS(CB) DOT_BLOCK(1, CB) DOT_BLOCK(2, CB) DOT_BLOCK(3, CB) DOT_BLOCK(4, CB) DOT_BLOCK(5, CB) DOT_BLOCK(6, CB)
+DOT_ROWS(1) DOT_ROWS(2) DOT_ROWS(3) DOT_ROWS(4)
+#define DOT_MAX_ROWS 6
+#define DOT_MAX_BLOCKS 4
+typedef void (*dot_block)(const bf16 *x, long K, const bf16 *w, long ws, float *sums);
+static const dot_block dot_blocks[DOT_MAX_BLOCKS][DOT_MAX_ROWS] = {
+    {dot_1_1, dot_2_1, dot_3_1, dot_4_1, dot_5_1, dot_6_1},
+    {dot_1_2, dot_2_2, dot_3_2, dot_4_2, dot_5_2, dot_6_2},
+    {dot_1_3, dot_2_3, dot_3_3, dot_4_3, dot_5_3, dot_6_3},
+    {dot_1_4, dot_2_4, dot_3_4, dot_4_4, dot_5_4, dot_6_4},
+};
+
+/* amx_linear_bf16's product with AVX512-BF16 (same arguments, same packed weight). Each thread takes an equal run of
+ * column blocks; it goes through them four at a time, the rows in passes of six under those blocks (their weights come
+ * from memory in the first pass and from cache in the others). */
+void dot_linear_bf16(const bf16 *x, long M, long K, const bf16 *packed, long N, const bf16 *bias, bf16 *y,
+                     int nthreads) {
+    const long NB = (N + 15) / 16, ws = K / KSTEP * ROWS * KSTEP;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const long first = NB * t / threads, last = NB * (t + 1) / threads;
+        float sums[DOT_MAX_ROWS * DOT_MAX_BLOCKS * 16];
+        for (long nb = first; nb < last;) {
+            const int CB = last - nb < DOT_MAX_BLOCKS ? (int)(last - nb) : DOT_MAX_BLOCKS;
+            for (long m0 = 0; m0 < M;) {
+                const int RB = M - m0 < DOT_MAX_ROWS ? (int)(M - m0) : DOT_MAX_ROWS;
+                dot_blocks[CB - 1][RB - 1](x + m0 * K, K, packed + nb * ws, ws, sums);
+                for (int r = 0; r < RB; r++)
+                    for (int c = 0; c < CB; c++) {
+                        const long n0 = (nb + c) * 16;
+                        store_row(sums + (r * CB + c) * 16, bias ? bias + n0 : NULL, y + (m0 + r) * N + n0,
+                                  N - n0 < 16 ? (int)(N - n0) : 16);
+                    }
+                m0 += RB;
+            }
+            nb += CB;
+        }
+    }
+}
+#endif /* __AVX512BF16__ */
