@@ -195,18 +195,21 @@ void amx_linear_bf16(const bf16 *x, long M, long K, const bf16 *packed, long N, 
 
 #ifdef __AVX512BF16__
 /* The AVX512-BF16 product of RB rows of x by CB column blocks (16 columns each, their packed tiles `ws` apart), over
- * all of k: sums[r * CB + c] holds the 16 fp32 sums of row r and column block c. Per k pair one weight register per
+ * all of k: sums[r * CB + c] holds the 16 fp32 sums of row r and column block c. `next` (or NULL): CB column blocks
+ * whose weights are fetched into L2 meanwhile, one cache line per block and k pair. Per k pair one weight register per
  * column block and one broadcast of the row's pair (the layout's zmm rows are VDPBF16PS's operand as they are); RB x
  * CB accumulators, as many as the pass's rows and columns allow, at most 24 (6 rows by 4 blocks: the fewest loads per
  * product of the shapes measured, docs/benchmarks.md). Each accumulator adds its pairs in k order, from zero. */
 #define DOT_BLOCK(RB, CB)                                                                                             \
-    static void dot_##RB##_##CB(const bf16 *x, long K, const bf16 *w, long ws, float *sums) {                        \
+    static void dot_##RB##_##CB(const bf16 *x, long K, const bf16 *w, long ws, float *sums, const bf16 *next) {      \
         __m512 acc[RB][CB];                                                                                           \
         for (int r = 0; r < RB; r++)                                                                                  \
             for (int c = 0; c < CB; c++) acc[r][c] = _mm512_setzero_ps();                                             \
         for (long j = 0; j < K / 2; j++) {                                                                            \
             __m512bh wv[CB];                                                                                          \
             for (int c = 0; c < CB; c++) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * ws + j * 32);                   \
+            if (next)                                                                                                 \
+                for (int c = 0; c < CB; c++) _mm_prefetch((const char *)(next + c * ws + j * 32), _MM_HINT_T1);       \
             for (int r = 0; r < RB; r++) {                                                                            \
                 int32_t pair;                                                                                         \
                 memcpy(&pair, x + r * K + 2 * j, sizeof pair);                                                        \
@@ -221,7 +224,7 @@ void amx_linear_bf16(const bf16 *x, long M, long K, const bf16 *packed, long N, 
 DOT_ROWS(1) DOT_ROWS(2) DOT_ROWS(3) DOT_ROWS(4)
 #define DOT_MAX_ROWS 6
 #define DOT_MAX_BLOCKS 4
-typedef void (*dot_block)(const bf16 *x, long K, const bf16 *w, long ws, float *sums);
+typedef void (*dot_block)(const bf16 *x, long K, const bf16 *w, long ws, float *sums, const bf16 *next);
 static const dot_block dot_blocks[DOT_MAX_BLOCKS][DOT_MAX_ROWS] = {
     {dot_1_1, dot_2_1, dot_3_1, dot_4_1, dot_5_1, dot_6_1},
     {dot_1_2, dot_2_2, dot_3_2, dot_4_2, dot_5_2, dot_6_2},
@@ -230,8 +233,10 @@ static const dot_block dot_blocks[DOT_MAX_BLOCKS][DOT_MAX_ROWS] = {
 };
 
 /* amx_linear_bf16's product with AVX512-BF16 (same arguments, same packed weight). Each thread takes an equal run of
- * column blocks; it goes through them four at a time, the rows in passes of six under those blocks (their weights come
- * from memory in the first pass and from cache in the others). */
+ * column blocks; it goes through them four at a time, the rows in passes of six under those blocks: their weights come
+ * from memory in the first pass and from cache in the others, and the second pass, when it has four rows or more,
+ * fetches the next four blocks' weights meanwhile, so the first pass under them starts on weights in cache (a 16-row
+ * decode step of the mid model: 11% less time, docs/benchmarks.md). */
 void dot_linear_bf16(const bf16 *x, long M, long K, const bf16 *packed, long N, const bf16 *bias, bf16 *y,
                      int nthreads) {
     const long NB = (N + 15) / 16, ws = K / KSTEP * ROWS * KSTEP;
@@ -244,7 +249,9 @@ void dot_linear_bf16(const bf16 *x, long M, long K, const bf16 *packed, long N, 
             const int CB = last - nb < DOT_MAX_BLOCKS ? (int)(last - nb) : DOT_MAX_BLOCKS;
             for (long m0 = 0; m0 < M;) {
                 const int RB = M - m0 < DOT_MAX_ROWS ? (int)(M - m0) : DOT_MAX_ROWS;
-                dot_blocks[CB - 1][RB - 1](x + m0 * K, K, packed + nb * ws, ws, sums);
+                const int fetch = m0 == DOT_MAX_ROWS && RB >= 4 && nb + CB < last;
+                dot_blocks[CB - 1][RB - 1](x + m0 * K, K, packed + nb * ws, ws, sums,
+                                           fetch ? packed + (nb + CB) * ws : NULL);
                 for (int r = 0; r < RB; r++)
                     for (int c = 0; c < CB; c++) {
                         const long n0 = (nb + c) * 16;
