@@ -1,7 +1,5 @@
 """LoRA with vLLM in the hybrid engine: vLLM applies the policy's adapter itself (enable_lora), and each weight sync
-hands it only the adapter (a PEFT folder of a few KB) instead of streaming the merged model. Each test shuts its
-enable_lora engines down before it ends (the GRPO runs', when their training ends), so later tests in this process
-start from no LoRA engine.
+hands it only the adapter (a PEFT folder of a few KB) instead of streaming the merged model.
 
 Checked: an engine with an adapter loaded generates what transformers generates with the same adapter merged in; a
 new adapter replaces the old one (its folder is removed); GRPO with lora_rank > 0 and rollout.name=vllm trains with
