@@ -51,7 +51,9 @@ def _within_one_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got != want).float().mean() < 1e-3, int((got != want).sum())
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (5, 40, 72), (16, 288, 512), (33, 100, 96), (64, 1024, 512),
+# 10 and 12 rows: a second pass of 4 and 6 rows under the dot products' column blocks (it fetches the next blocks)
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (5, 40, 72), (10, 200, 96), (12, 72, 64), (16, 288, 512),
+                                   (33, 100, 96), (64, 1024, 512),
                                    (300, 48, 64)])  # 300 rows: past MAX_ROWS, F.linear on the weight itself
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_product_is_f_linears_to_one_rounding(kernel, m, n, k, bias):
@@ -70,6 +72,22 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kernel):
     together = kernel.linear(x, packed, None)
     for rows in (slice(0, 1), slice(3, 20), slice(10, 42), slice(6, 70)):
         assert torch.equal(kernel.linear(x[rows], packed, None), together[rows])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_product_does_not_depend_on_the_thread_count(kernel, threads):
+    """The threads split the columns (AMX: units of 64; the dot products: equal runs of 16), each column's sums k in
+    order: 1 and 3 threads give the 2 threads' bits, 3 with a run of blocks left over."""
+    g = torch.Generator().manual_seed(threads)
+    w, x = torch.randn(21 * 16 + 5, 96, generator=g).bfloat16(), torch.randn(13, 96, generator=g).bfloat16()
+    packed, before = kernel.pack(w), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = kernel.linear(x, packed, None)
+        torch.set_num_threads(threads)
+        assert torch.equal(kernel.linear(x, packed, None), two)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_repack_writes_the_old_tiles_and_gives_the_new_weights_products(kernel):
