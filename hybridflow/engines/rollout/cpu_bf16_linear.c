@@ -198,8 +198,8 @@ void amx_linear_bf16(const bf16 *x, long M, long K, const bf16 *packed, long N, 
  * all of k: sums[r * CB + c] holds the 16 fp32 sums of row r and column block c. `next` (or NULL): CB column blocks
  * whose weights are fetched into L2 meanwhile, one cache line per block and k pair. Per k pair one weight register per
  * column block and one broadcast of the row's pair (the layout's zmm rows are VDPBF16PS's operand as they are); RB x
- * CB accumulators, as many as the pass's rows and columns allow, at most 24 (6 rows by 4 blocks: the fewest loads per
- * product of the shapes measured, docs/benchmarks.md). Each accumulator adds its pairs in k order, from zero. */
+ * CB accumulators, as many as the pass's rows and columns allow, at most 24 (6 rows by 4 blocks: the fastest of the
+ * shapes tried, docs/benchmarks.md). Each accumulator adds its pairs in k order, from zero. */
 #define DOT_BLOCK(RB, CB)                                                                                             \
     static void dot_##RB##_##CB(const bf16 *x, long K, const bf16 *w, long ws, float *sums, const bf16 *next) {      \
         __m512 acc[RB][CB];                                                                                           \
@@ -235,8 +235,8 @@ static const dot_block dot_blocks[DOT_MAX_BLOCKS][DOT_MAX_ROWS] = {
 /* amx_linear_bf16's product with AVX512-BF16 (same arguments, same packed weight). Each thread takes an equal run of
  * column blocks; it goes through them four at a time, the rows in passes of six under those blocks: their weights come
  * from memory in the first pass and from cache in the others, and the second pass, when it has four rows or more,
- * fetches the next four blocks' weights meanwhile, so the first pass under them starts on weights in cache (a 16-row
- * decode step of the mid model: 11% less time, docs/benchmarks.md). */
+ * fetches the next four blocks' weights meanwhile, so the first pass under them starts on weights in cache
+ * (docs/benchmarks.md, thirty-ninth session). */
 void dot_linear_bf16(const bf16 *x, long M, long K, const bf16 *packed, long N, const bf16 *bias, bf16 *y,
                      int nthreads) {
     const long NB = (N + 15) / 16, ws = K / KSTEP * ROWS * KSTEP;

@@ -4,17 +4,17 @@ units: AMX's tile product where it has AMX, AVX512-BF16's dot products elsewhere
 Why: a decode step multiplies a few dozen rows by every weight matrix, so its time is the weights' trip from memory.
 oneDNN's packed bf16 product (onednn_linear.py), the bf16 decoder's default until then, streamed a decode step's
 weights at about 18-25 GB/s on an AMX host, where the same memory gives a plain read twice that (docs/benchmarks.md,
-thirty-third session); on an AVX512-BF16 host without AMX it ran a 16-row decode step's projections at about 60% of
-the bf16 matmul peak, where the dot-product kernel's register blocks reach about 70% (thirty-ninth session). The kernel
-packs each weight once into ``[ceil(N / 16), ceil(K / 32), 16, 32]`` bf16 tiles: what AMX's tile product reads, and
-rows of VDPBF16PS's operand as they are, so a call reads them once, in order. With the projections in this one layout
-a bf16 decode step runs as one C call (cpu_bf16_step.py) on either kind.
+thirty-third session); on an AVX512-BF16 host without AMX the dot products here took less time than it up to 64
+rows (thirty-ninth session). The kernel packs each weight once into ``[ceil(N / 16), ceil(K / 32), 16, 32]`` bf16
+tiles: what AMX's tile product reads, and rows of VDPBF16PS's operand as they are, so a call reads them once, in
+order. With the projections in this one layout a bf16 decode step runs as one C call (cpu_bf16_step.py) on either
+kind.
 
 Exactness: bf16 products summed in fp32, k in order, bias added in fp32, one rounding to bf16: the arithmetic of
 oneDNN's product, with which AMX's agreed bit for bit at 16 and 32 rows in the thirty-third session's check and on
 all but a few elements in 10^5 at 64 rows (oneDNN then orders its sums differently), and the dot products bit for bit
-on every shape checked at 1-64 rows in the thirty-ninth; each row's result does not depend on the other rows of the
-call. `load` checks the kernel against ``F.linear`` before the decoder uses it.
+on every shape checked in the thirty-ninth; each row's result does not depend on the other rows of the call.
+`load` checks the kernel against ``F.linear`` before the decoder uses it.
 
 AMX runs where torch reports its tiles and Linux grants the process their state (arch_prctl), with a compiler that
 knows AMX (GCC 11 or later); the dot products where torch reports AVX512-BF16. Elsewhere `load` returns None and the
