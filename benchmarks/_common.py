@@ -207,6 +207,14 @@ def task_subset(workdir: str, rows: int) -> str:
     return path
 
 
+# bf16 in hybridflow: bf16 compute over fp32 master weights in training (as TRL's bf16=True autocast), bf16 rollout.
+BF16_OVERRIDES = (
+    "actor_rollout_ref.actor.fsdp_config.param_dtype=bf16",
+    "actor_rollout_ref.ref.fsdp_config.param_dtype=bf16",
+    "actor_rollout_ref.rollout.dtype=bf16",
+)
+
+
 def grpo_overrides(
     *,
     model_path: str,

@@ -41,6 +41,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (
+    BF16_OVERRIDES,
     ROOT,
     cpu_flags,
     document,
@@ -56,12 +57,6 @@ from _common import (
 
 KL_COEF = 0.04
 LR = 1e-6
-# bf16 in hybridflow: bf16 compute over fp32 master weights in training (as TRL's bf16=True autocast), bf16 rollout.
-BF16_OVERRIDES = (
-    "actor_rollout_ref.actor.fsdp_config.param_dtype=bf16",
-    "actor_rollout_ref.ref.fsdp_config.param_dtype=bf16",
-    "actor_rollout_ref.rollout.dtype=bf16",
-)
 
 
 # ----------------------------------------------------------------------------------------------------- TRL's venv
