@@ -1,6 +1,6 @@
 """A decode step's projections alone, by kernel and row count: the native rollout's C kernel (fp32: the panel kernel of
-cpu_linear.py; bf16: the tiles of cpu_bf16_linear.py, each kind that runs here: AMX, AVX512-BF16) against oneDNN's packed matmul
-(onednn_linear.py) and F.linear, next to the step's two floors; prints one JSON document.
+cpu_linear.py; bf16: the tiles of cpu_bf16_linear.py, each kind that runs here: AMX, AVX512-BF16) against oneDNN's
+packed matmul (onednn_linear.py) and F.linear, next to the step's two floors; prints one JSON document.
 
     .venv/bin/python benchmarks/decode_matmuls.py                          # mid, rows 1-64, 2 threads
     .venv/bin/python benchmarks/decode_matmuls.py --size tiny --rows 16,64,512 --threads 1

@@ -17,8 +17,9 @@ loss), plus ``recompute_old_log_prob=always`` so the old-log-prob pass is timed 
   * reward, adv and the driver's own work between stages (``driver_overhead``: the step minus the timed stages):
     no model math, floor 0; their seconds and share of the step say how much they cost.
 With ``--dtype bf16`` the run is rl_step_vs_trl.py's bf16 column (bf16 rollout, bf16 compute over fp32 master weights
-in the actor and reference) and the peak is the bf16 matmul peak. ``over_floor`` = stage seconds / floor. With two backends the per-stage difference ray - local is the cost of the
-worker process boundary (serialising batches to and from the worker: "transfer").
+in the actor and reference) and the peak is the bf16 matmul peak. ``over_floor`` = stage seconds / floor. With two
+backends the per-stage difference ray - local is the cost of the worker process boundary (serialising batches to and
+from the worker: "transfer").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The bf16 projections on packed tiles (engines/rollout/cpu_bf16_linear.py, cpu_bf16_linear.c): F.linear's result to one
-bf16 rounding per output (mostly bit for bit) on shapes whose rows, k and columns are not whole tiles, with and
+"""The bf16 projections on packed tiles (engines/rollout/cpu_bf16_linear.py, cpu_bf16_linear.c): F.linear's result to
+one bf16 rounding per output (mostly bit for bit) on shapes whose rows, k and columns are not whole tiles, with and
 without a bias, past MAX_ROWS too; a row's result does not depend on the other rows of a call; a re-pack into the
 old tiles gives the new weight's products; the bf16 native decoder uses it by default where it runs, and its greedy
 tokens are the oneDNN-packed decoder's; a routed-experts layer's experts as one C call on these tiles

@@ -220,7 +220,8 @@ void amx_linear_bf16(const bf16 *x, long M, long K, const bf16 *packed, long N, 
         for (int r = 0; r < RB; r++)                                                                                  \
             for (int c = 0; c < CB; c++) _mm512_storeu_ps(sums + (r * CB + c) * 16, acc[r][c]);                       \
     }
-#define DOT_ROWS(CB) DOT_BLOCK(1, CB) DOT_BLOCK(2, CB) DOT_BLOCK(3, CB) DOT_BLOCK(4, CB) DOT_BLOCK(5, CB) DOT_BLOCK(6, CB)
+#define DOT_ROWS(CB) \
+    DOT_BLOCK(1, CB) DOT_BLOCK(2, CB) DOT_BLOCK(3, CB) DOT_BLOCK(4, CB) DOT_BLOCK(5, CB) DOT_BLOCK(6, CB)
 DOT_ROWS(1) DOT_ROWS(2) DOT_ROWS(3) DOT_ROWS(4)
 #define DOT_MAX_ROWS 6
 #define DOT_MAX_BLOCKS 4

@@ -141,7 +141,8 @@ class Bf16LinearKernel:
         """x [..., K] bf16 -> [..., N] bf16."""
         k, n = packed.in_features, packed.out_features
         if x.dtype != torch.bfloat16 or x.shape[-1] != k:
-            raise ValueError(f"bf16 {self.kind} linear: x {tuple(x.shape)} {x.dtype} against a packed weight of {n} x {k} bf16")
+            raise ValueError(f"bf16 {self.kind} linear: x {tuple(x.shape)} {x.dtype} against a packed weight of "
+                             f"{n} x {k} bf16")
         rows = x.reshape(-1, k)
         m = rows.shape[0]
         if m > MAX_ROWS:
@@ -169,7 +170,7 @@ class Bf16LinearKernel:
             # an output may round the other way from F.linear's: at most one bf16 step (2^-7 relative) apart
             if not torch.all((got - want).abs() <= want.abs() * 2**-7 + 1e-6) or not torch.allclose(
                     got, exact, rtol=2**-7, atol=(exact.abs().max() * 2**-7).item()):
-                logger.info("native rollout: the bf16 projection kernel (%s) disagrees with F.linear here (%d x %d x %d), "
-                            "so it is not used", self.kind, m, n, k)
+                logger.info("native rollout: the bf16 projection kernel (%s) disagrees with F.linear here "
+                            "(%d x %d x %d), so it is not used", self.kind, m, n, k)
                 return False
         return True

@@ -14,8 +14,8 @@ layer is its projections plus four C calls:
                    (torch's), the experts, their gates and the weighted sum as one call instead (`routed_experts`)
     add_rms_norm   the MLP's residual add and the next layer's input norm, or the final norm after the last layer
 
-Where the projections run on the bf16 tiles (AMX or AVX512-BF16), `step` runs all of that and the output head as one C call
-(cpu_decode_layer.c's decode_step_bf16, calling the same kernels through their function pointers), without the
+Where the projections run on the bf16 tiles (AMX or AVX512-BF16), `step` runs all of that and the output head as one
+C call (cpu_decode_layer.c's decode_step_bf16, calling the same kernels through their function pointers), without the
 Python-level work between the calls above (argument checks, allocations, ctypes conversions) at every layer; a routed
 layer's routing is the router's product on those tiles and one C call with torch's softmax and top-k bits
 (cpu_moe_router.py), or, where that does not run, torch's router called back from C. Elsewhere `layers` runs. Where
@@ -136,8 +136,8 @@ def _routes_in_c(decoder, li: int) -> bool:
 
 
 def _experts_gate(decoder, kernel, rows: int, threads: int) -> tuple[int, int, int, int] | None:
-    """The experts' act_mul_bf16 arguments where their C call applies to `rows` rows (packed in bf16 tiles, at most MAX_ROWS
-    rows, widths whole tiles of k, a gate the C file computes as torch does here); else None."""
+    """The experts' act_mul_bf16 arguments where their C call applies to `rows` rows (packed in bf16 tiles, at most
+    MAX_ROWS rows, widths whole tiles of k, a gate the C file computes as torch does here); else None."""
     s = decoder.shape
     if decoder.matmul != "bf16_tiles" or rows > MAX_ROWS or s.hidden_size % KSTEP or s.moe_intermediate_size % KSTEP:
         return None

@@ -10,8 +10,9 @@
    layer_mlp_out_f32:   x += down_proj(act) (post-MLP norm first, where the architecture has one).
    decode_step_f32:     a whole decode step in one call: the token embeddings, every layer with the MLP's gate in C
                         (act_mul_f32), the final norm and the output head's logits.
-   decode_step_bf16:    the same in bf16 (cpu_bf16_step.py): the bf16 projections (cpu_bf16_linear.c: AMX or AVX512-BF16), the fused
-                        residual norms and attention inputs (cpu_step_ops.c), the attention and act_mul_bf16.
+   decode_step_bf16:    the same in bf16 (cpu_bf16_step.py): the bf16 projections (cpu_bf16_linear.c: AMX or
+                        AVX512-BF16), the fused residual norms and attention inputs (cpu_step_ops.c), the attention
+                        and act_mul_bf16.
    moe_experts_bf16:    a bf16 step's routed experts and their weighted sum (cpu_bf16_step.py).
 
    act_mul_f32 reproduces torch's `act(gate).mul_(up)` bit for bit for SiLU and GELU's tanh form. torch's vector path
@@ -392,7 +393,8 @@ int act_mul_bf16(int act, int fma, const void *vfn, int width, const bf16 *gate_
 
 /* ---- routed experts in bf16 (the eager bf16 decode step, cpu_bf16_step.py) ---------------------------------- */
 
-/* y [M, N] = x [M, K] times a packed weight (cpu_bf16_linear.c's amx_linear_bf16 or dot_linear_bf16; K a multiple of 32) */
+/* y [M, N] = x [M, K] times a packed weight (cpu_bf16_linear.c's amx_linear_bf16 or dot_linear_bf16; K a multiple
+   of 32) */
 typedef void (*bf16_linear_fn)(const bf16 *x, long M, long K, const bf16 *packed, long N, const bf16 *bias, bf16 *y,
                                int nthreads);
 
@@ -539,8 +541,8 @@ struct step_bf16 {
    cache); o product; residual add and the MLP's norm; gate_up product; the gate; down product; residual add and the
    next norm; on a routed layer its routing (the router's product and route_bf16, or the router called back) and
    moe_experts_bf16 instead of the three MLP calls.
-   `layers` are struct layer with bf16 tensors and weights packed in bf16 tiles. Returns 0; -1 when no vector function was given
-   (nothing is computed), -2 when a router failed, -3 when it chose an expert out of range. */
+   `layers` are struct layer with bf16 tensors and weights packed in bf16 tiles. Returns 0; -1 when no vector function
+   was given (nothing is computed), -2 when a router failed, -3 when it chose an expert out of range. */
 int decode_step_bf16(const struct model_bf16 *m, const struct layer *layers, long n_layers,
                      const struct step_bf16 *s, const int32_t *const *starts, const bf16 *final_norm,
                      const bf16 *head, long vocab, bf16 *logits) {

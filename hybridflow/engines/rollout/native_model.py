@@ -17,8 +17,8 @@ MLP) so fp32 greedy decoding picks the same tokens. Differences are for speed:
     fp32 -> panels of 16 output columns for the C kernel of cpu_linear.py (``matmul == "panel"``; oneDNN's layout
     where that kernel is not the default or cannot be built, or with ``linear_kernel=False``); bf16 on CPUs with bf16
     units -> the tiles of cpu_bf16_linear.py's C kernel (``matmul == "bf16_tiles"``: AMX's product, or AVX512-BF16's),
-    where it cannot be built (or with ``linear_kernel=False``) oneDNN's blocked layout (onednn_linear.py; same arithmetic, ~1.6x faster layer matmuls at
-    64 rows of the mid model than F.linear), or,
+    where it cannot be built (or with ``linear_kernel=False``) oneDNN's blocked layout (onednn_linear.py; same
+    arithmetic, ~1.6x faster layer matmuls at 64 rows of the mid model than F.linear), or,
     with ``int8=True``, int8 weights for the layer matmuls (int8_linear.py; embeddings, norms, attention, the KV
     cache and the output head stay in ``dtype``). The packed copies cost a second copy of the weights' memory.
 """
@@ -114,7 +114,7 @@ class NativeDecoder:
             panel = dtype == torch.float32 and device.type == "cpu" and cpu_linear.kernel_for(linear_kernel) is not None
             # the bf16 tiles too from hidden 128 (AMX: a tiny model's 16-row generate call 26 ms against F.linear's 41)
             tiles = (dtype == torch.bfloat16 and device.type == "cpu" and linear_kernel is not False
-                   and cpu_bf16_linear.load() is not None)
+                     and cpu_bf16_linear.load() is not None)
             prepack = s.hidden_size >= (cpu_linear.MIN_PANEL_WIDTH if panel or tiles else MIN_PACKED_WIDTH)
         self.panel_kernel = None  # cpu_linear.PanelLinearKernel when matmul == "panel"
         self.bf16_kernel = None  # cpu_bf16_linear.Bf16LinearKernel when matmul == "bf16_tiles"
@@ -135,10 +135,10 @@ class NativeDecoder:
         if linear_kernel and self.matmul not in ("panel", "bf16_tiles"):
             built = (cpu_linear.load() if dtype == torch.float32 else cpu_bf16_linear.load()) is not None
             raise ValueError(f"native rollout: linear_kernel=True is the CPU projection kernel of packed weights "
-                             f"(fp32: cpu_linear.py; bf16: cpu_bf16_linear.py, on CPUs with AMX or AVX512-BF16), but this decoder's "
-                             f"projections are {self.matmul!r} (dtype {dtype}, device {device.type}, "
-                             f"prepack={prepack}, kernel built: {built}); leave linear_kernel unset to choose by "
-                             "device")
+                             f"(fp32: cpu_linear.py; bf16: cpu_bf16_linear.py, on CPUs with AMX or AVX512-BF16), "
+                             f"but this decoder's projections are {self.matmul!r} (dtype {dtype}, device "
+                             f"{device.type}, prepack={prepack}, kernel built: {built}); leave linear_kernel unset to "
+                             "choose by device")
         self.prepacked = self.matmul in ("panel", "onednn", "bf16_tiles")
         # the panel kernel's packed weights in transparent huge pages (device.huge_page_buffer): None = where the
         # machine allows it; True = required

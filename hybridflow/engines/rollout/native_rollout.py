@@ -23,9 +23,10 @@ once the projections ran on cpu_linear.py's kernel, docs/benchmarks.md); True: t
 run; False: never.
 
 ``linear_kernel``: on CPU the projections of packed weights run as one C kernel instead of oneDNN's packed matmul:
-in fp32 the panel kernel (cpu_linear.py), in bf16 the bf16 tiles (cpu_bf16_linear.py). None (default): where it builds (fp32:
-AVX-512, or AVX2 with FMA: cpu_linear.kernel_for; bf16: CPUs with AMX or AVX512-BF16), except with ``batch_invariant`` (which needs
-the training engine's oneDNN products); True: the same, and an error where it cannot run; False: oneDNN.
+in fp32 the panel kernel (cpu_linear.py), in bf16 the bf16 tiles (cpu_bf16_linear.py). None (default): where it
+builds (fp32: AVX-512, or AVX2 with FMA: cpu_linear.kernel_for; bf16: CPUs with AMX or AVX512-BF16), except with
+``batch_invariant`` (which needs the training engine's oneDNN products); True: the same, and an error where it
+cannot run; False: oneDNN.
 """
 
 from __future__ import annotations
@@ -188,8 +189,9 @@ class NativeRollout(RolloutEngine):
         self._seed_source = torch.Generator().manual_seed(int(seed))
         # prepack: on CPU, matmul weights packed once for a kernel: fp32 -> cpu_linear.py's panels (oneDNN's layout
         # with linear_kernel=False or where that kernel cannot be built), bf16 -> the bf16 tiles (cpu_bf16_linear.py)
-        # where the CPU has AMX or AVX512-BF16, else oneDNN's layout where it has bf16 units; False: plain F.linear; None: packed from the
-        # hidden size where it was measured to pay (128 for the panel kernel and the bf16 tiles, 256 for oneDNN)
+        # where the CPU has AMX or AVX512-BF16, else oneDNN's layout where it has bf16 units; False: plain F.linear;
+        # None: packed from the hidden size where it was measured to pay (128 for the panel kernel and the bf16 tiles,
+        # 256 for oneDNN)
         # huge_pages: the fp32 panels in transparent huge pages (native_model.NativeDecoder; None: where the machine
         # allows them)
         # tensor_parallel_size > 1: this rank holds its TP slice of every weight (tensor_parallel.py)
