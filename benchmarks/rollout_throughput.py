@@ -3,7 +3,7 @@ prints one JSON document.
 
     .venv/bin/python benchmarks/rollout_throughput.py                 # batch 1/16/64/256, fp32 and bf16, hf + native
     .venv/bin/python benchmarks/rollout_throughput.py --quick         # batch 16/64 only, one repeat
-    .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,vllm
+    .venv/bin/python benchmarks/rollout_throughput.py --backends hf,native,vllm   # runs itself in .venv-vllm
     .venv/bin/python benchmarks/rollout_throughput.py --dtypes fp32,int8   # int8: native engine, CPU
     .venv/bin/python benchmarks/rollout_throughput.py --n 8 --prompt-len 240,256 --batch-sizes 64   # GRPO-like
     python benchmarks/rollout_throughput.py --backends hf,native,native:eager   # GPU: CUDA graphs vs eager decode
@@ -24,11 +24,18 @@ For a dense --size model, ``matmul_floor`` gives two ceilings per dtype and batc
 the native engine's kernels: a decode step's (``matmul_floor_new_tokens_per_s``) and a whole call's, the prefill of
 its prompt tokens and then --new-tokens decode steps (``matmul_floor_with_prefill_new_tokens_per_s``). Divided by hf's
 rate (``speedups``), they bound what any engine with these kernels could be over hf here.
+
+vLLM lives in its own virtualenv (.venv-vllm, `make vllm-env`: its pins differ from the main venv's). Asked for the
+vllm backend where vLLM is not installed, the script builds that venv if it is missing (scripts/setup_vllm_env.sh,
+idempotent) and runs itself again there, with the same arguments: every backend of the run then runs in that venv
+(the same torch; ``versions`` in the JSON says which interpreter and transformers ran). --no-vllm-venv reports the
+missing vLLM in ``errors`` instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -56,6 +63,31 @@ def git_commit() -> str | None:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True).strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_VENV = os.path.join(ROOT, ".venv-vllm")
+VLLM_VENV_PYTHON = os.path.join(VLLM_VENV, "bin", "python")
+
+
+def rerun_in_vllm_venv(backends: list[str]) -> None:
+    """When a vllm backend is asked for and vLLM is not importable here: build .venv-vllm if needed and replace this
+    process by the same command under its python (no return). A no-op where vLLM imports, or with no vllm backend."""
+    if not any(b.split(":")[0] == "vllm" for b in backends) or importlib.util.find_spec("vllm") is not None:
+        return
+    if os.path.realpath(sys.prefix) == os.path.realpath(VLLM_VENV):
+        raise SystemExit(f"{VLLM_VENV_PYTHON} runs this script but cannot import vllm: rebuild that venv with "
+                         "`bash scripts/setup_vllm_env.sh --force`")
+    if not os.path.exists(VLLM_VENV_PYTHON):
+        print("rollout_throughput: vLLM is not installed here; building .venv-vllm (scripts/setup_vllm_env.sh, "
+              "a few minutes)", file=sys.stderr)
+        # its progress to stderr: stdout carries the one JSON document
+        subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_vllm_env.sh")], check=True, stdout=sys.stderr)
+    print(f"rollout_throughput: vLLM is not installed in {sys.executable}; running again under {VLLM_VENV_PYTHON}",
+          file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(VLLM_VENV_PYTHON, [VLLM_VENV_PYTHON, os.path.abspath(__file__), *sys.argv[1:]])
 
 
 def make_prompts(tokenizer, batch: int, min_len: int, max_len: int, seed: int) -> DataProto:
@@ -265,10 +297,15 @@ def main() -> None:
                         help="build every backend first, then time their calls in turns (A B A B ...), so that a "
                              "machine whose speed drifts during the run biases no backend (not with vllm backends: "
                              "vLLM's CPU thread binding would also bind the other engines of the process)")
+    parser.add_argument("--no-vllm-venv", action="store_true",
+                        help="where vLLM is not installed, report it in `errors` instead of running again in "
+                             ".venv-vllm")
     args = parser.parse_args()
     if args.quick:
         args.batch_sizes, args.repeats = "16,64", 1
     backends = args.backends.split(",")
+    if not args.no_vllm_venv:
+        rerun_in_vllm_venv(backends)
     dtypes = args.dtypes.split(",")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     min_len, max_len = (int(x) for x in args.prompt_len.split(","))
@@ -345,7 +382,8 @@ def main() -> None:
             "torch_threads": torch.get_num_threads(),
             "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         },
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__},
+        "versions": {"python": platform.python_version(), "interpreter": sys.executable, "torch": torch.__version__,
+                     "transformers": transformers.__version__},
         "git_commit": git_commit(),
         "config": {
             "size": args.size if not args.model else None,
