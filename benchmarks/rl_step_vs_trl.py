@@ -417,6 +417,23 @@ def side_by_side_config(args, size: str) -> dict:
     }
 
 
+def issue_22_goals(results: dict, over_floor: dict) -> dict:
+    """Per measured configuration of issue #22's goals (tiny fp32 <= 3x its floor, mid fp32 <= 1.5x, mid bf16 <= 1.5x
+    and ahead of TRL), per backend: whether it is met."""
+    limits = {"tiny": 3.0, "mid": 1.5, "mid_bf16": 1.5}
+    met = {}
+    for key, limit in limits.items():
+        if key not in results:
+            continue
+        met[key] = {}
+        for backend, ratio in over_floor[key].items():
+            ok = ratio <= limit
+            if key.endswith("_bf16"):
+                ok = ok and results[key]["hybridflow"][backend]["ratio_vs_trl"] < 1
+            met[key][backend] = ok
+    return met
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2 rounds of 4 steps (1 warm-up) per framework and size")
@@ -467,12 +484,16 @@ def main() -> None:
     doc["goal"] = "hybridflow median step time <= 1/3 of TRL's at the mid size"
     mid = results.get("mid", {}).get("hybridflow", {})
     doc["goal_met"] = {b: r["ratio_vs_trl"] <= 1 / 3 for b, r in mid.items()} if mid else None
-    doc["goal_issue_22"] = "fp32 mid step <= 1.5x model-math floor; bf16: hybridflow ahead of TRL and <= 1.5x bf16 floor"
+    doc["goal_note"] = ("the first stage's goal; in fp32 the model-math floor alone is above a third of TRL's step "
+                        "(model_math_floor.floor_over_trl), docs/benchmarks.md")
+    doc["goal_issue_22"] = ("mid fp32 step <= 1.5x its model-math floor, tiny fp32 <= 3x; mid bf16: hybridflow ahead of "
+                            "TRL and <= 1.5x its bf16 floor")
     doc["step_over_floor"] = {
         key: {b: round(r["median_step_s"] / res["model_math_floor"]["floor_step_s"], 2)
               for b, r in res["hybridflow"].items()}
         for key, res in results.items()
     }
+    doc["goal_issue_22_met"] = issue_22_goals(results, doc["step_over_floor"])
     emit(doc)
 
 
