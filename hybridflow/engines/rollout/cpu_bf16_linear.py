@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from hybridflow.engines.rollout.c_kernels import load_library
 
-__all__ = ["KINDS", "Bf16LinearKernel", "Bf16Weight", "available_kinds", "load"]
+__all__ = ["KINDS", "Bf16LinearKernel", "Bf16Weight", "available_kinds", "built_kinds", "load"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +79,19 @@ def load(kind: str | None = None) -> Bf16LinearKernel | None:
 
 
 def available_kinds() -> list[str]:
-    """The kinds of KINDS whose kernel runs here (tests run each)."""
+    """The kinds of KINDS whose kernel runs here."""
     return [kind for kind in KINDS if load(kind) is not None]
+
+
+def built_kinds() -> list[str]:
+    """The kinds of KINDS that this CPU has, the compiler built and Linux lets this process use (AMX's tile state):
+    each should pass its check against F.linear, so that available_kinds() is the same list (tests run each)."""
+    lib = _library()
+    if lib is None:
+        return []
+    kinds = [kind for kind in KINDS
+             if _cpu_has(kind) and hasattr(lib, "amx_linear_bf16" if kind == "amx" else "dot_linear_bf16")]
+    return [kind for kind in kinds if kind != "amx" or lib.amx_request() == 0]
 
 
 class Bf16Weight:
