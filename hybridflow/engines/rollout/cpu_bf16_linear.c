@@ -233,35 +233,96 @@ static const dot_block dot_blocks[DOT_MAX_BLOCKS][DOT_MAX_ROWS] = {
     {dot_1_4, dot_2_4, dot_3_4, dot_4_4, dot_5_4, dot_6_4},
 };
 
+/* Tall blocks: up to 16 rows by one column block (16 accumulators), for calls of TALL_MIN_ROWS to TALL_MAX_ROWS rows.
+ * Each column block's weights then stream from memory once, in one pass under all the rows (up to 16 dot products per
+ * weight register), with a prefetch TALL_PREFETCH k pairs ahead in the stream, into L2. Sixteen row pointers would not
+ * fit in the registers: row r is read at bases[row_base[r]] + row_scale[r] * (the row stride), six bases (rows 0, 3,
+ * 6, 9, 12, 15) and the scales addressing allows. Same sums as dot_RB_CB: each accumulator adds its pairs in k order,
+ * from zero, with the same instruction. Against the 6 x 4 blocks, with the weights streaming from memory: 9-24% less
+ * time at 8 to 48 rows (the mid model's projections), 16-18% at 8 and 16 rows (SmolLM2-135M's); the same with the
+ * weights resident in L3 (docs/benchmarks.md, fortieth session). */
+#define TALL_MIN_ROWS 8
+#define TALL_MAX_ROWS 48
+#define TALL_ROWS 16
+#define TALL_PREFETCH 192
+static const int row_base[TALL_ROWS] = {0, 0, 0, 3, 0, 3, 6, 3, 0, 9, 6, 3, 12, 9, 6, 15};
+static const int row_scale[TALL_ROWS] = {0, 1, 2, 0, 4, 2, 0, 4, 8, 0, 4, 8, 0, 4, 8, 0};
+#define TALL_BLOCK(RB)                                                                                                \
+    static void tall_##RB(const bf16 *x, long K, const bf16 *w, float *sums) {                                       \
+        __m512 acc[RB];                                                                                               \
+        for (int r = 0; r < RB; r++) acc[r] = _mm512_setzero_ps();                                                    \
+        const long stride = K * (long)sizeof(bf16);                                                                   \
+        const char *bases[16];                                                                                        \
+        for (int b = 0; b < 16; b += 3) bases[b] = (const char *)x + b * stride;                                      \
+        for (long j = 0; j < K / 2; j++) {                                                                            \
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * 32);                                             \
+            _mm_prefetch((const char *)(w + (j + TALL_PREFETCH) * 32), _MM_HINT_T1);                                  \
+            _Pragma("GCC unroll 16") for (int r = 0; r < RB; r++) {                                                   \
+                int32_t pair;                                                                                         \
+                memcpy(&pair, bases[row_base[r]] + row_scale[r] * stride + 4 * j, sizeof pair);                      \
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), wv);                             \
+            }                                                                                                         \
+        }                                                                                                             \
+        for (int r = 0; r < RB; r++) _mm512_storeu_ps(sums + r * 16, acc[r]);                                         \
+    }
+TALL_BLOCK(1) TALL_BLOCK(2) TALL_BLOCK(3) TALL_BLOCK(4) TALL_BLOCK(5) TALL_BLOCK(6) TALL_BLOCK(7) TALL_BLOCK(8)
+TALL_BLOCK(9) TALL_BLOCK(10) TALL_BLOCK(11) TALL_BLOCK(12) TALL_BLOCK(13) TALL_BLOCK(14) TALL_BLOCK(15)
+TALL_BLOCK(16)
+typedef void (*tall_block)(const bf16 *x, long K, const bf16 *w, float *sums);
+static const tall_block tall_blocks[TALL_ROWS] = {tall_1,  tall_2,  tall_3,  tall_4,  tall_5,  tall_6,
+                                                   tall_7,  tall_8,  tall_9,  tall_10, tall_11, tall_12,
+                                                   tall_13, tall_14, tall_15, tall_16};
+
+/* y's column blocks [first, last) in tall blocks: each block's rows in passes of 16, the last pass the rest */
+static void dot_tall(const bf16 *x, long M, long K, const bf16 *packed, long ws, long N, const bf16 *bias, bf16 *y,
+                     long first, long last) {
+    float sums[TALL_ROWS * 16];
+    for (long nb = first; nb < last; nb++) {
+        const long n0 = nb * 16;
+        const int n = N - n0 < 16 ? (int)(N - n0) : 16;
+        for (long m0 = 0; m0 < M; m0 += TALL_ROWS) {
+            const int RB = M - m0 < TALL_ROWS ? (int)(M - m0) : TALL_ROWS;
+            tall_blocks[RB - 1](x + m0 * K, K, packed + nb * ws, sums);
+            for (int r = 0; r < RB; r++) store_row(sums + r * 16, bias ? bias + n0 : NULL, y + (m0 + r) * N + n0, n);
+        }
+    }
+}
+
 /* amx_linear_bf16's product with AVX512-BF16 (same arguments, same packed weight). Each thread takes an equal run of
- * column blocks; it goes through them four at a time, the rows in passes of six under those blocks: their weights come
- * from memory in the first pass and from cache in the others, and the second pass, when it has four rows or more,
- * fetches the next four blocks' weights meanwhile, so the first pass under them starts on weights in cache
- * (docs/benchmarks.md, thirty-ninth session). */
+ * column blocks. From TALL_MIN_ROWS to TALL_MAX_ROWS rows it runs them in tall blocks (above); otherwise it goes
+ * through them four at a time, the rows in passes of six under those blocks: their weights come from memory in the
+ * first pass and from cache in the others, and the second pass, when it has four rows or more, fetches the next four
+ * blocks' weights meanwhile, so the first pass under them starts on weights in cache (docs/benchmarks.md,
+ * thirty-ninth session). */
 void dot_linear_bf16(const bf16 *x, long M, long K, const bf16 *packed, long N, const bf16 *bias, bf16 *y,
                      int nthreads) {
     const long NB = (N + 15) / 16, ws = K / KSTEP * ROWS * KSTEP;
+    const int tall = M >= TALL_MIN_ROWS && M <= TALL_MAX_ROWS;
 #pragma omp parallel num_threads(nthreads)
     {
         const int threads = omp_get_num_threads(), t = omp_get_thread_num();
         const long first = NB * t / threads, last = NB * (t + 1) / threads;
-        float sums[DOT_MAX_ROWS * DOT_MAX_BLOCKS * 16];
-        for (long nb = first; nb < last;) {
-            const int CB = last - nb < DOT_MAX_BLOCKS ? (int)(last - nb) : DOT_MAX_BLOCKS;
-            for (long m0 = 0; m0 < M;) {
-                const int RB = M - m0 < DOT_MAX_ROWS ? (int)(M - m0) : DOT_MAX_ROWS;
-                const int fetch = m0 == DOT_MAX_ROWS && RB >= 4 && nb + CB < last;
-                dot_blocks[CB - 1][RB - 1](x + m0 * K, K, packed + nb * ws, ws, sums,
-                                           fetch ? packed + (nb + CB) * ws : NULL);
-                for (int r = 0; r < RB; r++)
-                    for (int c = 0; c < CB; c++) {
-                        const long n0 = (nb + c) * 16;
-                        store_row(sums + (r * CB + c) * 16, bias ? bias + n0 : NULL, y + (m0 + r) * N + n0,
-                                  N - n0 < 16 ? (int)(N - n0) : 16);
-                    }
-                m0 += RB;
+        if (tall) {
+            dot_tall(x, M, K, packed, ws, N, bias, y, first, last);
+        } else {
+            float sums[DOT_MAX_ROWS * DOT_MAX_BLOCKS * 16];
+            for (long nb = first; nb < last;) {
+                const int CB = last - nb < DOT_MAX_BLOCKS ? (int)(last - nb) : DOT_MAX_BLOCKS;
+                for (long m0 = 0; m0 < M;) {
+                    const int RB = M - m0 < DOT_MAX_ROWS ? (int)(M - m0) : DOT_MAX_ROWS;
+                    const int fetch = m0 == DOT_MAX_ROWS && RB >= 4 && nb + CB < last;
+                    dot_blocks[CB - 1][RB - 1](x + m0 * K, K, packed + nb * ws, ws, sums,
+                                               fetch ? packed + (nb + CB) * ws : NULL);
+                    for (int r = 0; r < RB; r++)
+                        for (int c = 0; c < CB; c++) {
+                            const long n0 = (nb + c) * 16;
+                            store_row(sums + (r * CB + c) * 16, bias ? bias + n0 : NULL, y + (m0 + r) * N + n0,
+                                      N - n0 < 16 ? (int)(N - n0) : 16);
+                        }
+                    m0 += RB;
+                }
+                nb += CB;
             }
-            nb += CB;
         }
     }
 }
