@@ -5,12 +5,15 @@ packed matmul (onednn_linear.py) and F.linear, next to the step's two floors; pr
     .venv/bin/python benchmarks/decode_matmuls.py                          # mid, rows 1-64, 2 threads
     .venv/bin/python benchmarks/decode_matmuls.py --size tiny --rows 16,64,512 --threads 1
     .venv/bin/python benchmarks/decode_matmuls.py --dtype bf16 --rows 16,32,64,256   # bf16 tiles against oneDNN
+    .venv/bin/python benchmarks/decode_matmuls.py --dtype bf16 --model DIR   # a real model's shapes (random weights)
 
 The step is every layer's q/k/v, o, gate/up and down product plus the output head, on their own (the weights of
-all layers in turn, so each is read from memory as in a real step). Kernels alternate (A B C A B C ...), --repeats
-rounds of --steps steps each; reported is each kernel's best round in milliseconds per step. Floors: the step's
-FLOPs over the measured matmul peak (metrics.measure_peak_flops), and its fp32 weight bytes over the measured read
-bandwidth (profile_step.read_bandwidth: a sum over a 256 MB tensor); a decode step cannot take less than the larger.
+all layers in turn, so each is read from memory as in a real step); --model takes the shapes from a model folder's
+config.json (e.g. `hybridflow import-gguf --smollm2 DIR`), with random weights of those shapes. Kernels alternate
+(A B C A B C ...), --repeats rounds of --steps steps each; reported is each kernel's best round in milliseconds per
+step. Floors: the step's FLOPs over the measured matmul peak (metrics.measure_peak_flops), and its weight bytes over
+the measured read bandwidth (profile_step.read_bandwidth: a sum over a 256 MB tensor); a decode step cannot take
+less than the larger.
 Also the time to re-pack all the weights for the C kernel after a weight update (``repack_ms``), into new tensors and
 into the old ones. The C kernel's columns are named after it: ``panel_*`` in fp32, ``amx_*`` and
 ``avx512_bf16_*`` in bf16.
@@ -44,13 +47,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--model", default=None, help="a model folder whose config.json gives the shapes (not --size)")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.set_num_threads(args.threads)
-    spec = SIZES[args.size]
-    h, inter = spec.hidden_size, spec.intermediate_size or 4 * spec.hidden_size
-    kv = h // spec.num_heads * spec.num_kv_heads
-    shapes = [(h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter)] * spec.num_layers + [(spec.vocab_size, h)]
+    shapes = model_shapes(args.model) if args.model else size_shapes(args.size)
     g = torch.Generator().manual_seed(0)
     weights = [(torch.randn(o, i, generator=g) * 0.02).to(dtype) for o, i in shapes]
     if dtype == torch.bfloat16:
@@ -97,10 +98,32 @@ def main() -> None:
         log(f"re-pack after a weight update: {doc_results['repack_ms']}")
         break
     first = next(iter(kernels.values()), None)
-    emit(document("decode_matmuls", {"size": args.size, "dtype": args.dtype, "threads": args.threads,
+    emit(document("decode_matmuls", {"size": None if args.model else args.size, "model": args.model,
+                                     "dtype": args.dtype, "threads": args.threads,
                                      "steps": args.steps, "repeats": args.repeats, "kernels": list(kernels),
                                      "vector_width": getattr(first, "vector_width", None)},
                   doc_results))
+
+
+def size_shapes(size: str) -> list[tuple[int, int]]:
+    """A decode step's projections [(out, in)] for a tiny-model size: q/k/v, o, gate/up, down per layer; the head."""
+    spec = SIZES[size]
+    h, inter = spec.hidden_size, spec.intermediate_size or 4 * spec.hidden_size
+    kv = h // spec.num_heads * spec.num_kv_heads
+    return [(h + 2 * kv, h), (h, h), (2 * inter, h), (h, inter)] * spec.num_layers + [(spec.vocab_size, h)]
+
+
+def model_shapes(path: str) -> list[tuple[int, int]]:
+    """The same for a model folder's config.json (a dense decoder: hidden, intermediate, heads, head_dim, layers,
+    vocabulary)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    config = getattr(config, "text_config", config)
+    h, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)] * config.num_hidden_layers + [(config.vocab_size, h)]
 
 
 def repack_times(kernel, weights: list[torch.Tensor], panels: list, repeats: int) -> dict:
