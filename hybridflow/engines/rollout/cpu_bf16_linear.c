@@ -253,7 +253,7 @@ static const int row_scale[TALL_ROWS] = {0, 1, 2, 0, 4, 2, 0, 4, 8, 0, 4, 8, 0, 
         for (int r = 0; r < RB; r++) acc[r] = _mm512_setzero_ps();                                                    \
         const long stride = K * (long)sizeof(bf16);                                                                   \
         const char *bases[16];                                                                                        \
-        for (int b = 0; b < 16; b += 3) bases[b] = (const char *)x + b * stride;                                      \
+        for (int b = 0; b < RB; b += 3) bases[b] = (const char *)x + b * stride; /* row_base[r] <= r */               \
         for (long j = 0; j < K / 2; j++) {                                                                            \
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * 32);                                             \
             _mm_prefetch((const char *)(w + (j + TALL_PREFETCH) * 32), _MM_HINT_T1);                                  \
