@@ -108,7 +108,7 @@ static inline void prefetch_rows(const char *p, int rows, long stride, long byte
         for (long off = 0; off < bytes; off += 64) __builtin_prefetch(p + i * stride + off, 0, 3);
 }
 
-/* Scores of GB (1, 2 or 4) query heads at once, so each key vector is loaded once for all of them: blocks of two
+/* Scores of GB (1 to 4) query heads at once, so each key vector is loaded once for all of them: blocks of two
  * vectors of key columns, then one vector (the last one partial). Each score is the sum over d in order, FMA by
  * FMA. */
 #define DEFINE_KERNEL(NAME, T, LD, ST, VLD, VLD_PART)                                                                \
@@ -226,6 +226,11 @@ static inline void prefetch_rows(const char *p, int rows, long stride, long byte
                 NAME##_scores(4, D, qf, g, KA, kAd, a0, lenA, sc, ldsc);                                            \
                 NAME##_scores(4, D, qf, g, KB, kBd, b0, lenB, sc + lenA, ldsc);                                     \
             }                                                                                                       \
+            if (g + 3 == G) { /* three heads left (G = 3, 7): one pass over the keys, not two */                     \
+                NAME##_scores(3, D, qf, g, KA, kAd, a0, lenA, sc, ldsc);                                            \
+                NAME##_scores(3, D, qf, g, KB, kBd, b0, lenB, sc + lenA, ldsc);                                     \
+                g += 3;                                                                                             \
+            }                                                                                                       \
             for (; g + 2 <= G; g += 2) {                                                                            \
                 NAME##_scores(2, D, qf, g, KA, kAd, a0, lenA, sc, ldsc);                                            \
                 NAME##_scores(2, D, qf, g, KB, kBd, b0, lenB, sc + lenA, ldsc);                                     \
@@ -251,6 +256,11 @@ static inline void prefetch_rows(const char *p, int rows, long stride, long byte
             for (; g + 4 <= G; g += 4) {                                                                            \
                 NAME##_values(4, D, sc, g, ldsc, VA, a0, lenA, o);                                                  \
                 NAME##_values(4, D, sc + lenA, g, ldsc, VB, b0, lenB, o);                                           \
+            }                                                                                                       \
+            if (g + 3 == G) {                                                                                       \
+                NAME##_values(3, D, sc, g, ldsc, VA, a0, lenA, o);                                                  \
+                NAME##_values(3, D, sc + lenA, g, ldsc, VB, b0, lenB, o);                                           \
+                g += 3;                                                                                             \
             }                                                                                                       \
             for (; g + 2 <= G; g += 2) {                                                                            \
                 NAME##_values(2, D, sc, g, ldsc, VA, a0, lenA, o);                                                  \
