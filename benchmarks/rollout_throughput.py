@@ -56,18 +56,16 @@ from hybridflow.engines.rollout.onednn_linear import onednn_available, onednn_li
 from hybridflow.engines.tiny import SIZES, TINY_ARCHITECTURES, write_tiny_model
 from hybridflow.protocol import DataProto
 
-
-def git_commit() -> str | None:
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_VENV = os.path.join(ROOT, ".venv-vllm")
 VLLM_VENV_PYTHON = os.path.join(VLLM_VENV, "bin", "python")
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def rerun_in_vllm_venv(backends: list[str]) -> None:

@@ -44,6 +44,7 @@ ROWS, KSTEP = 16, 32  # the tiles' rows, and bf16 k per tile row (the C file's R
 # (docs/benchmarks.md, thirty-third session)
 MAX_ROWS = 256
 KINDS = ("amx", "avx512_bf16")  # in order of preference
+_PRODUCTS = {"amx": "amx_linear_bf16", "avx512_bf16": "dot_linear_bf16"}  # each kind's C function
 _FALLBACK = "the bf16 projections run as oneDNN's packed matmuls"
 
 
@@ -67,9 +68,9 @@ def load(kind: str | None = None) -> Bf16LinearKernel | None:
         raise ValueError(f"unknown bf16 projection kernel {kind!r}; choose one of {KINDS}")
     if kind is None:
         return next((kernel for kernel in map(load, KINDS) if kernel is not None), None)
-    lib = _library() if _cpu_has(kind) else None
-    if lib is None or not hasattr(lib, "amx_linear_bf16" if kind == "amx" else "dot_linear_bf16"):
-        return None  # the compiler did not build this kind's product
+    lib = _built(kind)
+    if lib is None:
+        return None
     if kind == "amx" and lib.amx_request() != 0:
         logger.info("native rollout: Linux did not grant this process AMX's tile state, so %s",
                     "the bf16 projections run as AVX512-BF16 products" if load("avx512_bf16") else _FALLBACK)
@@ -83,15 +84,17 @@ def available_kinds() -> list[str]:
     return [kind for kind in KINDS if load(kind) is not None]
 
 
+def _built(kind: str) -> ctypes.CDLL | None:
+    """The library where this CPU has `kind` and the compiler built its product, else None."""
+    lib = _library() if _cpu_has(kind) else None
+    return lib if lib is not None and hasattr(lib, _PRODUCTS[kind]) else None
+
+
 def built_kinds() -> list[str]:
     """The kinds of KINDS that this CPU has, the compiler built and Linux lets this process use (AMX's tile state):
     each should pass its check against F.linear, so that available_kinds() is the same list (tests run each)."""
-    lib = _library()
-    if lib is None:
-        return []
-    kinds = [kind for kind in KINDS
-             if _cpu_has(kind) and hasattr(lib, "amx_linear_bf16" if kind == "amx" else "dot_linear_bf16")]
-    return [kind for kind in kinds if kind != "amx" or lib.amx_request() == 0]
+    return [kind for kind in KINDS
+            if (lib := _built(kind)) is not None and (kind != "amx" or lib.amx_request() == 0)]
 
 
 class Bf16Weight:
@@ -122,7 +125,7 @@ class Bf16LinearKernel:
         self._pack = lib.bf16_pack
         self._pack.argtypes = [ptr, long, long, long, ptr, ctypes.c_int]  # w, N, K, row stride, packed, threads
         self._pack.restype = None
-        self._linear = lib.amx_linear_bf16 if kind == "amx" else lib.dot_linear_bf16
+        self._linear = getattr(lib, _PRODUCTS[kind])
         # x, M, K, packed, N, bias, y, threads
         self._linear.argtypes = [ptr, long, long, ptr, long, ptr, ptr, ctypes.c_int]
         self._linear.restype = None
