@@ -12,8 +12,8 @@ all layers in turn, so each is read from memory as in a real step); --model take
 config.json (e.g. `hybridflow import-gguf --smollm2 DIR`), with random weights of those shapes. Kernels alternate
 (A B C A B C ...), --repeats rounds of --steps steps each; reported is each kernel's best round in milliseconds per
 step. Floors: the step's FLOPs over the measured matmul peak (metrics.measure_peak_flops), and its weight bytes over
-the measured read bandwidth (profile_step.read_bandwidth: a sum over a 256 MB tensor); a decode step cannot take
-less than the larger.
+the read bandwidth measured over a buffer of their size (profile_step.read_bandwidth: a sum over the tensor; a
+cache that holds the weights counts); a decode step cannot take less than the larger.
 Also the time to re-pack all the weights for the C kernel after a weight update (``repack_ms``), into new tensors and
 into the old ones. The C kernel's columns are named after it: ``panel_*`` in fp32, ``amx_*`` and
 ``avx512_bf16_*`` in bf16.
@@ -66,8 +66,8 @@ def main() -> None:
            for name, kernel in kernels.items()},
     }
     peak = measure_peak_flops(dtype=dtype, num_threads=args.threads)
-    bandwidth = read_bandwidth(args.threads)
     weight_bytes = weights[0].element_size() * sum(o * i for o, i in shapes)
+    bandwidth = read_bandwidth(args.threads, megabytes=max(1, round(weight_bytes / 2**20)))
     results = {}
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {i: torch.randn(rows, i, generator=g).to(dtype) for _, i in shapes}

@@ -9,8 +9,9 @@ loss), plus ``recompute_old_log_prob=always`` so the old-log-prob pass is timed 
 ``timing/<stage>``), the floor is what no implementation can beat here:
   * generate: the larger of two bounds. Math: 2 N FLOPs per prefilled prompt token (each prompt once: its KV is
     shared by its samples) and per generated token, over the measured matmul peak. Memory: every decode step reads
-    every weight once (4 N bytes in fp32, 2 N in bf16), response_length steps, over the measured memory read
-    bandwidth; at a small decode batch this one is the larger (a decode step is a matrix-vector product per row);
+    every weight once (4 N bytes in fp32, 2 N in bf16), response_length steps, over the read bandwidth measured
+    over a buffer of the weights' size (a cache that holds them counts; ``read_bandwidth_gb_s`` per size); at a
+    small decode batch this one can be the larger (a decode step is a matrix-vector product per row);
   * old_log_prob, ref: 2 N per token (prompt + response of every sample) over the peak; update_actor: 6 N per token;
   * sync_weights (the rollout engine receiving the actor's weights): the fp32 parameter bytes over the measured
     memory-copy bandwidth;
@@ -112,7 +113,7 @@ def stage_floors(n_params: int, prompts: int, rows: int, prompt_tokens: float, r
     }
 
 
-def profile(size: str, backend: str, args, workdir: str, peak: float, bandwidth: float, read_bw: float) -> dict:
+def profile(size: str, backend: str, args, workdir: str, peak: float, bandwidth: float) -> dict:
     from hybridflow.trainer.main import count_parameters
 
     model_path = os.path.join(workdir, f"model_{size}")
@@ -133,6 +134,7 @@ def profile(size: str, backend: str, args, workdir: str, peak: float, bandwidth:
     n_params = count_parameters(model_path)
     prompt_tokens = sorted(r["prompt_length/mean"] for r in rows)[len(rows) // 2]
     weight_bytes = 2 if args.dtype == "bf16" else 4  # the rollout's weights, read once per decode step
+    read_bw = read_bandwidth(args.threads, megabytes=max(1, round(n_params * weight_bytes / 2**20)))
     floors = stage_floors(n_params, args.prompts, args.prompts * args.n, prompt_tokens, args.response_length,
                           peak, bandwidth, read_bw, weight_bytes)
     gen_bounds = generate_floors(n_params, args.prompts, args.prompts * args.n, prompt_tokens, args.response_length,
@@ -151,6 +153,7 @@ def profile(size: str, backend: str, args, workdir: str, peak: float, bandwidth:
     return {
         "parameters": n_params,
         "prompt_tokens_mean": prompt_tokens,
+        "read_bandwidth_gb_s": round(read_bw / 1e9, 2),
         "steps_kept": len(rows),
         "step_s": step,
         "step_floor_s": round(step_floor, 4),
@@ -195,11 +198,10 @@ def main() -> None:
         peak = max(measure_peak_flops(device="cpu", dtype=dtype, repeats=10, num_threads=args.threads)
                    for _ in range(3))
         bandwidth = copy_bandwidth(args.threads)
-        read_bw = read_bandwidth(args.threads)
         results = {}
         with tempfile.TemporaryDirectory(prefix="profile_step_") as workdir:
             for size in [s for s in args.sizes.split(",") if s]:
-                results[size] = {b: profile(size, b, args, workdir, peak, bandwidth, read_bw) for b in backends}
+                results[size] = {b: profile(size, b, args, workdir, peak, bandwidth) for b in backends}
                 if {"local", "ray"} <= set(backends):
                     local, ray = results[size]["local"]["stages"], results[size]["ray"]["stages"]
                     results[size]["transfer_ray_minus_local_s"] = {
@@ -207,7 +209,7 @@ def main() -> None:
                     }
         config = {k: v for k, v in vars(args).items()}
         config.update(matmul_peak_gflops=round(peak / 1e9, 1), copy_bandwidth_gb_s=round(bandwidth / 1e9, 2),
-                      read_bandwidth_gb_s=round(read_bw / 1e9, 2), dtype=args.dtype)
+                      dtype=args.dtype)
         doc = document("profile_step", config, results)
         doc["goal"] = ("GRPO step <= 1.5x its model-math floor at mid, <= 3x at tiny (fp32), <= 1.5x at mid in bf16 "
                        "(step_over_math_floor)")
