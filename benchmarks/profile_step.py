@@ -67,7 +67,8 @@ def copy_bandwidth(threads: int, megabytes: int = 256) -> float:
 
 
 def read_bandwidth(threads: int, megabytes: int = 256) -> float:
-    """Best bytes/s of reading a `megabytes` fp32 tensor once (a sum over it): what a decode step's weight reads get."""
+    """Best bytes/s of reading a `megabytes` fp32 tensor once (a sum over it): what a decode step's weight reads get.
+    At least 5 reads, and at least 1 GiB read in all (a buffer a cache holds is read many times: its best is stable)."""
     import torch
 
     before = torch.get_num_threads()
@@ -76,7 +77,7 @@ def read_bandwidth(threads: int, megabytes: int = 256) -> float:
         x = torch.ones(megabytes * 2**18)
         x.sum()
         best = float("inf")
-        for _ in range(5):
+        for _ in range(max(5, 1024 // megabytes)):
             start = time.perf_counter()
             x.sum()
             best = min(best, time.perf_counter() - start)
