@@ -394,5 +394,11 @@ def _print_summary(result: TrainResult) -> None:
           + (" - worker deaths recovered from the latest checkpoint" if result.restarts else ""))
     for key in sorted(set(before) | set(after)):
         b, a = before.get(key), after.get(key)
-        fmt = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
-        print(f"held-out accuracy {key}: before {fmt(b)} -> after {fmt(a)}")
+        # a mean of 0/1 verdicts reads as an accuracy; other rewards (an environment's return) as they are
+        rate = all(0.0 <= x <= 1.0 for x in (b, a) if x is not None)
+        print(f"held-out {'accuracy' if rate else 'mean score'} {key}: before {_shown(b, rate)} -> after "
+              f"{_shown(a, rate)}")
+
+
+def _shown(x: float | None, rate: bool) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%" if rate else f"{x:.4g}"
