@@ -1,0 +1,121 @@
+"""Issue #22's goals in one command, on this machine: runs the scripts that measure them and prints one JSON document
+with each goal's measured ratio, its limit and whether it is met.
+
+    .venv/bin/python benchmarks/issue_22_goals.py                    # ~25 min on 2 cores, builds .venv-trl/.venv-vllm
+    .venv/bin/python benchmarks/issue_22_goals.py --out-dir DIR      # also keeps each script's own JSON in DIR
+    .venv/bin/python benchmarks/issue_22_goals.py --only step,mfu
+
+The goals, each from its script's JSON (those scripts' docstrings say how they measure):
+  * ``step``: ``rl_step_vs_trl.py --quick``: the GRPO step over its model-math floor, tiny fp32 <= 3x, mid fp32 <=
+    1.5x and, on CPUs with native bf16 (AVX512-BF16 or AMX), mid bf16 <= 1.5x and ahead of TRL
+    (``goal_issue_22_met``); ``possible`` is false where the least step memory allows is already over the limit
+    (``goal_issue_22_possible``);
+  * ``rollout``: ``rollout_throughput.py --backends native,vllm,vllm:enforce_eager=false`` at batch 64 (64 prompts x
+    1 sample) and in GRPO's shape (8 prompts x 8 samples), fp32 and, with native bf16, bf16: the native engine's new
+    tokens/s at least the faster vLLM mode's (eager or compiled), per dtype and shape;
+  * ``mfu``: ``train_throughput.py --size mid --threads 2 --dtypes fp32``: training MFU >= 0.7 of the measured peak.
+The main job's time to its held-out target is ``demo_time_to_target.py``'s (a number to report, not a ratio goal).
+Each goal is measured in one run on this machine; the CPU flags are in ``machine``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import cpu_flags, document, emit, log
+from rl_step_vs_trl import ISSUE_22_LIMITS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MFU_LIMIT = 0.7
+
+
+def run_script(name: str, args: list[str], out_dir: str | None, label: str) -> tuple[dict, dict]:
+    """Runs benchmarks/`name` with this interpreter (its progress on stderr); its JSON, and how it ran."""
+    command = [sys.executable, os.path.join(HERE, name), *args]
+    log(f"{label}: {' '.join(command[1:])}")
+    start = time.perf_counter()
+    proc = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(HERE))
+    seconds = round(time.perf_counter() - start, 1)
+    if proc.returncode != 0:
+        raise SystemExit(f"{label}: {name} exited with {proc.returncode} (its stderr is above); nothing summarised")
+    doc = json.loads(proc.stdout)
+    if out_dir:
+        with open(os.path.join(out_dir, f"{label}.json"), "w") as f:
+            f.write(proc.stdout)
+    return doc, {"command": command[1:], "seconds": seconds, "git_commit": doc.get("git_commit")}
+
+
+def step_goals(doc: dict) -> dict:
+    goals = {}
+    for key, met in doc["goal_issue_22_met"].items():
+        result = doc["results"][key]
+        for backend, ok in met.items():
+            goals[f"step_{key}_{backend}" if len(met) > 1 else f"step_{key}"] = {
+                "measured": doc["step_over_floor"][key][backend],
+                "limit": ISSUE_22_LIMITS[key],
+                "ratio_vs_trl": result["hybridflow"][backend]["ratio_vs_trl"],
+                "least_over_floor": result["model_math_floor"]["least_step"]["least_over_floor"],
+                "met": ok,
+                "possible": doc["goal_issue_22_possible"][key],
+            }
+    return goals
+
+
+def rollout_goals(doc: dict, shape: str) -> dict:
+    goals = {}
+    for dtype in doc["config"]["dtypes"]:
+        rows = [r for r in doc["results"] if r["dtype"] == dtype]
+        native = next((r["new_tokens_per_s"] for r in rows if r["backend"] == "native"), None)
+        vllm = {r["backend"]: r["new_tokens_per_s"] for r in rows if r["backend"].startswith("vllm")}
+        if native is None or not vllm:
+            goals[f"rollout_{dtype}_{shape}"] = {"met": False, "error": f"not measured: {doc.get('errors')}"}
+            continue
+        mode, best = max(vllm.items(), key=lambda kv: kv[1])
+        goals[f"rollout_{dtype}_{shape}"] = {
+            "measured": round(native / best, 2), "limit": 1.0, "native_tokens_per_s": native,
+            "vllm_tokens_per_s": vllm, "against": mode, "met": native >= best,
+        }
+    return goals
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="step,rollout,mfu", help="comma-separated: step, rollout, mfu")
+    p.add_argument("--out-dir", default=None, help="keep each script's JSON here (<label>.json)")
+    args = p.parse_args()
+    only = {g for g in args.only.split(",") if g}
+    if only - {"step", "rollout", "mfu"}:
+        raise SystemExit(f"--only: unknown goal(s) {sorted(only - {'step', 'rollout', 'mfu'})}; step, rollout, mfu")
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+    dtypes = "fp32,bf16" if cpu_flags()["native_bf16"] else "fp32"
+    goals, runs = {}, {}
+    if "step" in only:
+        doc, runs["step"] = run_script("rl_step_vs_trl.py", ["--quick"], args.out_dir, "step")
+        goals.update(step_goals(doc))
+    if "rollout" in only:
+        for shape, n in (("64x1", 1), ("8x8", 8)):
+            label = f"rollout_{shape}"
+            doc, runs[label] = run_script(
+                "rollout_throughput.py", ["--backends", "native,vllm,vllm:enforce_eager=false", "--dtypes", dtypes,
+                                          "--batch-sizes", "64", "--n", str(n)], args.out_dir, label)
+            goals.update(rollout_goals(doc, shape))
+    if "mfu" in only:
+        doc, runs["mfu"] = run_script("train_throughput.py", ["--size", "mid", "--threads", "2", "--dtypes", "fp32"],
+                                      args.out_dir, "mfu")
+        mfu = doc["results"]["fp32"]["mfu"]
+        goals["mfu_mid_fp32"] = {"measured": round(mfu, 3), "limit": MFU_LIMIT, "met": mfu >= MFU_LIMIT}
+    out = document("issue_22_goals", {"only": sorted(only), "dtypes": dtypes, "runs": runs}, goals)
+    out["all_met"] = all(g["met"] for g in goals.values())
+    out["not_met"] = sorted(k for k, g in goals.items() if not g["met"])
+    emit(out)
+
+
+if __name__ == "__main__":
+    main()
