@@ -1,7 +1,7 @@
 """Issue #22's goals in one command, on this machine: runs the scripts that measure them and prints one JSON document
 with each goal's measured ratio, its limit and whether it is met.
 
-    .venv/bin/python benchmarks/issue_22_goals.py                    # ~25 min on 2 cores, builds .venv-trl/.venv-vllm
+    .venv/bin/python benchmarks/issue_22_goals.py                    # ~7 min on 2 cores (+ .venv-trl/.venv-vllm once)
     .venv/bin/python benchmarks/issue_22_goals.py --out-dir DIR      # also keeps each script's own JSON in DIR
     .venv/bin/python benchmarks/issue_22_goals.py --only step,mfu
 
