@@ -362,13 +362,14 @@ def model_math_floor(model_path: str, args, prompt_tokens: float, threads: int, 
 
 
 def least_step(n_params: int, rollout_s: float, passes_s: float, args, dtype: str) -> dict:
-    """A lower bound on the step here, tighter than the math floor where decoding is bound by memory: every decode step reads every weight of the rollout once (N parameters of its dtype; the benchmark models
-    tie the head to the embedding, so all of them) at best at the read bandwidth measured over a buffer of that size
-    (so a cache that holds the weights counts); the rollout takes the larger of that and its math floor (rollout_s),
-    the reference and update passes theirs (passes_s). Where ``least_over_floor`` is above a goal's limit
-    (issue_22_goals), no implementation that runs the stages one after another (the step's dataflow: the passes read
-    the finished responses) can meet that goal on this machine. The optimizer's memory traffic (28 bytes a parameter
-    for fp32 AdamW) is not added: at best it overlaps the update's products."""
+    """A lower bound on the step here, tighter than the math floor where decoding is bound by memory: every decode
+    step reads every weight of the rollout once (N parameters of its dtype; the benchmark models tie the head to the
+    embedding, so all of them) at best at the read bandwidth measured over a buffer of that size (so a cache that
+    holds the weights counts); the rollout takes the larger of that and its math floor (rollout_s), the reference and
+    update passes theirs (passes_s). Where ``least_over_floor`` is above a goal's limit (issue_22_goals), no
+    implementation that runs the stages one after another (the step's dataflow: the passes read the finished
+    responses) can meet that goal on this machine. The optimizer's memory traffic (28 bytes a parameter for fp32
+    AdamW) is not added: at best it overlaps the update's products."""
     from profile_step import read_bandwidth
 
     weight_bytes = n_params * (2 if dtype == "bf16" else 4)
