@@ -35,20 +35,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MFU_LIMIT = 0.7
 
 
-def run_script(name: str, args: list[str], out_dir: str | None, label: str) -> tuple[dict, dict]:
-    """Runs benchmarks/`name` with this interpreter (its progress on stderr); its JSON, and how it ran."""
+def run_script(name: str, args: list[str], out_dir: str | None, label: str) -> tuple[dict | None, dict]:
+    """Runs benchmarks/`name` with this interpreter (its progress on stderr); its JSON (None if it failed: the
+    other goals still run), and how it ran."""
     command = [sys.executable, os.path.join(HERE, name), *args]
     log(f"{label}: {' '.join(command[1:])}")
     start = time.perf_counter()
     proc = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(HERE))
     seconds = round(time.perf_counter() - start, 1)
     if proc.returncode != 0:
-        raise SystemExit(f"{label}: {name} exited with {proc.returncode} (its stderr is above); nothing summarised")
+        log(f"{label}: {name} exited with {proc.returncode} (its stderr is above); its goals count as not met")
+        return None, {"command": command[1:], "seconds": seconds, "error": f"exit status {proc.returncode}"}
     doc = json.loads(proc.stdout)
     if out_dir:
         with open(os.path.join(out_dir, f"{label}.json"), "w") as f:
             f.write(proc.stdout)
     return doc, {"command": command[1:], "seconds": seconds, "git_commit": doc.get("git_commit")}
+
+
+def failed(run: dict) -> dict:
+    return {"met": False, "error": f"{run['command'][0]}: {run['error']}"}
 
 
 def step_goals(doc: dict) -> dict:
@@ -98,19 +104,22 @@ def main() -> None:
     goals, runs = {}, {}
     if "step" in only:
         doc, runs["step"] = run_script("rl_step_vs_trl.py", ["--quick"], args.out_dir, "step")
-        goals.update(step_goals(doc))
+        goals.update(step_goals(doc) if doc else {"step": failed(runs["step"])})
     if "rollout" in only:
         for shape, n in (("64x1", 1), ("8x8", 8)):
             label = f"rollout_{shape}"
             doc, runs[label] = run_script(
                 "rollout_throughput.py", ["--backends", "native,vllm,vllm:enforce_eager=false", "--dtypes", dtypes,
                                           "--batch-sizes", "64", "--n", str(n)], args.out_dir, label)
-            goals.update(rollout_goals(doc, shape))
+            goals.update(rollout_goals(doc, shape) if doc else {label: failed(runs[label])})
     if "mfu" in only:
         doc, runs["mfu"] = run_script("train_throughput.py", ["--size", "mid", "--threads", "2", "--dtypes", "fp32"],
                                       args.out_dir, "mfu")
-        mfu = doc["results"]["fp32"]["mfu"]
-        goals["mfu_mid_fp32"] = {"measured": round(mfu, 3), "limit": MFU_LIMIT, "met": mfu >= MFU_LIMIT}
+        if doc is None:
+            goals["mfu_mid_fp32"] = failed(runs["mfu"])
+        else:
+            mfu = doc["results"]["fp32"]["mfu"]
+            goals["mfu_mid_fp32"] = {"measured": round(mfu, 3), "limit": MFU_LIMIT, "met": mfu >= MFU_LIMIT}
     out = document("issue_22_goals", {"only": sorted(only), "dtypes": dtypes, "runs": runs}, goals)
     out["all_met"] = all(g["met"] for g in goals.values())
     out["not_met"] = sorted(k for k, g in goals.items() if not g["met"])
