@@ -60,8 +60,9 @@ def _filled_cache(n, kv, D, dtype, g, P):
 @pytest.mark.parametrize("n", [1, 4])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 20.0), (5, 20.0)])
 @pytest.mark.parametrize("kv,G,D", [(2, 1, 64), (2, 3, 16), (1, 7, 80), (2, 4, 128), (1, 2, 72)])
-# prompts of 7 keys: every key block partial; of 37: full blocks of two vectors (32 keys with AVX-512) and a tail
-@pytest.mark.parametrize("P", [7, 37])
+# prompts of 7 keys: every key block partial; of 37: full vectors and a tail; of 200: more key columns than one block
+# of the widest kind holds (12 vectors, 192 keys with AVX-512), so a task's scores take two blocks
+@pytest.mark.parametrize("P", [7, 37, 200])
 def test_the_kernel_matches_torchs_decode_attention(any_build, dtype, n, window, softcap, kv, G, D, P):
     kernel = any_build
     g = torch.Generator().manual_seed(n * 1000 + G * 10 + D + P)

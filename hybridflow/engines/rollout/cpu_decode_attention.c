@@ -108,78 +108,104 @@ static inline void prefetch_rows(const char *p, int rows, long stride, long byte
         for (long off = 0; off < bytes; off += 64) __builtin_prefetch(p + i * stride + off, 0, 3);
 }
 
-/* Scores of GB (1 to 4) query heads at once, so each key vector is loaded once for all of them: blocks of two
- * vectors of key columns, then one vector (the last one partial). Each score is the sum over d in order, FMA by
- * FMA. */
+/* Scores of GB (1 to 4) query heads at once, so each key vector is loaded once for all of them, over blocks of up to
+ * NV_MAX(GB) vectors of key columns: for each d the block's part of key row d is read in one run, so a task's keys
+ * stream through memory in order (one pass over [d][length]) and the hardware prefetchers follow them; blocks of two
+ * vectors read 64 rows a few lines at a time, which out of cache waited on memory. The accumulators (GB x NV) and
+ * the GB broadcast query values stay in registers: 32 with AVX-512, 16 otherwise. Each score is the sum over d in
+ * order, FMA by FMA, whatever the block width. */
+#if VBYTES == 64
+#define NV_MAX(GB) ((GB) == 1 ? 12 : (GB) == 2 ? 12 : (GB) == 3 ? 8 : 6)
+#else
+#define NV_MAX(GB) ((GB) == 1 ? 12 : (GB) == 2 ? 6 : (GB) == 3 ? 3 : 2)
+#endif
 #define DEFINE_KERNEL(NAME, T, LD, ST, VLD, VLD_PART)                                                                \
-    static inline __attribute__((always_inline)) void NAME##_scores(const int GB, int D, const float *qf, int g0,  \
-                                                                   const T *K, long sd, int l0, int l1, float *sc, \
-                                                                   int ldsc) {                                     \
-        int lb = l0;                                                                                                \
-        for (; lb + 2 * VEC <= l1; lb += 2 * VEC) {                                                                 \
-            vf acc[4][2];                                                                                           \
-            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g][0] = acc[g][1] = (vf){0};                   \
-            for (int d = 0; d < D; d++) {                                                                           \
-                const T *Kd = K + d * sd + lb;                                                                      \
-                vf k0 = VLD(Kd), k1 = VLD(Kd + VEC);                                                                \
-                _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) {                                              \
-                    vf qv = vbroadcast(qf[(g0 + g) * D + d]);                                                       \
-                    acc[g][0] += qv * k0;                                                                           \
-                    acc[g][1] += qv * k1;                                                                           \
-                }                                                                                                   \
-            }                                                                                                       \
-            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) {                                                  \
-                vstore_part(sc + (g0 + g) * ldsc + lb, acc[g][0], VEC);                                             \
-                vstore_part(sc + (g0 + g) * ldsc + lb + VEC, acc[g][1], VEC);                                       \
+    /* columns [lb, lb + (NV - 1) * VEC + n) of GB heads' scores, n (1..VEC) columns in the last vector */          \
+    static inline __attribute__((always_inline)) void NAME##_score_block(const int GB, const int NV, int nv, int D, \
+                                                                        const float *qf, int g0, const T *K,      \
+                                                                        long sd, int lb, int n, float *sc,        \
+                                                                        int ldsc) {                               \
+        vf acc[4][12];                                                                                              \
+        _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++)                                                        \
+            _Pragma("GCC unroll 12") for (int v = 0; v < NV; v++) acc[g][v] = (vf){0};                              \
+        for (int d = 0; d < D; d++) {                                                                               \
+            const T *Kd = K + d * sd + lb;                                                                          \
+            vf qv[4];                                                                                               \
+            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) qv[g] = vbroadcast(qf[(g0 + g) * D + d]);          \
+            _Pragma("GCC unroll 12") for (int v = 0; v < NV; v++) {                                                 \
+                if (v >= nv) break;                                                                                 \
+                vf k = v < nv - 1 || n == VEC ? VLD(Kd + v * VEC) : VLD_PART(Kd + v * VEC, n);                      \
+                _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g][v] += qv[g] * k;                        \
             }                                                                                                       \
         }                                                                                                           \
-        for (; lb < l1; lb += VEC) {                                                                                \
-            int n = l1 - lb < VEC ? l1 - lb : VEC;                                                                  \
-            vf acc[4];                                                                                              \
-            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g] = (vf){0};                                  \
-            for (int d = 0; d < D; d++) {                                                                           \
-                const T *Kd = K + d * sd + lb;                                                                      \
-                vf k = n == VEC ? VLD(Kd) : VLD_PART(Kd, n);                                                        \
-                _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g] += vbroadcast(qf[(g0 + g) * D + d]) * k; \
-            }                                                                                                       \
-            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) vstore_part(sc + (g0 + g) * ldsc + lb, acc[g], n); \
+        _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++)                                                        \
+            _Pragma("GCC unroll 12") for (int v = 0; v < NV && v < nv; v++)                                         \
+                vstore_part(sc + (g0 + g) * ldsc + lb + v * VEC, acc[g][v], v < nv - 1 ? VEC : n);                  \
+    }                                                                                                               \
+    static inline __attribute__((always_inline)) void NAME##_scores_of(const int GB, int D, const float *qf,       \
+                                                                      int g0, const T *K, long sd, int l0, int l1, \
+                                                                      float *sc, int ldsc) {                       \
+        for (int lb = l0; lb < l1; lb += NV_MAX(GB) * VEC) {                                                        \
+            int vectors = (l1 - lb + VEC - 1) / VEC;                                                                \
+            int nv = vectors < NV_MAX(GB) ? vectors : NV_MAX(GB), n = l1 - lb - (nv - 1) * VEC;                     \
+            n = n < VEC ? n : VEC;                                                                                  \
+            NAME##_score_block(GB, NV_MAX(GB), nv, D, qf, g0, K, sd, lb, n, sc, ldsc);                              \
         }                                                                                                           \
     }                                                                                                               \
-    /* o[g] += sum over l of p[g][l] V[l] (in order of l), for output columns in blocks of two vectors, then one */ \
-    static inline __attribute__((always_inline)) void NAME##_values(const int GB, int D, const float *p, int g0,   \
-                                                                   int ldp, const T *V, int l0, int l1, float *o) { \
-        int db = 0;                                                                                                 \
-        for (; db + 2 * VEC <= D; db += 2 * VEC) {                                                                  \
-            vf acc[4][2];                                                                                           \
-            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g][0] = acc[g][1] = (vf){0};                   \
-            for (int l = l0; l < l1; l++) {                                                                         \
-                const T *Vl = V + (long)l * D + db;                                                                 \
-                vf v0 = VLD(Vl), v1 = VLD(Vl + VEC);                                                                \
-                _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) {                                              \
-                    vf pv = vbroadcast(p[(g0 + g) * ldp + l]);                                                      \
-                    acc[g][0] += pv * v0;                                                                           \
-                    acc[g][1] += pv * v1;                                                                           \
-                }                                                                                                   \
-            }                                                                                                       \
-            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) {                                                  \
-                float *og = o + (g0 + g) * D + db;                                                                  \
-                vstore_part(og, vld_f32(og) + acc[g][0], VEC);                                                      \
-                vstore_part(og + VEC, vld_f32(og + VEC) + acc[g][1], VEC);                                          \
+    /* one copy per GB, called for both segments (inlined twice, the build took five times as long) */             \
+    static __attribute__((noinline)) void NAME##_scores(int GB, int D, const float *qf, int g0, const T *K, long sd, \
+                                                        int l0, int l1, float *sc, int ldsc) {                     \
+        switch (GB) {                                                                                               \
+            case 4: NAME##_scores_of(4, D, qf, g0, K, sd, l0, l1, sc, ldsc); break;                                 \
+            case 3: NAME##_scores_of(3, D, qf, g0, K, sd, l0, l1, sc, ldsc); break;                                 \
+            case 2: NAME##_scores_of(2, D, qf, g0, K, sd, l0, l1, sc, ldsc); break;                                 \
+            default: NAME##_scores_of(1, D, qf, g0, K, sd, l0, l1, sc, ldsc);                                       \
+        }                                                                                                           \
+    }                                                                                                               \
+    /* o[g] += sum over l of p[g][l] V[l] (in order of l), for output columns [db, db + (NV - 1) * VEC + w): each     \
+     * value row's part is read in one run, the rows in order */                                                  \
+    static inline __attribute__((always_inline)) void NAME##_value_block(const int GB, const int NV, int nv, int D, \
+                                                                        const float *p, int g0, int ldp,          \
+                                                                        const T *V, int l0, int l1, int db, int w, \
+                                                                        float *o) {                               \
+        vf acc[4][12];                                                                                              \
+        _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++)                                                        \
+            _Pragma("GCC unroll 12") for (int v = 0; v < NV; v++) acc[g][v] = (vf){0};                              \
+        for (int l = l0; l < l1; l++) {                                                                             \
+            const T *Vl = V + (long)l * D + db;                                                                     \
+            vf pv[4];                                                                                               \
+            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) pv[g] = vbroadcast(p[(g0 + g) * ldp + l]);         \
+            _Pragma("GCC unroll 12") for (int v = 0; v < NV; v++) {                                                 \
+                if (v >= nv) break;                                                                                 \
+                vf x = v < nv - 1 || w == VEC ? VLD(Vl + v * VEC) : VLD_PART(Vl + v * VEC, w);                      \
+                _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g][v] += pv[g] * x;                        \
             }                                                                                                       \
         }                                                                                                           \
-        for (; db < D; db += VEC) {                                                                                 \
-            int w = D - db < VEC ? D - db : VEC;                                                                    \
-            vf acc[4];                                                                                              \
-            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g] = (vf){0};                                  \
-            for (int l = l0; l < l1; l++) {                                                                         \
-                const T *Vl = V + (long)l * D + db;                                                                 \
-                vf v = w == VEC ? VLD(Vl) : VLD_PART(Vl, w);                                                        \
-                _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g] += vbroadcast(p[(g0 + g) * ldp + l]) * v; \
+        _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++)                                                        \
+            _Pragma("GCC unroll 12") for (int v = 0; v < NV && v < nv; v++) {                                       \
+                float *og = o + (g0 + g) * D + db + v * VEC;                                                        \
+                int m = v < nv - 1 ? VEC : w;                                                                       \
+                vstore_part(og, (m == VEC ? vld_f32(og) : vld_part_f32(og, m)) + acc[g][v], m);                     \
             }                                                                                                       \
-            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) {                                                  \
-                float *og = o + (g0 + g) * D + db;                                                                  \
-                vstore_part(og, vld_part_f32(og, w) + acc[g], w);                                                   \
-            }                                                                                                       \
+    }                                                                                                               \
+    static inline __attribute__((always_inline)) void NAME##_values_of(const int GB, int D, const float *p, int g0,\
+                                                                      int ldp, const T *V, int l0, int l1,         \
+                                                                      float *o) {                                  \
+        for (int db = 0; db < D; db += NV_MAX(GB) * VEC) {                                                          \
+            int vectors = (D - db + VEC - 1) / VEC;                                                                 \
+            int nv = vectors < NV_MAX(GB) ? vectors : NV_MAX(GB), w = D - db - (nv - 1) * VEC;                      \
+            w = w < VEC ? w : VEC;                                                                                  \
+            NAME##_value_block(GB, NV_MAX(GB), nv, D, p, g0, ldp, V, l0, l1, db, w, o);                             \
+        }                                                                                                           \
+    }                                                                                                               \
+    static __attribute__((noinline)) void NAME##_values(int GB, int D, const float *p, int g0, int ldp, const T *V, \
+                                                        int l0, int l1, float *o) {                                \
+        if (l0 >= l1) return;                                                                                       \
+        switch (GB) {                                                                                               \
+            case 4: NAME##_values_of(4, D, p, g0, ldp, V, l0, l1, o); break;                                        \
+            case 3: NAME##_values_of(3, D, p, g0, ldp, V, l0, l1, o); break;                                        \
+            case 2: NAME##_values_of(2, D, p, g0, ldp, V, l0, l1, o); break;                                        \
+            default: NAME##_values_of(1, D, p, g0, ldp, V, l0, l1, o);                                              \
         }                                                                                                           \
     }                                                                                                               \
     void NAME(int R, int KV, int G, int D, const T *q, T *out, float scale, float softcap, const T *kA, long kAr,   \
