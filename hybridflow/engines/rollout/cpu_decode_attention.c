@@ -120,7 +120,7 @@ static inline void prefetch_rows(const char *p, int rows, long stride, long byte
 #define NV_MAX(GB) ((GB) == 1 ? 12 : (GB) == 2 ? 6 : (GB) == 3 ? 3 : 2)
 #endif
 #define DEFINE_KERNEL(NAME, T, LD, ST, VLD, VLD_PART)                                                                \
-    /* columns [lb, lb + (NV - 1) * VEC + n) of GB heads' scores, n (1..VEC) columns in the last vector */          \
+    /* columns [lb, lb + (nv - 1) * VEC + n) of GB heads' scores (nv <= NV vectors, n of VEC in the last one) */    \
     static inline __attribute__((always_inline)) void NAME##_score_block(const int GB, const int NV, int nv, int D, \
                                                                         const float *qf, int g0, const T *K,      \
                                                                         long sd, int lb, int n, float *sc,        \
@@ -162,7 +162,7 @@ static inline void prefetch_rows(const char *p, int rows, long stride, long byte
             default: NAME##_scores_of(1, D, qf, g0, K, sd, l0, l1, sc, ldsc);                                       \
         }                                                                                                           \
     }                                                                                                               \
-    /* o[g] += sum over l of p[g][l] V[l] (in order of l), for output columns [db, db + (NV - 1) * VEC + w): each     \
+    /* o[g] += sum over l of p[g][l] V[l] (in order of l), for output columns [db, db + (nv - 1) * VEC + w): each     \
      * value row's part is read in one run, the rows in order */                                                  \
     static inline __attribute__((always_inline)) void NAME##_value_block(const int GB, const int NV, int nv, int D, \
                                                                         const float *p, int g0, int ldp,          \
