@@ -85,15 +85,15 @@ def main() -> None:
                 for label in (list(kernels) if r % 2 == 0 else list(reversed(kernels))):
                     seconds[label].append(time_steps(kernels[label], caches, q, outs[label], start, P, new, scratch,
                                                      args.threads))
-            row = {"rows": rows, "dtype": name, "cache_mb": round(sum(k.nbytes + v.nbytes for k, v in caches) / 2**20, 1)}
+            cache_mb = round(sum(k.nbytes + v.nbytes for k, v in caches) / 2**20, 1)
+            row = {"rows": rows, "dtype": name, "cache_mb": cache_mb}
             for label, s in seconds.items():
                 row[label] = {"best_ms": round(min(s) * 1e3, 1), "median_ms": round(sorted(s)[len(s) // 2] * 1e3, 1)}
             if args.other:
                 row["same_output_bits"] = torch.equal(outs["this_tree"], outs["other"])
             log(row)
             results.append(row)
-    emit(document("decode_attention", {**{k: v for k, v in vars(args).items()}, "shape": "rows x kv_heads x group x head_dim"},
-                  {"by_rows": results}))
+    emit(document("decode_attention", vars(args), {"by_rows": results}))
 
 
 if __name__ == "__main__":
