@@ -120,94 +120,71 @@ static inline void prefetch_rows(const char *p, int rows, long stride, long byte
 #define NV_MAX(GB) ((GB) == 1 ? 12 : (GB) == 2 ? 6 : (GB) == 3 ? 3 : 2)
 #endif
 #define DEFINE_KERNEL(NAME, T, LD, ST, VLD, VLD_PART)                                                                \
-    /* columns [lb, lb + (nv - 1) * VEC + n) of GB heads' scores (nv <= NV vectors, n of VEC in the last one) */    \
-    static inline __attribute__((always_inline)) void NAME##_score_block(const int GB, const int NV, int nv, int D, \
-                                                                        const float *qf, int g0, const T *K,      \
-                                                                        long sd, int lb, int n, float *sc,        \
-                                                                        int ldsc) {                               \
-        vf acc[4][12];                                                                                              \
-        _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++)                                                        \
-            _Pragma("GCC unroll 12") for (int v = 0; v < NV; v++) acc[g][v] = (vf){0};                              \
-        for (int d = 0; d < D; d++) {                                                                               \
-            const T *Kd = K + d * sd + lb;                                                                          \
-            vf qv[4];                                                                                               \
-            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) qv[g] = vbroadcast(qf[(g0 + g) * D + d]);          \
-            _Pragma("GCC unroll 12") for (int v = 0; v < NV; v++) {                                                 \
-                if (v >= nv) break;                                                                                 \
-                vf k = v < nv - 1 || n == VEC ? VLD(Kd + v * VEC) : VLD_PART(Kd + v * VEC, n);                      \
-                _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g][v] += qv[g] * k;                        \
-            }                                                                                                       \
-        }                                                                                                           \
-        _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++)                                                        \
-            _Pragma("GCC unroll 12") for (int v = 0; v < NV && v < nv; v++)                                         \
-                vstore_part(sc + (g0 + g) * ldsc + lb + v * VEC, acc[g][v], v < nv - 1 ? VEC : n);                  \
-    }                                                                                                               \
-    static inline __attribute__((always_inline)) void NAME##_scores_of(const int GB, int D, const float *qf,       \
-                                                                      int g0, const T *K, long sd, int l0, int l1, \
-                                                                      float *sc, int ldsc) {                       \
-        for (int lb = l0; lb < l1; lb += NV_MAX(GB) * VEC) {                                                        \
-            int vectors = (l1 - lb + VEC - 1) / VEC;                                                                \
-            int nv = vectors < NV_MAX(GB) ? vectors : NV_MAX(GB), n = l1 - lb - (nv - 1) * VEC;                     \
-            n = n < VEC ? n : VEC;                                                                                  \
-            NAME##_score_block(GB, NV_MAX(GB), nv, D, qf, g0, K, sd, lb, n, sc, ldsc);                              \
-        }                                                                                                           \
-    }                                                                                                               \
-    /* one copy per GB, called for both segments (inlined twice, the build took five times as long) */             \
-    static __attribute__((noinline)) void NAME##_scores(int GB, int D, const float *qf, int g0, const T *K, long sd, \
-                                                        int l0, int l1, float *sc, int ldsc) {                     \
-        switch (GB) {                                                                                               \
-            case 4: NAME##_scores_of(4, D, qf, g0, K, sd, l0, l1, sc, ldsc); break;                                 \
-            case 3: NAME##_scores_of(3, D, qf, g0, K, sd, l0, l1, sc, ldsc); break;                                 \
-            case 2: NAME##_scores_of(2, D, qf, g0, K, sd, l0, l1, sc, ldsc); break;                                 \
-            default: NAME##_scores_of(1, D, qf, g0, K, sd, l0, l1, sc, ldsc);                                       \
-        }                                                                                                           \
-    }                                                                                                               \
-    /* o[g] += sum over l of p[g][l] V[l] (in order of l), for output columns [db, db + (nv - 1) * VEC + w): each     \
-     * value row's part is read in one run, the rows in order */                                                  \
-    static inline __attribute__((always_inline)) void NAME##_value_block(const int GB, const int NV, int nv, int D, \
-                                                                        const float *p, int g0, int ldp,          \
-                                                                        const T *V, int l0, int l1, int db, int w, \
-                                                                        float *o) {                               \
-        vf acc[4][12];                                                                                              \
-        _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++)                                                        \
-            _Pragma("GCC unroll 12") for (int v = 0; v < NV; v++) acc[g][v] = (vf){0};                              \
-        for (int l = l0; l < l1; l++) {                                                                             \
-            const T *Vl = V + (long)l * D + db;                                                                     \
-            vf pv[4];                                                                                               \
-            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) pv[g] = vbroadcast(p[(g0 + g) * ldp + l]);         \
-            _Pragma("GCC unroll 12") for (int v = 0; v < NV; v++) {                                                 \
-                if (v >= nv) break;                                                                                 \
-                vf x = v < nv - 1 || w == VEC ? VLD(Vl + v * VEC) : VLD_PART(Vl + v * VEC, w);                      \
-                _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g][v] += pv[g] * x;                        \
-            }                                                                                                       \
-        }                                                                                                           \
-        _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++)                                                        \
-            _Pragma("GCC unroll 12") for (int v = 0; v < NV && v < nv; v++) {                                       \
-                float *og = o + (g0 + g) * D + db + v * VEC;                                                        \
-                int m = v < nv - 1 ? VEC : w;                                                                       \
-                vstore_part(og, (m == VEC ? vld_f32(og) : vld_part_f32(og, m)) + acc[g][v], m);                     \
-            }                                                                                                       \
-    }                                                                                                               \
-    static inline __attribute__((always_inline)) void NAME##_values_of(const int GB, int D, const float *p, int g0,\
-                                                                      int ldp, const T *V, int l0, int l1,         \
-                                                                      float *o) {                                  \
-        for (int db = 0; db < D; db += NV_MAX(GB) * VEC) {                                                          \
-            int vectors = (D - db + VEC - 1) / VEC;                                                                 \
-            int nv = vectors < NV_MAX(GB) ? vectors : NV_MAX(GB), w = D - db - (nv - 1) * VEC;                      \
-            w = w < VEC ? w : VEC;                                                                                  \
-            NAME##_value_block(GB, NV_MAX(GB), nv, D, p, g0, ldp, V, l0, l1, db, w, o);                             \
-        }                                                                                                           \
-    }                                                                                                               \
-    static __attribute__((noinline)) void NAME##_values(int GB, int D, const float *p, int g0, int ldp, const T *V, \
-                                                        int l0, int l1, float *o) {                                \
-        if (l0 >= l1) return;                                                                                       \
-        switch (GB) {                                                                                               \
-            case 4: NAME##_values_of(4, D, p, g0, ldp, V, l0, l1, o); break;                                        \
-            case 3: NAME##_values_of(3, D, p, g0, ldp, V, l0, l1, o); break;                                        \
-            case 2: NAME##_values_of(2, D, p, g0, ldp, V, l0, l1, o); break;                                        \
-            default: NAME##_values_of(1, D, p, g0, ldp, V, l0, l1, o);                                              \
-        }                                                                                                           \
-    }                                                                                                               \
+    /* out[g][c] = (or += with ACC) the sum over i in [i0, i1), in order, of a[g * lda + i] * B[i * ldb + c], for GB \
+     * rows g and the columns c of nv vectors (n of VEC in the last): the scores are this with i = d over the key rows \
+     * (B: [d][length]), the weighted sum of values with i = l over the value rows (B: [l][d]) */                    \
+    static inline __attribute__((always_inline)) void NAME##_block(const int GB, const int NV, const int ACC, int nv,  \
+                                                                   int n, const float *a, int lda, const T *B,       \
+                                                                   long ldb, int i0, int i1, float *out, int ldo) {  \
+        vf acc[4][12];                                                                                               \
+        _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++)                                                         \
+            _Pragma("GCC unroll 12") for (int v = 0; v < NV; v++) acc[g][v] = (vf){0};                               \
+        for (int i = i0; i < i1; i++) {                                                                              \
+            const T *Bi = B + (long)i * ldb;                                                                         \
+            vf av[4];                                                                                                \
+            _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) av[g] = vbroadcast(a[g * lda + i]);                 \
+            _Pragma("GCC unroll 12") for (int v = 0; v < NV; v++) {                                                  \
+                if (v >= nv) break;                                                                                  \
+                vf x = v < nv - 1 || n == VEC ? VLD(Bi + v * VEC) : VLD_PART(Bi + v * VEC, n);                       \
+                _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++) acc[g][v] += av[g] * x;                         \
+            }                                                                                                        \
+        }                                                                                                            \
+        _Pragma("GCC unroll 4") for (int g = 0; g < GB; g++)                                                         \
+            _Pragma("GCC unroll 12") for (int v = 0; v < NV && v < nv; v++) {                                        \
+                float *og = out + g * ldo + v * VEC;                                                                 \
+                int m = v < nv - 1 ? VEC : n;                                                                        \
+                vf r = acc[g][v];                                                                                    \
+                if (ACC) r = (m == VEC ? vld_f32(og) : vld_part_f32(og, m)) + r;                                     \
+                vstore_part(og, r, m);                                                                               \
+            }                                                                                                        \
+    }                                                                                                                \
+    /* the columns [c0, c1) in blocks of up to NV_MAX(GB) vectors */                                                 \
+    static inline __attribute__((always_inline)) void NAME##_columns(const int GB, const int ACC, int c0, int c1,    \
+                                                                     const float *a, int lda, const T *B, long ldb,  \
+                                                                     int i0, int i1, float *out, int ldo) {          \
+        for (int cb = c0; cb < c1; cb += NV_MAX(GB) * VEC) {                                                         \
+            int vectors = (c1 - cb + VEC - 1) / VEC;                                                                 \
+            int nv = vectors < NV_MAX(GB) ? vectors : NV_MAX(GB), n = c1 - cb - (nv - 1) * VEC;                      \
+            n = n < VEC ? n : VEC;                                                                                   \
+            NAME##_block(GB, NV_MAX(GB), ACC, nv, n, a, lda, B + cb, ldb, i0, i1, out + cb, ldo);                    \
+        }                                                                                                            \
+    }                                                                                                                \
+    /* one copy per GB and product (scores: acc_out 0, values: 1), called for both cache segments (inlined at        \
+     * each call, the build took five times as long) */                                                              \
+    static __attribute__((noinline)) void NAME##_product(int GB, int acc_out, int c0, int c1, const float *a, int lda, \
+                                                         const T *B, long ldb, int i0, int i1, float *out, int ldo) { \
+        if (i0 >= i1) return;                                                                                        \
+        switch (GB * 2 + (acc_out != 0)) {                                                                           \
+            case 8: NAME##_columns(4, 0, c0, c1, a, lda, B, ldb, i0, i1, out, ldo); break;                           \
+            case 9: NAME##_columns(4, 1, c0, c1, a, lda, B, ldb, i0, i1, out, ldo); break;                           \
+            case 6: NAME##_columns(3, 0, c0, c1, a, lda, B, ldb, i0, i1, out, ldo); break;                           \
+            case 7: NAME##_columns(3, 1, c0, c1, a, lda, B, ldb, i0, i1, out, ldo); break;                           \
+            case 4: NAME##_columns(2, 0, c0, c1, a, lda, B, ldb, i0, i1, out, ldo); break;                           \
+            case 5: NAME##_columns(2, 1, c0, c1, a, lda, B, ldb, i0, i1, out, ldo); break;                           \
+            case 3: NAME##_columns(1, 1, c0, c1, a, lda, B, ldb, i0, i1, out, ldo); break;                           \
+            default: NAME##_columns(1, 0, c0, c1, a, lda, B, ldb, i0, i1, out, ldo);                                 \
+        }                                                                                                            \
+    }                                                                                                                \
+    /* scores sc[g0 + g][l] for keys l in [l0, l1): the sum over d of q[g0 + g][d] K[d][l] */                        \
+    static inline void NAME##_scores(int GB, int D, const float *qf, int g0, const T *K, long sd, int l0, int l1,    \
+                                     float *sc, int ldsc) {                                                          \
+        NAME##_product(GB, 0, l0, l1, qf + g0 * D, D, K, sd, 0, D, sc + g0 * ldsc, ldsc);                            \
+    }                                                                                                                \
+    /* o[g0 + g] += the sum over l in [l0, l1) of p[g0 + g][l] V[l] */                                               \
+    static inline void NAME##_values(int GB, int D, const float *p, int g0, int ldp, const T *V, int l0, int l1,     \
+                                     float *o) {                                                                     \
+        NAME##_product(GB, 1, 0, D, p + g0 * ldp, ldp, V, D, l0, l1, o + g0 * D, D);                                 \
+    }                                                                                                                \
     void NAME(int R, int KV, int G, int D, const T *q, T *out, float scale, float softcap, const T *kA, long kAr,   \
               long kAh, long kAd, const T *vA, long vAr, long vAh, int lenA, const int64_t *pa, const T *kB,       \
               long kBr, long kBh, long kBd, const T *vB, long vBr, long vBh, int lenB, const int32_t *start,       \
