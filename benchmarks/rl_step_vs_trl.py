@@ -1,6 +1,6 @@
 """One GRPO step, hybridflow vs. TRL's GRPOTrainer, on identical work; prints one JSON document.
 
-    .venv/bin/python benchmarks/rl_step_vs_trl.py --quick          # tiny + mid, 2 rounds, 4 steps per run
+    .venv/bin/python benchmarks/rl_step_vs_trl.py --quick          # tiny + mid, 2 rounds, 4 steps per run (tiny 12)
     .venv/bin/python benchmarks/rl_step_vs_trl.py                  # tiny + mid, 3 rounds, 6 steps per run
     .venv/bin/python benchmarks/rl_step_vs_trl.py --sizes mid --backends local,ray --rounds 3
 
@@ -22,8 +22,11 @@ Identical work in both frameworks (the "config" block of the JSON lists every kn
     constant, no weight decay, grad-norm clip 1.0, fp32 everywhere, no gradient checkpointing, temperature 1, full
     vocabulary sampling, on-policy (no old-log-prob pass in either), 2 torch threads.
 Rounds alternate the frameworks (A B A B ...); each run's first --warmup steps are dropped; the result is the median
-over all kept steps of each framework, and the ratio hybridflow / TRL. A step is generate -> reward -> ref log-probs ->
-advantages -> update (-> weight sync for hybridflow): hybridflow's ``timing/step``, TRL's on_step_begin -> on_step_end.
+over all kept steps of each framework, and the ratio hybridflow / TRL. At the tiny size a run takes --tiny-steps
+steps (--quick: 12): its steps take well under a tenth of a second, and 3 kept steps a run fell inside one of a shared
+host's slower spells, which last a few steps (docs/benchmarks.md, forty-fourth session). A step is generate -> reward
+-> ref log-probs -> advantages -> update (-> weight sync for hybridflow): hybridflow's ``timing/step``, TRL's
+on_step_begin -> on_step_end.
 ``model_math_floor`` is the step's dense model FLOPs over the measured fp32 matmul peak at the same thread count:
 what no framework can beat here, and so the best ratio any framework could reach against TRL's measured step.
 Its ``least_step`` adds what memory allows: each decode step reads every weight once, at the read bandwidth measured
@@ -245,11 +248,17 @@ def thread_env(threads: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------- one size
+def steps_per_run(args, size: str) -> int:
+    """Steps of each framework's run at `size`: --tiny-steps at the tiny size where given, else --steps."""
+    return args.tiny_steps if size == "tiny" and args.tiny_steps else args.steps
+
+
 def compare_size(size: str, args, trl_python: str, workdir: str, dtype: str = "fp32") -> dict:
     model_path = os.path.join(workdir, f"model_{size}")
     if not os.path.isdir(model_path):
         write_benchmark_model(model_path, size)
-    train_file = task_subset(workdir, args.prompts * (args.steps + 1))  # the file hybridflow's runs read too
+    steps = steps_per_run(args, size)
+    train_file = task_subset(workdir, args.prompts * (steps + 1))  # the file hybridflow's runs read too
     rows = args.prompts * args.n
     hf_steps: dict[str, list[dict]] = {b: [] for b in args.backends}
     hf_wall: dict[str, list[float]] = {b: [] for b in args.backends}
@@ -267,7 +276,7 @@ def compare_size(size: str, args, trl_python: str, workdir: str, dtype: str = "f
             if kind == "trl":
                 spec = dict(
                     root=ROOT, model_path=model_path, train_file=train_file, prompts=args.prompts, n=args.n,
-                    response_length=args.response_length, steps=args.steps, threads=args.threads,
+                    response_length=args.response_length, steps=steps, threads=args.threads,
                     output_dir=run_dir, dtype=dtype,
                 )
                 os.makedirs(run_dir, exist_ok=True)
@@ -279,7 +288,7 @@ def compare_size(size: str, args, trl_python: str, workdir: str, dtype: str = "f
             else:
                 overrides = grpo_overrides(
                     model_path=model_path, run_dir=run_dir, prompts_per_step=args.prompts, n=args.n,
-                    max_response_length=args.response_length, steps=args.steps, threads=args.threads, backend=backend,
+                    max_response_length=args.response_length, steps=steps, threads=args.threads, backend=backend,
                     kl_coef=KL_COEF, lr=LR, extra=BF16_OVERRIDES if dtype == "bf16" else (),
                 )
                 res = run_hybridflow(overrides, args.threads, run_dir, args.run_timeout_s)
@@ -468,7 +477,8 @@ def issue_22_goals(results: dict, over_floor: dict) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="2 rounds of 4 steps (1 warm-up) per framework and size")
+    p.add_argument("--quick", action="store_true",
+                   help="2 rounds of 4 steps (1 warm-up) per framework and size; 12 at the tiny size")
     p.add_argument("--sizes", default="tiny,mid")
     p.add_argument("--backends", default="local,ray", help="hybridflow backends to run (local, ray)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
@@ -477,6 +487,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=6, help="steps per run")
+    p.add_argument("--tiny-steps", type=int, default=None,
+                   help="steps per run at the tiny size (default: --steps; --quick: 12)")
     p.add_argument("--warmup", type=int, default=1, help="first steps of each run left out")
     p.add_argument("--dtypes", default=None,
                    help="fp32 and/or bf16; default fp32, plus bf16 on CPUs with native bf16 (AVX512-BF16 / AMX)")
@@ -492,6 +504,7 @@ def main() -> None:
         return
     if args.quick:
         args.rounds, args.steps, args.backends = 2, 4, args.backends if "--backends" in sys.argv else "local"
+        args.tiny_steps = args.tiny_steps or 12
     args.backends = [b for b in args.backends.split(",") if b]
     sizes = [s for s in args.sizes.split(",") if s]
 
@@ -507,7 +520,8 @@ def main() -> None:
                 key = size if dtype == "fp32" else f"{size}_{dtype}"
                 results[key] = compare_size(size, args, trl_env["python"], workdir, dtype)
     config = {
-        "quick": args.quick, "rounds": args.rounds, "steps_per_run": args.steps, "warmup_steps_dropped": args.warmup,
+        "quick": args.quick, "rounds": args.rounds, "steps_per_run": args.steps,
+        "tiny_steps_per_run": args.tiny_steps or args.steps, "warmup_steps_dropped": args.warmup,
         "sizes": sizes, "dtypes": dtypes, "side_by_side": configs,
         "bf16": {"hybridflow": list(BF16_OVERRIDES), "trl": "GRPOConfig(bf16=True), weights loaded fp32 (autocast)"},
     }
