@@ -13,7 +13,7 @@ The goals, each from its script's JSON (those scripts' docstrings say how they m
     (``goal_issue_22_possible``);
   * ``rollout``: ``rollout_throughput.py --backends native,vllm,vllm:enforce_eager=false`` at batch 64 (64 prompts x
     1 sample) and in GRPO's shape (8 prompts x 8 samples), fp32 and, with native bf16, bf16: the native engine's new
-    tokens/s at least the faster vLLM mode's (eager or compiled), per dtype and shape;
+    tokens/s (best of 3 calls) at least the faster vLLM mode's (eager or compiled), per dtype and shape;
   * ``mfu``: ``train_throughput.py --size mid --threads 2 --dtypes fp32``: training MFU >= 0.7 of the measured peak;
   * ``demo``: ``demo_time_to_target.py``: the main job's (``make demo``'s) wall time to its first held-out check at >=
     50% mean@4, a number to report (met: the job got there); ``--demo-other DIR`` times another checkout too, the
@@ -36,6 +36,10 @@ from rl_step_vs_trl import ISSUE_22_LIMITS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MFU_LIMIT = 0.7
+# each engine's best of this many generate calls (rollout_throughput.py --repeats): the engines run one after another
+# (vLLM's CPU thread binding keeps them out of one process), and with 2 calls the fp32 64 x 1 ratio of one host read
+# 1.03-1.25 over six runs (docs/benchmarks.md, forty-fourth session)
+ROLLOUT_REPEATS = 3
 GOALS = ("step", "rollout", "mfu", "demo")
 
 
@@ -133,7 +137,8 @@ def main() -> None:
             label = f"rollout_{shape}"
             doc, runs[label] = run_script(
                 "rollout_throughput.py", ["--backends", "native,vllm,vllm:enforce_eager=false", "--dtypes", dtypes,
-                                          "--batch-sizes", "64", "--n", str(n)], args.out_dir, label)
+                                          "--batch-sizes", "64", "--n", str(n), "--repeats", str(ROLLOUT_REPEATS)],
+                args.out_dir, label)
             goals.update(rollout_goals(doc, shape) if doc else {label: failed(runs[label])})
     if "mfu" in only:
         doc, runs["mfu"] = run_script("train_throughput.py", ["--size", "mid", "--threads", "2", "--dtypes", "fp32"],
