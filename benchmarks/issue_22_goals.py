@@ -36,9 +36,9 @@ from rl_step_vs_trl import ISSUE_22_LIMITS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MFU_LIMIT = 0.7
-# each engine's best of this many generate calls (rollout_throughput.py --repeats): the engines run one after another
-# (vLLM's CPU thread binding keeps them out of one process), and with 2 calls the fp32 64 x 1 ratio of one host read
-# 1.03-1.25 over six runs (docs/benchmarks.md, forty-fourth session)
+# each engine's best of this many generate calls (rollout_throughput.py --repeats): the engines cannot alternate calls
+# (vLLM's CPU thread binding keeps them out of one process), so each needs enough calls to have one outside a slower
+# spell of a shared host (docs/benchmarks.md, forty-fourth session)
 ROLLOUT_REPEATS = 3
 GOALS = ("step", "rollout", "mfu", "demo")
 

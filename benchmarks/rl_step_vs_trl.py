@@ -23,8 +23,8 @@ Identical work in both frameworks (the "config" block of the JSON lists every kn
     vocabulary sampling, on-policy (no old-log-prob pass in either), 2 torch threads.
 Rounds alternate the frameworks (A B A B ...); each run's first --warmup steps are dropped; the result is the median
 over all kept steps of each framework, and the ratio hybridflow / TRL. At the tiny size a run takes --tiny-steps
-steps (--quick: 12): its steps take well under a tenth of a second, and 3 kept steps a run fell inside one of a shared
-host's slower spells, which last a few steps (docs/benchmarks.md, forty-fourth session). A step is generate -> reward
+steps (--quick: 12): its steps are short enough for a few of them to fall inside one slower spell of a shared host,
+so its median needs more of them (docs/benchmarks.md, forty-fourth session). A step is generate -> reward
 -> ref log-probs -> advantages -> update (-> weight sync for hybridflow): hybridflow's ``timing/step``, TRL's
 on_step_begin -> on_step_end.
 ``model_math_floor`` is the step's dense model FLOPs over the measured fp32 matmul peak at the same thread count:
