@@ -11,7 +11,7 @@ calls (``split_n``) and its rows in two calls (``split_m``), each with whether i
 for bit. Reported per product: TFLOP/s (best of --repeats), the thread scaling (2 threads over 1), and the measured
 square-matmul peak of the dtype (metrics.measure_peak_flops) to compare with. On a CPU with AMX, torch's bf16 products
 are oneDNN's AMX kernels; a product whose 2-thread rate is near its 1-thread rate is one where oneDNN kept one thread
-busy (docs/benchmarks.md, thirty-sixth session).
+busy (docs/benchmarks-history.md, thirty-sixth session).
 """
 
 from __future__ import annotations

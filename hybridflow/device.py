@@ -83,9 +83,10 @@ def keep_freed_host_memory() -> bool:
     Why: a training step allocates its activations and gradients afresh and frees them at its end. With glibc's
     defaults the blocks above its dynamic mmap threshold are mmap'd and unmapped each time, and the top of the heap
     above its trim threshold is given back: the next step faults those pages in again (the kernel zeroes each one)
-    in the middle of its matmuls (docs/benchmarks.md, sixteenth session). Here blocks up to 32 MiB come from the heap and up to min(1 GiB, RAM / 16) of free heap
-    top is kept (the resident memory of a process stays near its peak, as with jemalloc or tcmalloc, which PyTorch's
-    CPU tuning guides preload for the same reason); larger blocks are still mmap'd.
+    in the middle of its matmuls (docs/benchmarks-history.md, sixteenth session). Here blocks up to 32 MiB come from the
+    heap and up to min(1 GiB, RAM / 16) of free heap top is kept (the resident memory of a process stays near its peak,
+    as with jemalloc or tcmalloc, which PyTorch's CPU tuning guides preload for the same reason); larger blocks are
+    still mmap'd.
     """
     if (is_cuda_available() or os.environ.get("HYBRIDFLOW_KEEP_FREED_MEMORY", "1") == "0"
             or platform.libc_ver()[0] != "glibc"):
@@ -142,7 +143,7 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
 
     Why: a decode step streams every weight of the model from memory once per step; with 4 KiB pages the ~25k pages
     of a 100 MB model miss the TLB on the way, and one 2 MiB page covers what 512 of them did: plain reads of 100 MB
-    went from ~26 to ~37 GB/s with huge pages on a 2-core Xeon (docs/benchmarks.md, twenty-first session).
+    went from ~26 to ~37 GB/s with huge pages on a 2-core Xeon (docs/benchmarks-history.md, twenty-first session).
     """
     size = -(-max(int(nbytes), 1) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     raw = torch.empty(size + HUGE_PAGE_BYTES, dtype=torch.uint8)

@@ -2,7 +2,7 @@
 
 Why: under bf16 autocast on CPU, torch's flash-attention kernel is fast in the forward but its bf16 backward makes
 many small bf16 products whose per-call cost dominates at RL's sequence lengths (short rows: a GRPO micro-batch's);
-the same kernel's fp32 backward is faster there and level at long rows (docs/benchmarks.md, fifteenth session).
+the same kernel's fp32 backward is faster there and level at long rows (docs/benchmarks-history.md, fifteenth session).
 
 So on CPU, for bf16 inputs that need gradients (no dropout), the forward is the same kernel call as SDPA's (the same
 bits) and keeps its log-sum-exp; the backward is the same kernel's fp32 backward on the inputs and output cast up,

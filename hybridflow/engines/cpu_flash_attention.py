@@ -3,7 +3,7 @@
 Why: torch's CPU flash-attention kernel runs at a third or less of the machine's matmul rate at RL's row lengths
 (a few hundred tokens): its blocks are small products through the BLAS's general entry point, and a packed
 micro-batch of rows of many lengths is one call per row (or per length) and layer, each with its own dispatch and
-autograd node (docs/benchmarks.md, twentieth session). cpu_flash_attention.c computes the block-diagonal causal
+autograd node (docs/benchmarks-history.md, twentieth session). cpu_flash_attention.c computes the block-diagonal causal
 attention of all the packed rows in one call each way, straight on the projections' [T, H, D] layout, with small
 register-blocked products; its backward recomputes the probabilities from the forward's log-sum-exp (nothing of size
 length squared is kept between the passes).

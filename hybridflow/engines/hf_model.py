@@ -194,7 +194,7 @@ def log_probs_and_entropy(logits: torch.Tensor, target_ids: torch.Tensor) -> tup
 # need), on CPU and under logits_checkpointing. On CPU a chunk's [chunk, V] temporaries then stay below glibc's
 # largest mmap threshold and are reused, not faulted in afresh each time (device.keep_freed_host_memory); with
 # logits_checkpointing, backward's one chunk of logits, probabilities and their gradient stays small next to the
-# decoder's activations. docs/benchmarks.md, seventeenth session.
+# decoder's activations. docs/benchmarks-history.md, seventeenth session.
 _CHUNK_LOGITS = 1 << 23
 
 

@@ -3,8 +3,8 @@
 Why: torch's CPU wheel multiplies fp32 matrices with MKL (``F.linear``, ``torch.mm``), and on processors other than
 Intel's MKL takes a slow code path (AMD EPYC: about half of what oneDNN, also inside torch, reaches on the same cores;
 docs/benchmarks-history.md, "The matmul peak"). On Intel's it is the faster of the two (an Intel Xeon with AVX-512:
-MKL 8-14% ahead of oneDNN at the mid model's training shapes; docs/benchmarks.md, nineteenth session). An `OneDNNLinear`
-computes the same three products of a linear layer with oneDNN instead:
+MKL 8-14% ahead of oneDNN at the mid model's training shapes; docs/benchmarks-history.md, nineteenth session). An
+`OneDNNLinear` computes the same three products of a linear layer with oneDNN instead:
 
     forward       y      = x W^T + b      mkldnn::_linear_pointwise(x, W, b)
     backward      dL/dx  = g W            mkldnn::_linear_pointwise(g, W^T)       (W^T passed as a view)

@@ -240,7 +240,7 @@ static const dot_block dot_blocks[DOT_MAX_BLOCKS][DOT_MAX_ROWS] = {
  * 6, 9, 12, 15) and the scales addressing allows. Same sums as dot_RB_CB: each accumulator adds its pairs in k order,
  * from zero, with the same instruction. Against the 6 x 4 blocks, with the weights streaming from memory: 9-24% less
  * time at 8 to 48 rows (the mid model's projections), 16-18% at 8 and 16 rows (SmolLM2-135M's); the same with the
- * weights resident in L3 (docs/benchmarks.md, fortieth session). */
+ * weights resident in L3 (docs/benchmarks-history.md, fortieth session). */
 #define TALL_MIN_ROWS 8
 #define TALL_MAX_ROWS 48
 #define TALL_ROWS 16
@@ -292,7 +292,7 @@ static void dot_tall(const bf16 *x, long M, long K, const bf16 *packed, long ws,
  * column blocks. From TALL_MIN_ROWS to TALL_MAX_ROWS rows it runs them in tall blocks (above); otherwise it goes
  * through them four at a time, the rows in passes of six under those blocks: their weights come from memory in the
  * first pass and from cache in the others, and the second pass, when it has four rows or more, fetches the next four
- * blocks' weights meanwhile, so the first pass under them starts on weights in cache (docs/benchmarks.md,
+ * blocks' weights meanwhile, so the first pass under them starts on weights in cache (docs/benchmarks-history.md,
  * thirty-ninth session). */
 void dot_linear_bf16(const bf16 *x, long M, long K, const bf16 *packed, long N, const bf16 *bias, bf16 *y,
                      int nthreads) {

@@ -2,13 +2,12 @@
 units: AMX's tile product where it has AMX, AVX512-BF16's dot products elsewhere (AMD Zen 4 and later).
 
 Why: a decode step multiplies a few dozen rows by every weight matrix, so its time is the weights' trip from memory.
-oneDNN's packed bf16 product (onednn_linear.py), the bf16 decoder's default until then, streamed a decode step's
-weights at about 18-25 GB/s on an AMX host, where the same memory gives a plain read twice that (docs/benchmarks.md,
-thirty-third session); on an AVX512-BF16 host without AMX the dot products here took less time than it up to 64
-rows (thirty-ninth session). The kernel packs each weight once into ``[ceil(N / 16), ceil(K / 32), 16, 32]`` bf16
-tiles: what AMX's tile product reads, and rows of VDPBF16PS's operand as they are, so a call reads them once, in
-order. With the projections in this one layout a bf16 decode step runs as one C call (cpu_bf16_step.py) on either
-kind.
+oneDNN's packed bf16 product (onednn_linear.py), the bf16 decoder's default until then, streamed a decode step's weights
+at about 18-25 GB/s on an AMX host, where the same memory gives a plain read twice that (docs/benchmarks-history.md,
+thirty-third session); on an AVX512-BF16 host without AMX the dot products here took less time than it up to 64 rows
+(thirty-ninth session). The kernel packs each weight once into ``[ceil(N / 16), ceil(K / 32), 16, 32]`` bf16 tiles: what
+AMX's tile product reads, and rows of VDPBF16PS's operand as they are, so a call reads them once, in order. With the
+projections in this one layout a bf16 decode step runs as one C call (cpu_bf16_step.py) on either kind.
 
 Exactness: bf16 products summed in fp32, k in order, bias added in fp32, one rounding to bf16: the arithmetic of
 oneDNN's product, with which AMX's agreed bit for bit at 16 and 32 rows in the thirty-third session's check and on
@@ -41,7 +40,7 @@ _SOURCE = Path(__file__).with_name("cpu_bf16_linear.c")
 ROWS, KSTEP = 16, 32  # the tiles' rows, and bf16 k per tile row (the C file's ROWS and KSTEP)
 # Calls of more rows (a prefill's) run as F.linear on the weight itself: the AMX kernel keeps every weight tile for all
 # of a call's rows only up to 64 of them, and from about 256 rows oneDNN's product of the plain weight was faster
-# (docs/benchmarks.md, thirty-third session)
+# (docs/benchmarks-history.md, thirty-third session)
 MAX_ROWS = 256
 KINDS = ("amx", "avx512_bf16")  # in order of preference
 _PRODUCTS = {"amx": "amx_linear_bf16", "avx512_bf16": "dot_linear_bf16"}  # each kind's C function

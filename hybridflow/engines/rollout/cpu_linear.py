@@ -7,8 +7,8 @@ FLOPs take about the same time at this machine's bandwidth and matmul peak, and 
 output columns ([ceil(N / 16), K, 16], zero past N), and per task of 32 columns (16 with AVX2) keeps every
 (row, column) sum of a block of up to 12 rows (6 with AVX2) in registers over the whole K loop: one load of the
 weights per k, one broadcast and one FMA per row. A call of two blocks (13-23 rows, 16 being a GRPO decode step's)
-runs both per chunk of 64 k, so the second reads the weights from L1 (docs/benchmarks.md, eighteenth session). The
-AVX-512 build beat the oneDNN-packed product at every row count
+runs both per chunk of 64 k, so the second reads the weights from L1 (docs/benchmarks-history.md, eighteenth
+session). The AVX-512 build beat the oneDNN-packed product at every row count
 from 1 to 64 on the mid model's shapes, most at few rows (docs/benchmarks-history.md, "A panel kernel for the decode's
 projections").
 
@@ -39,7 +39,7 @@ PANEL = 16  # output columns per panel (the C file's PANEL)
 # (~8 us) made it slower than F.linear, at 128 it was faster at 16-512 rows with 2 threads (docs/benchmarks.md)
 MIN_PANEL_WIDTH = 128
 # Calls of more rows (a prefill's) run as F.linear on the fp32 weight itself: from about 512 rows its blocked product
-# overtook the panel kernel, which keeps a row's sums in registers over the whole k loop (docs/benchmarks.md,
+# overtook the panel kernel, which keeps a row's sums in registers over the whole k loop (docs/benchmarks-history.md,
 # thirty-fourth session)
 MAX_ROWS = 512
 
@@ -65,7 +65,7 @@ def kernel_for(setting: bool | None) -> PanelLinearKernel | None:
     """The kernel a decoder uses for `setting` (its ``linear_kernel``): False -> None; True or None (default) -> the
     kernel built here, the AVX-512 or the AVX2 build. (Until the AVX2 build kept its sums in registers it ran at half
     the FMA rate and AVX2-only CPUs kept oneDNN by default; on an AVX2-only AMD EPYC it now beats oneDNN's packed
-    product at 8-64 rows: docs/benchmarks.md, twenty-third session.)"""
+    product at 8-64 rows: docs/benchmarks-history.md, twenty-third session.)"""
     return None if setting is False else load()
 
 

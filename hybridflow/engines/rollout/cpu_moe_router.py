@@ -3,10 +3,10 @@
 Why: the one-call bf16 step (cpu_bf16_step.py) ran each routed layer's router in torch, called back from C. There a
 handful of small torch ops (softmax, top-k, a division) ran on caches the step had just filled with weights, at
 several times their cost in a warm loop, and made most of the gap between a Qwen3-MoE step and a dense one
-(docs/benchmarks.md, thirty-fifth session). Here the router's product is the decoder's bf16 tile product of its packed
-router weight (as every other projection of that step), and the softmax, top-k and renormalisation are one C call
-that reproduces torch's: the same vector exp (Sleef's, from libtorch), the same summation orders, the same
-selection algorithms with the same comparison. `agrees` checks it against moe.route_logits for a router's shape
+(docs/benchmarks-history.md, thirty-fifth session). Here the router's product is the decoder's bf16 tile product of its
+packed router weight (as every other projection of that step), and the softmax, top-k and renormalisation are one C call
+that reproduces torch's: the same vector exp (Sleef's, from libtorch), the same summation orders, the same selection
+algorithms with the same comparison. `agrees` checks it against moe.route_logits for a router's shape
 (experts, k, renormalised or not, dtype) on random logits and on logits with many ties before a decoder routes with
 it; where the check fails, the file does not build (no C++ compiler) or torch does not run its AVX-512 kernels, the
 step keeps torch's router. The fp32 decode step (cpu_decode_layer.py),
