@@ -1,6 +1,6 @@
 """Tensor-parallel native rollout on a real 2-rank Ray group (gloo): TP 2 decodes what TP 1 decodes, token for token;
 after each resharded sync (FSDP2 shards -> TP slices) its log-probs equal the training engine's; the slices moved are
-the rank's own, not the full model."""
+the rank's own, not the full model; its collectives in shared memory give gloo's bits."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ def group(request, ray_session, tiny_model_path, tmp_path_factory):
                      ClassWithInitArgs(TPCheckWorker), name_prefix=f"tprl{world}", num_threads=1)
     info = wg.setup(path, 2)
     assert info[0]["sharded_params"] == info[0]["params"]  # the actor really is FSDP2-sharded over the ranks
+    # ranks of one host on CPU: the TP engines' collectives go through shared memory unless told otherwise
+    assert all(i["collectives"] == {2: "shm", "static": "shm", "torch": "torch"} for i in info), info
     yield wg
     wg.shutdown()
 
@@ -67,6 +69,11 @@ def test_tp2_rollout_matches_tp1_and_the_actor_after_each_resharded_sync(group):
     batch = prompts()
     static, eager = wg.generate(batch, "static", True)[0], wg.generate(batch, 1, True)[0]
     assert torch.equal(static.batch["responses"], eager.batch["responses"])
+    # shared memory and gloo sum two ranks' partial results in the one order two values have: the same bits
+    for greedy in (True, False):
+        shm, gloo = wg.generate(batch, 2, greedy)[0], wg.generate(batch, "torch", greedy)[0]
+        for key in ("responses", "rollout_log_probs"):
+            assert torch.equal(shm.batch[key], gloo.batch[key]), (key, greedy)
     stats = wg.sync(2)  # start from the actor's weights (the engines loaded the checkpoint: the same values)
     check_tp_matches_tp1_and_actor(wg)
     for seed in (5, 6):  # two updates, each followed by a resharded sync

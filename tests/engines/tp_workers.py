@@ -31,9 +31,13 @@ class TPCheckWorker(Worker):
         self.rollouts = {1: NativeRollout(model_path, decode="eager"),
                          tp: NativeRollout(model_path, decode="eager", tensor_parallel_size=tp),
                          # the fixed-shape decode step (CUDA graphs' path, uncaptured), loaded from the checkpoint
-                         "static": NativeRollout(model_path, decode="static", tensor_parallel_size=tp)}
+                         "static": NativeRollout(model_path, decode="static", tensor_parallel_size=tp),
+                         # the TP-t engine with torch.distributed's collectives (gloo) instead of shared memory
+                         "torch": NativeRollout(model_path, decode="eager", tensor_parallel_size=tp,
+                                                tp_collectives="torch")}
         sharded = sum(hasattr(p, "to_local") for p in self.actor.model.parameters())
-        return {"sharded_params": sharded, "params": len(list(self.actor.model.parameters()))}
+        return {"sharded_params": sharded, "params": len(list(self.actor.model.parameters())),
+                "collectives": {k: self.rollouts[k].tp_collectives.kind for k in (tp, "static", "torch")}}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def generate(self, prompts: DataProto, tp: int | str, greedy: bool) -> DataProto:

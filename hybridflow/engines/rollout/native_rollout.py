@@ -58,6 +58,8 @@ from hybridflow.engines.rollout.layout import (
 from hybridflow.engines.rollout.moe import RouteRecorder
 from hybridflow.engines.rollout.native_model import NativeDecoder
 from hybridflow.engines.rollout.sampling import StepUniforms, row_keys, sample_tokens
+from hybridflow.engines.rollout.shm_collectives import MODES as TP_COLLECTIVE_MODES
+from hybridflow.engines.rollout.shm_collectives import TPCollectives
 from hybridflow.engines.rollout.static_decode import DECODE_MODES, GraphDecoder
 from hybridflow.engines.rollout.tensor_parallel import TensorParallelDecoder, same_tokens, tp_group_of
 from hybridflow.protocol import DataProto
@@ -159,6 +161,7 @@ class NativeRollout(RolloutEngine):
         attention_kernel: bool | None = None,
         linear_kernel: bool | None = None,
         huge_pages: bool | None = None,
+        tp_collectives: str = "auto",
     ):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -196,6 +199,13 @@ class NativeRollout(RolloutEngine):
         # allows them)
         # tensor_parallel_size > 1: this rank holds its TP slice of every weight (tensor_parallel.py)
         self.tensor_parallel = tp_group_of(tensor_parallel_size) if tensor_parallel_size > 1 else None
+        # tp_collectives: the TP group's all-reduce / all-gather / broadcast in shared memory where every rank is on
+        # this host's CPUs ("auto"; "shm": or an error), or torch.distributed's ("torch"; GPUs)
+        if tp_collectives not in TP_COLLECTIVE_MODES:
+            raise ValueError(f"native rollout: tp_collectives={tp_collectives!r}; choose one of "
+                             f"{list(TP_COLLECTIVE_MODES)}")
+        self.tp_collectives = None if self.tensor_parallel is None else TPCollectives(
+            self.tensor_parallel, self.device, tp_collectives)
         # batch_invariant: the training engine's rounding, bit for bit in fp32 (exact_decode.py): plain F.linear
         self.batch_invariant = bool(batch_invariant)
         if self.batch_invariant:  # the training engine's projection kernels (batch_invariant.onednn_matmuls)
@@ -213,7 +223,8 @@ class NativeRollout(RolloutEngine):
                                        prepack=prepack, linear_kernel=linear_kernel, huge_pages=huge_pages)
         else:
             self.model = TensorParallelDecoder(self.config, self.dtype, self.device, self.max_model_len,
-                                               tp=self.tensor_parallel, int8=self.int8, prepack=prepack,
+                                               tp=self.tensor_parallel, collectives=self.tp_collectives,
+                                               int8=self.int8, prepack=prepack,
                                                linear_kernel=linear_kernel, huge_pages=huge_pages)
         self.model.attention_kernel = self._attention_kernel(attention_kernel)
         # the eager decode steps' rotary embedding and RMSNorm (torch's bits in fp32) as one C call each (cpu_step_ops.py)
@@ -406,7 +417,7 @@ class NativeRollout(RolloutEngine):
         tokens, log_probs = sample_tokens(logits, greedy=params.greedy, temperature=params.temperature,
                                           top_k=params.top_k, top_p=params.top_p, keys=None, step=step,
                                           uniforms=None if draws is None else draws.at(step))
-        return same_tokens(tokens, self.tensor_parallel), log_probs
+        return same_tokens(tokens, self.tp_collectives), log_probs
 
 
 class _Responses:

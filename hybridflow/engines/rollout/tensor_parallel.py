@@ -1,7 +1,7 @@
 """Tensor-parallel native rollout: each rank of a TP group holds 1/t of the attention heads, MLP columns and vocabulary.
 
-Layout (Megatron-style, written with plain ``torch.distributed`` collectives so that the decode loop of
-native_rollout.py runs unchanged on every rank):
+Layout (Megatron-style; the collectives are shm_collectives.TPCollectives': shared memory on one host's CPUs,
+``torch.distributed`` otherwise, so that the decode loop of native_rollout.py runs unchanged on every rank):
   * q/k/v projections are column-parallel by head: TP rank r holds query heads ``[r*H/t, (r+1)*H/t)`` and KV heads
     ``[r*KV/t, (r+1)*KV/t)``, so grouped-query attention stays local (query head h reads KV head h // (H/KV)) and so
     does the rank's KV cache (1/t of it);
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from hybridflow.engines.rollout.arch_specs import DecoderShape, resolve
 from hybridflow.engines.rollout.native_model import _EXPERT_NAME, _LAYER_NAME, NativeDecoder
+from hybridflow.engines.rollout.shm_collectives import TPCollectives
 
 __all__ = ["TPGroup", "TensorParallelDecoder", "tensor_parallel_errors", "tp_group_of"]
 
@@ -97,12 +98,12 @@ class TensorParallelDecoder(NativeDecoder):
     """NativeDecoder holding TP rank ``tp.rank``'s slice of every weight; ``load`` takes full HF tensors (and slices
     them), ``load_slice`` takes the slice itself (resharded weights, engines/resharding.py)."""
 
-    def __init__(self, config, dtype, device, max_positions, *, tp: TPGroup, int8=False, prepack=None,
-                 linear_kernel=None, huge_pages=None):
+    def __init__(self, config, dtype, device, max_positions, *, tp: TPGroup, collectives: TPCollectives,
+                 int8=False, prepack=None, linear_kernel=None, huge_pages=None):
         problems = tensor_parallel_errors(config, tp.size)
         if problems:
             raise ValueError("native rollout: " + "; ".join(problems))
-        self.tp = tp
+        self.tp, self.collectives = tp, collectives
         self.full_shape = resolve(config)
         super().__init__(config, dtype, device, max_positions, int8=int8, prepack=prepack, linear_kernel=linear_kernel,
                          huge_pages=huge_pages)
@@ -184,8 +185,7 @@ class TensorParallelDecoder(NativeDecoder):
 
     # ------------------------------------------------------------------ the collectives
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x, group=self.tp.group)
-        return x
+        return self.collectives.all_reduce(x)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.vocab_start
@@ -208,19 +208,15 @@ class TensorParallelDecoder(NativeDecoder):
             local = self.packed_linear(-1, "lm_head", h).float()
         else:
             local = F.linear(h, self.lm_head).float()
-        parts = [torch.empty_like(local) for _ in range(self.tp.size)]
-        dist.all_gather(parts, local.contiguous(), group=self.tp.group)
-        logits = torch.cat(parts, dim=-1)[..., : self.full_shape.vocab_size]
+        logits = torch.cat(self.collectives.all_gather(local), dim=-1)[..., : self.full_shape.vocab_size]
         cap = self.shape.final_softcap
         if cap is not None:  # Gemma: cap * tanh(logits / cap)
             logits = torch.tanh(logits / cap) * cap
         return logits
 
 
-def same_tokens(tokens: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+def same_tokens(tokens: torch.Tensor, collectives: TPCollectives | None) -> torch.Tensor:
     """The sampled tokens [rows] of TP rank 0 on every rank of the group (identity without TP)."""
-    if tp is None or tp.size == 1:
+    if collectives is None or collectives.tp.size == 1:
         return tokens
-    tokens = tokens.contiguous()
-    dist.broadcast(tokens, src=tp.src, group=tp.group)
-    return tokens
+    return collectives.from_first_rank(tokens)
