@@ -115,3 +115,24 @@ def test_grpo_steps_with_tp2_rollout(ray_session, arithmetic_files, tiny_model_p
     for row in rows:  # steps 2 and 3 generate with resharded weights: the actor re-scores them exactly
         assert row["rollout/mismatch_max_abs"] <= 1e-5, row["rollout/mismatch_max_abs"]
         assert row["response_length/mean"] > 0
+
+
+def test_a_tp_rank_killed_in_generation_restarts_the_run(ray_session, arithmetic_files, tiny_model_path, tmp_path):
+    """TP rank 1 dies at the start of step 2's generation while TP rank 0 waits for it inside a collective (in shared
+    memory on CPU): the driver sees the death, the run resumes from step 1's checkpoint and finishes."""
+    import json
+
+    from e2e_helpers import tiny_run_overrides
+
+    from hybridflow.trainer.config import load_config
+    from hybridflow.trainer.main import run_training
+
+    run_dir = str(tmp_path / "run")
+    cfg = load_config(tiny_run_overrides(arithmetic_files, tiny_model_path, run_dir, "trainer.backend=ray",
+                                         "trainer.n_gpus_per_node=2", "trainer.total_training_steps=3",
+                                         "trainer.save_freq=1", "trainer.fault_injection=generate_sequences:1:2",
+                                         "actor_rollout_ref.rollout.tensor_model_parallel_size=2"))
+    assert run_training(cfg, progress=False).global_step == 3
+    rows = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
+    assert [row.get("training/global_step", row.get("step")) for row in rows][-1] == 3
+    assert rows[-1]["training/restarts"] == 1
