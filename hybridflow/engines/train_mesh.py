@@ -107,9 +107,13 @@ def build_train_mesh(device_type: str, world_size: int, rank: int, tp: int, sp: 
     """The ``(dp, sp, tp)`` mesh over the default process group; every rank calls it (collective)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from hybridflow.engines.shm_process_group import tp_backend_override
+
     check_mesh_sizes(world_size, tp, sp)
     dp = world_size // (tp * sp)
-    mesh = init_device_mesh(device_type, (dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"))
+    # on one host's CPUs the tp groups' collectives go through shared memory (shm_process_group.py), else gloo/nccl
+    mesh = init_device_mesh(device_type, (dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"),
+                            backend_override=tp_backend_override(device_type, tp))
     return TrainMesh(mesh=mesh, dp_size=dp, sp_size=sp, tp_size=tp, rank=rank)
 
 

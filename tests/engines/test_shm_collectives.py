@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from rank_pool import on_all
 
+from hybridflow.engines import shm_process_group
 from hybridflow.engines.rollout import shm_collectives
 from hybridflow.engines.rollout.shm_collectives import TPCollectives
 
@@ -30,18 +31,22 @@ def inputs(rank: int, dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 class ShmRank:
-    def __init__(self, mode: str = "auto", elsewhere_rank: int | None = None, timeout_s: float = 60.0):
+    def __init__(self, mode: str = "auto", elsewhere_rank: int | None = None, timeout_s: float = 60.0,
+                 switched_off: bool = False):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         tp = SimpleNamespace(group=None, size=self.world, rank=self.rank, src=0)
         own_host = shm_collectives._host_id
         if self.rank == elsewhere_rank:  # this rank says it is on another machine
             shm_collectives._host_id = lambda: "another-host"
+        if switched_off:
+            os.environ["HYBRIDFLOW_SHM_COLLECTIVES"] = "0"
         try:
             self.c, self.error = TPCollectives(tp, "cpu", mode, slot_bytes=256, timeout_s=timeout_s), None
         except RuntimeError as err:
             self.c, self.error = None, str(err)
-        finally:
-            shm_collectives._host_id = own_host  # the rank process is kept for the file's other tests
+        finally:  # the rank process is kept for the file's other tests
+            shm_collectives._host_id = own_host
+            os.environ.pop("HYBRIDFLOW_SHM_COLLECTIVES", None)
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.c.all_reduce(x.clone())
@@ -125,6 +130,13 @@ def test_the_group_agrees_on_one_path(rank_pool, mode):
         assert all(i["kind"] is None and "more than one host" in i["error"] for i in info), info
 
 
+def test_the_environment_switches_it_off(rank_pool):
+    with rank_pool.spmd(2, ShmRank, "auto", None, 60.0, True) as ranks:
+        assert [i["kind"] for i in on_all(ranks, "info")] == ["torch", "torch"]
+    with rank_pool.spmd(2, ShmRank, "shm", None, 60.0, True) as ranks:
+        assert all("HYBRIDFLOW_SHM_COLLECTIVES=0" in i["error"] for i in on_all(ranks, "info"))
+
+
 def test_a_missing_peer_is_an_error_not_a_hang(rank_pool):
     with rank_pool.spmd(2, ShmRank, "auto", None, 0.5) as ranks:
         messages = on_all(ranks, "reduce_alone")
@@ -137,3 +149,60 @@ def test_bad_settings_are_refused():
         TPCollectives(tp, "cpu", "nccl")
     with pytest.raises(ValueError, match="slot_bytes=100"):
         TPCollectives(tp, "cpu", "auto", slot_bytes=100)
+
+
+class GroupOps:
+    """Every collective of the shared-memory process group against gloo's on the same ranks (integer-valued floats:
+    every summation order gives the same bits)."""
+
+    def __init__(self):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        shm_process_group.register()
+        self.groups = {"shm": dist.new_group(backend=shm_process_group.BACKEND), "gloo": dist.new_group(backend="gloo")}
+
+    def run(self, name: str) -> dict:
+        g, r, w = self.groups[name], self.rank, self.world
+        x = torch.arange(12, dtype=torch.float32).reshape(4, 3) * (r + 1)
+        out = {"backend": dist.get_backend(g)}
+        for op in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"):
+            y = x.clone() + 1
+            dist.all_reduce(y, op=getattr(dist.ReduceOp, op), group=g)
+            out[op] = y
+        t = x.t()  # not contiguous: reduced through a copy, written back
+        dist.all_reduce(t, group=g)
+        out["strided"] = x
+        out["bf16"] = x.to(torch.bfloat16)
+        dist.all_reduce(out["bf16"], group=g)
+        out["ints"] = torch.tensor([r, 2 * r + 1])
+        dist.all_reduce(out["ints"], group=g)
+        out["gather_list"] = [torch.empty(4, 3) for _ in range(w)]
+        dist.all_gather(out["gather_list"], x, group=g)
+        out["gather_flat"] = torch.empty(4 * w, 3)
+        dist.all_gather_into_tensor(out["gather_flat"], x, group=g)
+        out["reduce_scatter"] = torch.empty(4, 3)
+        dist.reduce_scatter_tensor(out["reduce_scatter"], torch.cat([x] * w), group=g)
+        out["reduce_scatter_list"] = torch.empty(4, 3)
+        dist.reduce_scatter(out["reduce_scatter_list"], [x + k for k in range(w)], group=g)
+        out["broadcast"] = x.clone()
+        dist.broadcast(out["broadcast"], src=w - 1, group=g)
+        out["scatter"] = torch.empty(2)
+        dist.scatter(out["scatter"], [torch.full((2,), float(k)) for k in range(w)] if r == 0 else None, src=0,
+                     group=g)
+        out["all_to_all"] = torch.empty(2 * w)
+        dist.all_to_all_single(out["all_to_all"], torch.arange(2 * w, dtype=torch.float32) + 10 * r, group=g)
+        dist.barrier(group=g)
+        return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_process_group_gives_gloos_results(rank_pool, world):
+    with rank_pool.spmd(world, GroupOps) as ranks:
+        shm, gloo = on_all(ranks, "run", ["shm"] * world), on_all(ranks, "run", ["gloo"] * world)
+    for a, b in zip(shm, gloo):
+        assert a.pop("backend") == "hybridflow_shm" and b.pop("backend") == "gloo"
+        for key in a:
+            got, want = a[key], b[key]
+            if isinstance(got, list):
+                assert all(torch.equal(g, h) for g, h in zip(got, want)), key
+            else:
+                assert got.dtype == want.dtype and torch.equal(got, want), (key, got, want)

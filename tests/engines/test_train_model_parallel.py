@@ -81,6 +81,11 @@ class ParallelRank:
         p = self.engine.model.hf.model.layers[0].self_attn.q_proj.weight
         return p.device_mesh.mesh_dim_names, tuple(p.to_local().shape), tuple(p.shape)
 
+    def tp_backend(self) -> str:
+        import torch.distributed as dist
+
+        return dist.get_backend(self.engine.train_mesh.mesh.get_group("tp"))
+
     def save(self, directory: str) -> None:
         self.engine.save_checkpoint(directory)
 
@@ -130,6 +135,8 @@ def test_model_parallel_training_equals_one_rank(rank_pool, tmp_path, world, tp,
         names, local, full = on_all(actors, "q_proj_layout")[0]
         if tp > 1:  # really split: each rank holds 1/(tp * fsdp ranks) of q_proj, on a mesh with a tp dim
             assert "tp" in names and local[0] * world == full[0]
+            # ranks of one host on CPU: the tp groups' collectives go through shared memory
+            assert on_all(actors, "tp_backend") == ["hybridflow_shm"] * world
 
         outs = on_all(actors, "log_probs", [probe[r * per : (r + 1) * per] for r in range(world)])
         for key in ("log_probs", "entropy"):

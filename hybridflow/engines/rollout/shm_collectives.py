@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from hybridflow.engines.rollout.c_kernels import load_library
 
-__all__ = ["MODES", "SLOT_BYTES", "ShmGroup", "TPCollectives", "load"]
+__all__ = ["MODES", "SLOT_BYTES", "ShmGroup", "TPCollectives", "create_segment", "host_problem", "load",
+           "map_segment", "remove_segment_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,31 @@ def _host_id() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
+
+
+def host_problem(device: torch.device, size: int, group=None) -> str:
+    """Why `size` ranks of `group` (collective over it) cannot share memory for their collectives, or "": every rank
+    answers the same (its own checks: a CPU device, the kernel built, /dev/shm writable, and not switched off with
+    the environment variable HYBRIDFLOW_SHM_COLLECTIVES=0; together: one host)."""
+    lib = load() if device.type == "cpu" else None
+    if os.environ.get("HYBRIDFLOW_SHM_COLLECTIVES", "1") == "0":
+        mine = "HYBRIDFLOW_SHM_COLLECTIVES=0"
+    elif device.type != "cpu":
+        mine = f"the tensors are on {device.type}"
+    elif lib is None:
+        mine = "the C kernel did not build"
+    elif size > lib.shm_max_ranks():
+        mine = f"{size} ranks, more than {lib.shm_max_ranks()}"
+    elif not os.access(_SHM_DIR, os.W_OK):
+        mine = f"{_SHM_DIR} is not writable"
+    else:
+        mine = ""
+    answers: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(answers, (_host_id(), mine), group=group)
+    problems = [f"rank {r}: {why}" for r, (_, why) in enumerate(answers) if why]
+    if len({host for host, _ in answers}) > 1:
+        problems.append("the ranks are on more than one host")
+    return "; ".join(problems)
 
 
 class ShmGroup:
@@ -104,43 +130,61 @@ class ShmGroup:
         return out
 
 
+def create_segment(nbytes: int) -> tuple[mmap.mmap, str]:
+    """A new zero-filled segment of `nbytes` (every counter at round 0): its mapping and its file's path."""
+    path = os.path.join(_SHM_DIR, f"hybridflow-tp-{uuid.uuid4().hex}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes), path
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def map_segment(path: str, nbytes: int) -> mmap.mmap:
+    """Another rank's segment, mapped here; OSError when it is not there or not `nbytes` long."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size_now = os.fstat(fd).st_size
+        if size_now != nbytes:
+            raise OSError(f"{path} is {size_now} bytes, not {nbytes}")
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def remove_segment_file(path: str) -> None:
+    """Once every rank has mapped the segment (or given up): the memory lives until the last one unmaps it."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
 def _open_segment(group, size: int, rank: int, src: int, lib: ctypes.CDLL, slot_bytes: int,
                   timeout_s: float) -> tuple[ShmGroup | None, str]:
     """The group's segment, created by its first rank and then mapped by the others (collective); (None, why) on
     every rank if any rank could not map it."""
     nbytes = ShmGroup.segment_bytes(size, lib, slot_bytes)
-    path, buffer, problem = os.path.join(_SHM_DIR, f"hybridflow-tp-{uuid.uuid4().hex}"), None, ""
+    path, buffer, problem = "", None, ""
     if rank == 0:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)  # zero-filled: every counter starts at round 0
-                buffer = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
+            buffer, path = create_segment(nbytes)
         except OSError as err:
-            problem = f"{path}: {err}"
+            problem = f"{_SHM_DIR}: {err}"
     shared = [path, problem]
     dist.broadcast_object_list(shared, src=src, group=group)  # sent once the file exists
     path, first_problem = shared
     if rank != 0 and not first_problem:
         try:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                size_now = os.fstat(fd).st_size
-                if size_now == nbytes:
-                    buffer = mmap.mmap(fd, nbytes)
-                else:
-                    problem = f"{path} is {size_now} bytes, not {nbytes}"
-            finally:
-                os.close(fd)
+            buffer = map_segment(path, nbytes)
         except OSError as err:
-            problem = f"{path}: {err}"
+            problem = str(err)
     answers: list = [None] * size
     dist.all_gather_object(answers, problem, group=group)
     if rank == 0 and not first_problem:
-        with contextlib.suppress(OSError):  # every rank has mapped it or given up: it lives until the last unmaps it
-            os.unlink(path)
+        remove_segment_file(path)
     failed = [f"rank {r}: {a}" for r, a in enumerate(answers) if a]
     if failed:
         if buffer is not None:
@@ -172,25 +216,10 @@ class TPCollectives:
 
     @staticmethod
     def _shared_memory(tp, device: torch.device, slot_bytes: int, timeout_s: float) -> tuple[ShmGroup | None, str]:
-        lib = load() if device.type == "cpu" else None
-        if device.type != "cpu":
-            mine = f"the rollout runs on {device.type}"
-        elif lib is None:
-            mine = "the C kernel did not build"
-        elif tp.size > lib.shm_max_ranks():
-            mine = f"{tp.size} ranks, more than {lib.shm_max_ranks()}"
-        elif not os.access(_SHM_DIR, os.W_OK):
-            mine = f"{_SHM_DIR} is not writable"
-        else:
-            mine = ""
-        answers: list = [None] * tp.size
-        dist.all_gather_object(answers, (_host_id(), mine), group=tp.group)
-        problems = [f"rank {r}: {why}" for r, (_, why) in enumerate(answers) if why]
-        if len({host for host, _ in answers}) > 1:
-            problems.append("the group's ranks are on more than one host")
-        if problems:
-            return None, "; ".join(problems)
-        return _open_segment(tp.group, tp.size, tp.rank, tp.src, lib, slot_bytes, timeout_s)
+        why = host_problem(device, tp.size, tp.group)
+        if why:
+            return None, why
+        return _open_segment(tp.group, tp.size, tp.rank, tp.src, load(), slot_bytes, timeout_s)
 
     @property
     def kind(self) -> str:
