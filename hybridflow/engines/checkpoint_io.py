@@ -1,7 +1,10 @@
 """Save and load the training engine's state: per-rank shards of weights, optimizer state, LR schedule and RNG.
 
 Layout of a checkpoint directory (one set of files per rank, written by that rank):
-  ``model_rank{r}.safetensors``   this rank's local shard of every parameter (HF names), exact bits
+  ``model_rank{r}.safetensors``   this rank's local shard of every parameter (HF names), exact bits; the file's
+                                  metadata ``hybridflow.layout`` says, per sharded parameter and dim, which global
+                                  indices the shard holds (FSDP's dim-0 rows, TP's column or row slices, both), so
+                                  `assemble_full_state` rebuilds the full tensors without a process group
   ``optim_rank{r}.pt``            AdamW state (local shards) + param groups + LR scheduler + RNG; plain tensors and
                                   Python scalars only, read back with ``torch.load(weights_only=True)``
   ``meta.json``                   world size, parameter names and full shapes, and "contents": what the files hold
@@ -26,11 +29,20 @@ from torch import nn
 from hybridflow.device import device_name
 from hybridflow.engines.hf_model import hf_name
 
-__all__ = ["check_safetensors_files", "load_engine_state", "local_tensor", "save_engine_state"]
+__all__ = [
+    "assemble_full_state",
+    "check_safetensors_files",
+    "load_engine_state",
+    "local_tensor",
+    "read_rank_file",
+    "save_engine_state",
+    "shard_index_runs",
+]
 
 logger = logging.getLogger(__name__)
 
 META_FILE = "meta.json"
+LAYOUT_KEY = "hybridflow.layout"  # safetensors metadata of model_rank{r}: {name: {dim: [[start, stop], ...]}}
 _EARLIER = (
     "resume from an earlier checkpoint (trainer.resume_mode=auto skips damaged ones) "
     "or start afresh (trainer.resume_mode=disable)"
@@ -44,6 +56,106 @@ _OTHER_MODEL = (
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor, or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _chunk(indices: list[int], n: int, c: int) -> list[int]:
+    size = -(-len(indices) // n)  # torch.chunk's split: ceil-sized pieces, the last ones short or empty
+    return indices[c * size : (c + 1) * size]
+
+
+def shard_index_runs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: list[int],
+                     placements: tuple[Any, ...]) -> dict[int, list[list[int]]]:
+    """The global indices a DTensor's local shard holds, per tensor dim it splits, as ``[start, stop)`` runs.
+
+    Placements apply mesh dim by mesh dim, left to right, each splitting the indices the earlier ones left along its
+    tensor dim: ``Shard(d)`` keeps chunk ``coordinate`` of them (torch.chunk's sizes). FSDP2 over a TP-sharded dim
+    records ``_StridedShard(d, split_factor=tp)`` on its mesh dim: the indices are cut in ``split_factor`` pieces (the
+    TP slices, applied after) and the rank keeps its chunk of each. ``Replicate`` splits nothing; ``Partial`` (pending
+    sums) is refused: a saved shard must hold values."""
+    index: dict[int, list[int]] = {}
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_replicate():
+            continue
+        dim = getattr(placement, "dim", None)
+        if dim is None:
+            raise ValueError(f"placement {placement} holds partial values; reduce the tensor before saving it")
+        current = index.get(dim, list(range(shape[dim])))
+        n, c = mesh_shape[mesh_dim], coordinate[mesh_dim]
+        pieces = getattr(placement, "split_factor", 1)
+        index[dim] = [i for k in range(pieces) for i in _chunk(_chunk(current, pieces, k), n, c)]
+    return {dim: _runs(indices) for dim, indices in index.items()}
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1])
+    return runs
+
+
+def _layout(p: torch.Tensor) -> dict[str, list[list[int]]] | None:
+    """`shard_index_runs` of a DTensor parameter on this rank (None: a plain tensor, held whole)."""
+    if not hasattr(p, "to_local"):
+        return None
+    mesh = p.device_mesh
+    runs = shard_index_runs(tuple(p.shape), tuple(mesh.shape), mesh.get_coordinate(), tuple(p.placements))
+    return {str(dim): r for dim, r in runs.items()}
+
+
+def assemble_full_state(shards: list[dict[str, torch.Tensor]], layouts: list[dict[str, dict] | None],
+                        shapes: dict[str, list[int]], where: str) -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's local shards and their ``hybridflow.layout`` (`shard_index_runs`); each shard
+    is written at its indices, so FSDP rows, TP slices and replicas all land right. A layout of None (a checkpoint
+    written before layouts were recorded) means FSDP's dim-0 rows in rank order. ValueError naming the parameter
+    where the pieces do not cover the recorded shape."""
+    full: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        held = [(s[name], None if layout is None else layout.get(name, {})) for s, layout in zip(shards, layouts)
+                if name in s]
+        if not held:
+            raise ValueError(f"{where}: no rank's file holds {name}")
+        if any(layout is None for _, layout in held):
+            parts = [t for t, _ in held if t.numel() > 0]
+            tensor = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+            if list(tensor.shape) != list(shape):
+                raise ValueError(
+                    f"{where}: {name}: assembled shape {list(tensor.shape)} != recorded {shape} (its files predate "
+                    "the recorded shard layout, which a tensor-parallel checkpoint needs; export it with the "
+                    "hybridflow version that wrote it, or resume and save it again)"
+                )
+            full[name] = tensor
+            continue
+        tensor = torch.empty(shape, dtype=held[0][0].dtype)
+        covered = torch.zeros(shape, dtype=torch.bool)
+        for local, layout in held:
+            index = []
+            for dim, size in enumerate(shape):
+                runs = layout.get(str(dim))  # None: the dim is not split
+                idx = torch.arange(size) if runs is None else torch.tensor(
+                    [i for a, b in runs for i in range(a, b)], dtype=torch.long)
+                index.append(idx.view([-1 if d == dim else 1 for d in range(len(shape))]))
+            if [len(i.view(-1)) for i in index] != list(local.shape):
+                raise ValueError(f"{where}: {name}: a shard of shape {list(local.shape)} does not match its layout")
+            if local.numel():
+                tensor[tuple(index)] = local
+                covered[tuple(index)] = True
+        if not bool(covered.all()):
+            raise ValueError(f"{where}: {name}: the shards cover {int(covered.sum())} of {covered.numel()} values; "
+                             "a rank's file is missing or from another run")
+        full[name] = tensor
+    return full
+
+
+def read_rank_file(path: str) -> tuple[dict[str, torch.Tensor], dict[str, dict] | None]:
+    """A ``model_rank{r}.safetensors``: its tensors and its layout (None where the file has none)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        recorded = (f.metadata() or {}).get(LAYOUT_KEY)
+    return load_file(path), None if recorded is None else json.loads(recorded)
 
 
 def check_safetensors_files(folder: str, what: str = "model folder") -> int:
@@ -97,7 +209,8 @@ def save_engine_state(
     os.makedirs(directory, exist_ok=True)
     named = _named(model, trainable_only)
     weights = {hf_name(n): local_tensor(p.detach()).cpu().contiguous() for n, p in named}
-    save_file(weights, _model_file(directory, rank))
+    layout = {hf_name(n): lay for n, p in named if (lay := _layout(p)) is not None}
+    save_file(weights, _model_file(directory, rank), metadata={LAYOUT_KEY: json.dumps(layout)})
     state: dict[str, Any] = {"extra": dict(extra or {})}
     accelerator = _accelerator_module()
     if save_rng:

@@ -12,35 +12,34 @@ import os
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 
+from hybridflow.engines.checkpoint_io import assemble_full_state, read_rank_file
 from hybridflow.trainer.checkpoint import CheckpointError
 
 
 def load_full_actor_state(actor_dir: str) -> dict[str, torch.Tensor]:
-    """Concatenate the FSDP2 dim-0 shards of every rank (rank order) into full tensors, checked against meta.json."""
+    """Every rank's shards put together at the indices their files record (FSDP rows, TP slices), checked against
+    meta.json's shapes."""
     meta_path = os.path.join(actor_dir, "meta.json")
     if not os.path.exists(meta_path):
         raise CheckpointError(f"{actor_dir} has no meta.json: not an actor checkpoint folder")
     with open(meta_path) as f:
         meta = json.load(f)
-    shards = []
+    shards, layouts = [], []
     for rank in range(meta["world_size"]):
         path = os.path.join(actor_dir, f"model_rank{rank}.safetensors")
         if not os.path.exists(path):
             raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
         try:
-            shards.append(load_file(path))
-        except (OSError, SafetensorError) as e:
+            tensors, layout = read_rank_file(path)
+        except (OSError, SafetensorError, ValueError) as e:
             raise CheckpointError(f"{path} is unreadable ({e}): the checkpoint is truncated or corrupt") from e
-    full = {}
-    for name, shape in meta["parameters"].items():
-        parts = [s[name] for s in shards if name in s and s[name].numel() > 0]
-        tensor = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
-        if list(tensor.shape) != list(shape):
-            raise CheckpointError(f"{name}: assembled shape {list(tensor.shape)} != recorded {shape}")
-        full[name] = tensor
-    return full
+        shards.append(tensors)
+        layouts.append(layout)
+    try:
+        return assemble_full_state(shards, layouts, meta["parameters"], actor_dir)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
 
 
 def lora_meta(actor_dir: str) -> dict | None:

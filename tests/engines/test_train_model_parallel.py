@@ -1,6 +1,7 @@
 """Tensor-parallel and Ulysses sequence-parallel training on 2 and 4 real ranks (Ray actors of the file's rank pool,
 gloo, FSDP2 + DTensor) against the same engine on one rank: gradients, grad norm, log-probs/entropy, a training
-step, weight export and a checkpoint round trip. Start-up errors name the numbers to change."""
+step, weight export, a checkpoint put together offline and a checkpoint round trip. Start-up errors name the numbers
+to change."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from hybridflow.engines.tiny import TinyModelSpec, make_config, write_tiny_model
 from hybridflow.engines.train_mesh import check_mesh_sizes
 from hybridflow.engines.ulysses import check_sequence_parallel
 from hybridflow.protocol import DataProto
+from hybridflow.trainer.export import load_full_actor_state
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -148,9 +150,14 @@ def test_model_parallel_training_equals_one_rank(rank_pool, tmp_path, world, tp,
             assert list(state) == list(ref_state)
             assert max(float((state[k] - ref_state[k]).abs().max()) for k in state) <= 1e-5
 
+        # the checkpoint's per-rank files, put together offline (hybridflow export / merge), are the gathered state
+        ckpt = str(tmp_path / "ckpt")
+        on_all(actors, "save", [ckpt] * world)
+        exported = load_full_actor_state(ckpt)
+        assert list(exported) == list(states[0])
+        assert all(torch.equal(exported[k], states[0][k]) for k in exported)
+
         if world == 4 and tp > 1 and sp > 1:  # resume: a checkpoint restores the exact sharded state
-            ckpt = str(tmp_path / "ckpt")
-            on_all(actors, "save", [ckpt] * world)
             on_all(actors, "train", shards)
             assert on_all(actors, "state")[0]["model.norm.weight"].ne(states[0]["model.norm.weight"]).any()
             on_all(actors, "load", [ckpt] * world)
