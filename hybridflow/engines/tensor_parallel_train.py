@@ -12,7 +12,8 @@ replicated DTensors over an input sharded on the heads dim, so their gradient is
 (ColwiseParallel) and its logits gathered (``output_layouts=Replicate()``), so log-softmax and entropy see the whole
 vocabulary; a tied head stays whole with its embedding, as one tensor.
 
-Weight export and checkpoints are unchanged: every parameter is a DTensor whose ``full_tensor()`` is the full weight.
+Weight sync and export gather ``full_tensor()``; a checkpoint keeps each rank's local slices with the global indices
+they hold (``checkpoint_io.shard_index_runs``), which `hybridflow export` puts back together offline.
 """
 
 from __future__ import annotations
