@@ -272,7 +272,9 @@ class HeadOnPositions(nn.Module):
         (veRL's diagnostic: 1 for a one-hot policy, 1 / V for a uniform one; no gradient)."""
         _, head = self._parts()
         if self.is_critic:
-            return {"values": head(selected).squeeze(-1).float()}
+            # a copy, not squeeze's view of the head's output: FSDP2's hook on a wrapped module's output would be
+            # lost by an in-place op on a view, and torch warns about every such output
+            return {"values": head(selected).squeeze(-1).float().clone()}
         log_probs, entropies, sum_pi_squared = [], [], []
         # the CausalLM forward we bypass soft-caps its logits (Gemma 2/3): cap * tanh(logits / cap)
         cap = getattr(self.hf.config, "final_logit_softcapping", None)
