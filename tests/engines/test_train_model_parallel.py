@@ -55,9 +55,9 @@ def full_grads(engine: FSDPEngine) -> dict[str, torch.Tensor]:
 
 
 class ParallelRank:
-    def __init__(self, path: str, tp: int, sp: int, role: str = "actor") -> None:
+    def __init__(self, path: str, tp: int, sp: int, role: str = "actor", fsdp_size: int = -1) -> None:
         self.engine = FSDPEngine(EngineConfig(model_path=path, role=role, optim=OPTIM, tensor_parallel_size=tp,
-                                              ulysses_sequence_parallel_size=sp, **ENGINE))
+                                              ulysses_sequence_parallel_size=sp, fsdp_size=fsdp_size, **ENGINE))
         self.loss = value_loss if role == "critic" else pg_loss
 
     def values(self, shard: DataProto):
@@ -163,6 +163,26 @@ def test_model_parallel_training_equals_one_rank(rank_pool, tmp_path, world, tp,
             on_all(actors, "load", [ckpt] * world)
             back = on_all(actors, "state")[0]
             assert all(torch.equal(back[k], states[0][k]) for k in back)
+
+
+@pytest.mark.parametrize("world, fsdp_size", [(2, 1), (4, 2)], ids=["replicated-2", "2-replicas-of-2-shards"])
+def test_hybrid_sharding_trains_like_one_rank_and_its_checkpoint_exports(rank_pool, tmp_path, tiny_model_path, world,
+                                                                          fsdp_size):
+    """fsdp_size < world: a (replicate, shard) mesh; every replica's files hold the same rows, which export must
+    place once (joining them all as rows doubled the embedding)."""
+    batch = make_batch(rows=ROWS, prompt_len=8, response_len=16, seed=8)
+    single = FSDPEngine(EngineConfig(model_path=tiny_model_path, optim=OPTIM, **ENGINE))
+    single.train_step(batch, pg_loss)
+    ref_state = single.full_state_dict()
+    with rank_pool.spmd(world, ParallelRank, tiny_model_path, 1, 1, "actor", fsdp_size) as actors:
+        per = ROWS // world
+        on_all(actors, "train", [batch[r * per : (r + 1) * per] for r in range(world)])
+        state = on_all(actors, "state")[0]
+        assert max(float((state[k] - ref_state[k]).abs().max()) for k in ref_state) <= 1e-5
+        ckpt = str(tmp_path / "ckpt")
+        on_all(actors, "save", [ckpt] * world)
+        exported = load_full_actor_state(ckpt)
+        assert all(torch.equal(exported[k], state[k]) for k in state)
 
 
 @pytest.mark.parametrize("tp, sp", [(2, 1), (1, 2)], ids=["tp2", "sp2"])
