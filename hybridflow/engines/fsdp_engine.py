@@ -706,6 +706,21 @@ class FSDPEngine:
         lora_config = {k: sorted(v) if isinstance(v, set) else v for k, v in lora_config.items()}
         return {"lora": {"base_model_path": os.path.abspath(self.config.model_path), "peft_config": lora_config}}
 
+    def save_hf_config(self, directory: str) -> None:
+        """The model's config (its transformers class as ``architectures``: a critic's value head is
+        ``*ForTokenClassification``) and tokenizer, on rank 0: what `hybridflow export` / `merge` need beside the
+        checkpoint's shards to rebuild the model."""
+        if self.rank != 0:
+            return
+        import copy
+
+        config = copy.deepcopy(self.hf_config)
+        # FSDP2 swaps in a subclass of its own: the first class of the MRO that transformers defines is the model's
+        cls = next(c for c in type(self.model.hf).__mro__ if c.__module__.startswith("transformers."))
+        config.architectures = [cls.__name__]
+        config.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+
     def save_hf_model(self, directory: str) -> None:
         """transformers format (safetensors + config + tokenizer) on rank 0; every rank calls it (it gathers)."""
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification

@@ -403,10 +403,8 @@ class ActorRolloutRefWorker(Worker):
         if self.actor is not None:
             self.actor.save_checkpoint(os.path.join(path, "actor"), self._checkpoint_contents()[0])
             self._fault_point("save_checkpoint", path)  # after the shards, before the rank state: a half-written save
-            if self.rank == 0:  # config + tokenizer only; `hybridflow export` assembles the weights from the shards
-                hf_dir = os.path.join(path, "actor", "huggingface")
-                self.actor.hf_config.save_pretrained(hf_dir)
-                self.actor.tokenizer.save_pretrained(hf_dir)
+            # config + tokenizer only; `hybridflow export` assembles the weights from the shards
+            self.actor.save_hf_config(os.path.join(path, "actor", "huggingface"))
         save_rank_state(os.path.join(path, "actor", f"rank_state_{self.rank}.json"))
 
     # ------------------------------------------------------------------ profiling (trainer/profiling.py)

@@ -89,6 +89,8 @@ class CriticWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         self.engine.save_checkpoint(os.path.join(path, "critic"))
+        # config + tokenizer: `hybridflow merge --local_dir STEP/critic` rebuilds the value model from the shards
+        self.engine.save_hf_config(os.path.join(path, "critic", "huggingface"))
         save_rank_state(os.path.join(path, "critic", f"rank_state_{self.rank}.json"))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

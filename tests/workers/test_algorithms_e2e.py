@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -77,6 +78,18 @@ def test_algorithm_runs_and_learns_something(name, arithmetic_files, tiny_model_
         assert row["actor/skipped_nonfinite"] == 0
     if name == "ppo_gae_critic":
         assert all(math.isfinite(r["critic/vf_loss"]) for r in rows) and "timing/values" in rows[0]
+        # the critic's checkpoint merges (veRL's model-merger command) into a value model with the trained weights
+        from transformers import AutoModelForTokenClassification
+
+        from hybridflow.trainer.export import load_full_actor_state
+        from hybridflow.trainer.merge import merge_checkpoint
+
+        critic_dir = os.path.join(run_dir, "global_step_2", "critic")
+        merged = merge_checkpoint(critic_dir, str(tmp_path / "critic_hf"))
+        value_model = AutoModelForTokenClassification.from_pretrained(merged)
+        assert type(value_model).__name__.endswith("ForTokenClassification") and value_model.config.num_labels == 1
+        trained = load_full_actor_state(critic_dir)
+        assert all(torch.equal(p, trained[n]) for n, p in value_model.named_parameters())
     if name.startswith("dapo"):  # the reward manager applied the overlong penalty (old key and veRL's alike)
         assert all(r["reward/overlong_penalty_mean"] <= 0 for r in rows) and rows[0]["reward/overlong_penalty_mean"] < 0
         assert ("reward/overlong_fraction" in rows[0]) == (name == "dapo_verl_reward_keys")  # overlong_buffer_cfg.log
