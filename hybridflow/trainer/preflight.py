@@ -30,9 +30,29 @@ def preflight_errors(cfg: Any, *, train_ds: Any = None, val_ds: Any = None,
         from hybridflow.trainer.verl_model_keys import model_folder_errors
 
         errors += _rollout_model_errors(cfg)
+        errors += _resume_errors(cfg)
         errors += model_folder_errors(cfg)
         errors += reward_model_tokenizer_errors(cfg)
     return errors
+
+
+def _resume_errors(cfg: Any) -> list[str]:
+    """A checkpoint named to resume from (trainer.resume_mode=<path>, or veRL's resume_from_path) that is missing or
+    damaged, found before the workers start rather than after they loaded their models."""
+    mode = cfg.trainer.resume_mode
+    if mode == "resume_path":  # veRL's spelling; main.py turns it into the path itself
+        mode = cfg.trainer.resume_from_path
+    if not mode or mode in ("auto", "disable"):
+        return []
+    from hybridflow.trainer.checkpoint import CheckpointError, CheckpointManager
+
+    try:
+        CheckpointManager(cfg.trainer.default_local_dir).resolve(mode)
+    except CheckpointError as e:
+        via_path = cfg.trainer.resume_from_path and mode == cfg.trainer.resume_from_path
+        key = "trainer.resume_from_path" if via_path else "trainer.resume_mode"
+        return [str(e).replace("trainer.resume_mode=", f"{key}=")]
+    return []
 
 
 def _rollout_model_errors(cfg: Any) -> list[str]:

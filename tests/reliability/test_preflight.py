@@ -84,3 +84,21 @@ def test_cluster_and_device_checks(ray_session):
     [msg] = preflight_errors(cfg, cluster_resources=no_gpu)
     assert "trainer.device=cuda but no GPU is visible" in msg and "trainer.device=cpu" in msg
     assert preflight_errors(cfg, cluster_resources={**no_gpu, "GPU": 1.0}) == []
+
+
+def test_a_checkpoint_to_resume_from_that_is_missing_or_cut_off_stops_the_run_before_it_starts(
+        arithmetic_files, tiny_model_path, tmp_path):
+    cut = tmp_path / "old" / "global_step_3"
+    cut.mkdir(parents=True)  # no COMPLETE marker: a save that was cut off
+    cases = [
+        (["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path / 'nowhere'}"],
+         r"trainer\.resume_from_path='.*nowhere' is neither auto, disable nor an existing checkpoint folder"),
+        ([f"trainer.resume_mode={cut}"], r".*global_step_3 is not a complete checkpoint \(no COMPLETE marker\)"),
+    ]
+    for extra, needle in cases:
+        run_dir = tmp_path / "run"
+        cfg = load_config(tiny_run_overrides(arithmetic_files, tiny_model_path, str(run_dir), "trainer.backend=local",
+                                             *extra))
+        with pytest.raises(ConfigError, match=r"cannot start the run:\n  - " + needle):
+            run_training(cfg, progress=False)
+        assert not os.path.exists(run_dir / "metrics.jsonl")
