@@ -235,12 +235,15 @@ class FSDPEngine:
         kind = hf_device.device_name()
         if self.train_mesh is not None:
             self.mesh = self.train_mesh.fsdp_mesh  # TP parameters are DTensors on the tp dim of the same mesh
-        elif fsdp_size == self.world_size:
-            self.mesh = init_device_mesh(kind, (self.world_size,), mesh_dim_names=("dp",))
         else:
-            self.mesh = init_device_mesh(
-                kind, (self.world_size // fsdp_size, fsdp_size), mesh_dim_names=("replicate", "shard")
-            )
+            from hybridflow.engines.shm_process_group import shm_backend_override
+
+            sizes = ({"dp": self.world_size} if fsdp_size == self.world_size
+                     else {"replicate": self.world_size // fsdp_size, "shard": fsdp_size})
+            # on one host's CPUs FSDP's all-gathers and reduce-scatters go through shared memory, not gloo's TCP
+            override = shm_backend_override(kind, sizes) if self.distributed else None
+            self.mesh = init_device_mesh(kind, tuple(sizes.values()), mesh_dim_names=tuple(sizes),
+                                         backend_override=override)
         kwargs: dict[str, Any] = {"mesh": self.mesh}
         reduce = PARAM_DTYPES[self.config.reduce_dtype]
         if self.compute_dtype != torch.float32 or reduce != torch.float32:

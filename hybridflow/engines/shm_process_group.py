@@ -1,17 +1,18 @@
-"""A torch.distributed backend whose collectives go through shared memory, for the training mesh's tensor-parallel
-groups when every rank runs on one host's CPUs.
+"""A torch.distributed backend whose collectives go through shared memory, for the training mesh's groups (FSDP's
+data-parallel shards and replicas, tensor parallelism) when every rank runs on one host's CPUs.
 
 Why: DTensor's tensor parallelism makes an all-reduce after every row-parallel projection, forward and backward; on
 CPU these went through gloo over loopback TCP (0.3-1.3 ms each on a 2-core VM, docs/benchmarks.md). The rollout's
 TP groups already share memory for theirs (rollout/shm_collectives.py); this backend gives the training mesh the same
-segments, so that DTensor, FSDP2 and the rest of torch use them through the ordinary process-group API.
+segments, so that DTensor, FSDP2 and the rest of torch use them through the ordinary process-group API; FSDP2's
+all-gathers and reduce-scatters over the data-parallel groups too (benchmarks/data_parallel_update.py).
 
 `ShmProcessGroup` implements what torch's tensor-parallel training calls on a group, under the method names torch's
 Python process groups answer to: all-reduce (a sum in rank order, so every rank holds the same bits; other
 reductions over the gathered tensors), all-gather and reduce-scatter (lists, flat tensors, coalesced), broadcast,
 scatter (DTensor's distribute_tensor), all-to-all of equal chunks and barrier. Every operation completes before it
-returns (its Work is already done). `tp_backend_override` is the collective start-up choice: the backend for the
-mesh's "tp" dimension where every rank of the world shares a host and the kernel builds, else None (gloo stays).
+returns (its Work is already done). `shm_backend_override` is the collective start-up choice: the backend for the
+mesh's dimensions where every rank of the world shares a host and the kernel builds, else None (gloo stays).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch.futures import Future
 
 from hybridflow.engines.rollout import shm_collectives as shm
 
-__all__ = ["BACKEND", "ShmProcessGroup", "register", "tp_backend_override"]
+__all__ = ["BACKEND", "ShmProcessGroup", "register", "shm_backend_override"]
 
 logger = logging.getLogger(__name__)
 
@@ -198,13 +199,15 @@ def register() -> str:
     return BACKEND
 
 
-def tp_backend_override(device_type: str, tp: int) -> dict[str, str] | None:
-    """{"tp": BACKEND} for init_device_mesh where the world's ranks can share memory (collective over the default
-    group: every rank gets the same answer), else None."""
-    if tp <= 1 or device_type != "cpu":
+def shm_backend_override(device_type: str, sizes: dict[str, int]) -> dict[str, str] | None:
+    """{dim: BACKEND} for init_device_mesh's ``backend_override``, for each named mesh dim of more than one rank, where
+    the world's ranks can share memory; else None (gloo stays). A collective over the default group: every rank calls
+    it with the same sizes and gets the same answer."""
+    dims = [name for name, n in sizes.items() if n > 1]
+    if not dims or device_type != "cpu":
         return None
     why = shm.host_problem(torch.device(device_type), dist.get_world_size())
     if why:
-        logger.info("tensor-parallel training: gloo's collectives (%s)", why)
+        logger.info("training mesh %s: gloo's collectives (%s)", dims, why)
         return None
-    return {"tp": register()}
+    return dict.fromkeys(dims, register())

@@ -57,6 +57,7 @@ class TrainMesh:
     sp_size: int
     tp_size: int
     rank: int
+    fsdp_backend: str | None = None  # the flattened dp x sp group's backend (None: the default's)
 
     @property
     def tp_mesh(self):
@@ -67,7 +68,7 @@ class TrainMesh:
         """The 1-D mesh FSDP2 shards over: ``dp`` and ``sp`` flattened (``dp`` alone when sp is 1)."""
         if self.sp_size == 1:
             return self.mesh["dp"]
-        return self.mesh["dp", "sp"]._flatten("fsdp")
+        return self.mesh["dp", "sp"]._flatten("fsdp", backend_override=self.fsdp_backend)
 
     @property
     def fsdp_size(self) -> int:
@@ -107,14 +108,17 @@ def build_train_mesh(device_type: str, world_size: int, rank: int, tp: int, sp: 
     """The ``(dp, sp, tp)`` mesh over the default process group; every rank calls it (collective)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hybridflow.engines.shm_process_group import tp_backend_override
+    from hybridflow.engines.shm_process_group import shm_backend_override
 
     check_mesh_sizes(world_size, tp, sp)
     dp = world_size // (tp * sp)
-    # on one host's CPUs the tp groups' collectives go through shared memory (shm_process_group.py), else gloo/nccl
+    # on one host's CPUs the dp and tp groups' collectives (FSDP's gathers and reductions, DTensor's all-reduces) go
+    # through shared memory (shm_process_group.py), else gloo/nccl; Ulysses' all-to-alls on "sp" stay gloo's
+    override = shm_backend_override(device_type, {"dp": dp, "tp": tp, "fsdp": dp * sp if sp > 1 else 1})
+    fsdp_backend = (override or {}).pop("fsdp", None)
     mesh = init_device_mesh(device_type, (dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"),
-                            backend_override=tp_backend_override(device_type, tp))
-    return TrainMesh(mesh=mesh, dp_size=dp, sp_size=sp, tp_size=tp, rank=rank)
+                            backend_override=override or None)
+    return TrainMesh(mesh=mesh, dp_size=dp, sp_size=sp, tp_size=tp, rank=rank, fsdp_backend=fsdp_backend)
 
 
 def total_grad_norm(params: list[torch.Tensor], device: torch.device) -> float:

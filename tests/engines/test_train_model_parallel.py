@@ -88,6 +88,13 @@ class ParallelRank:
 
         return dist.get_backend(self.engine.train_mesh.mesh.get_group("tp"))
 
+    def fsdp_backends(self) -> list[tuple[int, str]]:
+        """(ranks, backend) of each dim of the mesh FSDP shards and replicates over."""
+        import torch.distributed as dist
+
+        mesh = self.engine.mesh
+        return [(mesh.size(d), dist.get_backend(mesh.get_group(d))) for d in range(mesh.ndim)]
+
     def save(self, directory: str) -> None:
         self.engine.save_checkpoint(directory)
 
@@ -105,6 +112,8 @@ CASES = [
     pytest.param(4, 2, 1, "llama", False, id="tp2xdp2-llama-vocab-parallel-head"),
     pytest.param(4, 1, 4, "qwen2", True, id="sp4-qwen2-kv-heads-repeated"),
     pytest.param(4, 2, 2, "mistral", False, id="tp2xsp2-mistral"),
+    # FSDP over the flattened dp x sp group (its own shared-memory group), Ulysses' all-to-alls over sp
+    pytest.param(4, 1, 2, "qwen3", True, id="sp2xdp2-qwen3"),
     # a layer without rotary embedding (SmolLM3's NoPE) among rotating ones: each rank with a slice of the heads, or
     # with a piece of every sequence
     pytest.param(2, 2, 1, "smollm3", False, id="tp2-smollm3-nope"),
@@ -139,6 +148,8 @@ def test_model_parallel_training_equals_one_rank(rank_pool, tmp_path, world, tp,
             assert "tp" in names and local[0] * world == full[0]
             # ranks of one host on CPU: the tp groups' collectives go through shared memory
             assert on_all(actors, "tp_backend") == ["hybridflow_shm"] * world
+        if world // (tp * sp) > 1:  # and FSDP's shards over dp
+            assert all(b == "hybridflow_shm" for dims in on_all(actors, "fsdp_backends") for _, b in dims)
 
         outs = on_all(actors, "log_probs", [probe[r * per : (r + 1) * per] for r in range(world)])
         for key in ("log_probs", "entropy"):
@@ -179,6 +190,9 @@ def test_hybrid_sharding_trains_like_one_rank_and_its_checkpoint_exports(rank_po
         on_all(actors, "train", [batch[r * per : (r + 1) * per] for r in range(world)])
         state = on_all(actors, "state")[0]
         assert max(float((state[k] - ref_state[k]).abs().max()) for k in ref_state) <= 1e-5
+        # one host's CPUs: FSDP's groups of more than one rank gather and reduce in shared memory
+        for dims in on_all(actors, "fsdp_backends"):
+            assert all(backend == "hybridflow_shm" for size, backend in dims if size > 1), dims
         ckpt = str(tmp_path / "ckpt")
         on_all(actors, "save", [ckpt] * world)
         exported = load_full_actor_state(ckpt)
