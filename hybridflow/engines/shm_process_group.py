@@ -113,7 +113,10 @@ class ShmProcessGroup(dist.ProcessGroup):
         return _done(output_lists)
 
     def all_gather_single(self, output, x, opts=None):  # torch's _allgather_base / all_gather_into_tensor
-        output.copy_(self.segment.all_gather(x.contiguous()).reshape(output.shape))
+        if output.is_contiguous():  # FSDP2's gather buffers are: the pieces land in place
+            self.segment.all_gather(x.contiguous(), out=output)
+        else:
+            output.copy_(self.segment.all_gather(x.contiguous()).reshape(output.shape))
         return _done(output)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
@@ -124,8 +127,15 @@ class ShmProcessGroup(dist.ProcessGroup):
         return _done(outputs)
 
     def reduce_scatter_single(self, output, x, opts=None):  # _reduce_scatter_base / reduce_scatter_tensor
+        op = _op(opts)
+        if x.dtype in _SUMMED and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and output.is_contiguous():
+            # FSDP2's gradient reduction: each rank sums only its own piece (cpu_shm_collectives.c)
+            self.segment.reduce_scatter(x.contiguous(), output)
+            if op == dist.ReduceOp.AVG:
+                output.div_(self._size)
+            return _done(output)
         whole = x.contiguous().clone()
-        self._reduce(whole, _op(opts))
+        self._reduce(whole, op)
         output.copy_(whole.reshape(self._size, -1)[self._rank].reshape(output.shape))
         return _done(output)
 

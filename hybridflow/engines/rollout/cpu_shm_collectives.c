@@ -1,5 +1,5 @@
 /* Collectives of one tensor-parallel group whose ranks share a host, through one shared-memory segment
- * (shm_collectives.py maps it in every rank): all-reduce (sum) and all-gather.
+ * (shm_collectives.py maps it in every rank): all-reduce (sum), reduce-scatter (sum) and all-gather.
  *
  * Layout: a header of MAX_RANKS counters, one per rank on its own 64-byte line, then two buffers, each with one slot
  * of `slot` bytes per rank: [header][buffer 0: slot 0 .. slot W-1][buffer 1: slot 0 .. slot W-1].
@@ -91,19 +91,20 @@ static inline bf16 to_bf16(float f) { /* round to nearest even, NaN to a quiet N
     return (bf16)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
-/* out[m] = the sum of the ranks' slots of `round`, in rank order: fp32, or bf16 summed in fp32 and rounded once */
-static void sum_f32(char *base, int world, long slot, uint64_t round, float *out, long m) {
-    const float *s0 = (const float *)slot_of(base, world, slot, round, 0);
+/* out[m] = the sum of the ranks' slots of `round` from element `at` on, in rank order: fp32, or bf16 summed in fp32
+ * and rounded once */
+static void sum_f32(char *base, int world, long slot, uint64_t round, long at, float *out, long m) {
+    const float *s0 = (const float *)slot_of(base, world, slot, round, 0) + at;
     for (long i = 0; i < m; i++) out[i] = s0[i];
     for (int j = 1; j < world; j++) {
-        const float *sj = (const float *)slot_of(base, world, slot, round, j);
+        const float *sj = (const float *)slot_of(base, world, slot, round, j) + at;
         for (long i = 0; i < m; i++) out[i] += sj[i];
     }
 }
-static void sum_bf16(char *base, int world, long slot, uint64_t round, bf16 *out, long m) {
+static void sum_bf16(char *base, int world, long slot, uint64_t round, long at, bf16 *out, long m) {
     for (long i = 0; i < m; i++) {
-        float acc = from_bf16(((const bf16 *)slot_of(base, world, slot, round, 0))[i]);
-        for (int j = 1; j < world; j++) acc += from_bf16(((const bf16 *)slot_of(base, world, slot, round, j))[i]);
+        float acc = from_bf16(((const bf16 *)slot_of(base, world, slot, round, 0))[at + i]);
+        for (int j = 1; j < world; j++) acc += from_bf16(((const bf16 *)slot_of(base, world, slot, round, j))[at + i]);
         out[i] = to_bf16(acc);
     }
 }
@@ -118,9 +119,31 @@ long long shm_all_reduce(char *base, int world, int rank, long slot, long long r
         const long m = n - off < per ? n - off : per;
         if (arrive(base, world, rank, slot, (uint64_t)round, x + off * size, m * size, timeout_s)) return -1;
         if (is_bf16)
-            sum_bf16(base, world, slot, (uint64_t)round, (bf16 *)(x + off * size), m);
+            sum_bf16(base, world, slot, (uint64_t)round, 0, (bf16 *)(x + off * size), m);
         else
-            sum_f32(base, world, slot, (uint64_t)round, (float *)(x + off * size), m);
+            sum_f32(base, world, slot, (uint64_t)round, 0, (float *)(x + off * size), m);
+    }
+    return round;
+}
+
+/* out[m] = the sum over the ranks, in rank order, of their x[rank * m .. (rank + 1) * m) (x holds world * m elements,
+ * fp32 or bf16; x is left as it is). A round carries the same c output elements of every rank's piece: a rank copies
+ * its x's c-element run of each piece into its slot (piece r at r * c), then sums only its own piece over the slots,
+ * so it reads world * m elements in all where an all-reduce and a slice would read world * world * m. Returns the
+ * next round, or -1. */
+long long shm_reduce_scatter(char *base, int world, int rank, long slot, long long round, const char *x, long m,
+                             int is_bf16, char *out, double timeout_s) {
+    const long size = is_bf16 ? (long)sizeof(bf16) : (long)sizeof(float), per = slot / size / world;
+    for (long off = 0; off < m; off += per, round++) {
+        const long c = m - off < per ? m - off : per;
+        char *mine = slot_of(base, world, slot, (uint64_t)round, rank);
+        for (int r = 0; r < world; r++) memcpy(mine + (long)r * c * size, x + ((long)r * m + off) * size, c * size);
+        __atomic_store_n(counter(base, rank), (uint64_t)round, __ATOMIC_RELEASE);
+        if (wait_all(base, world, (uint64_t)round, timeout_s)) return -1;
+        if (is_bf16)
+            sum_bf16(base, world, slot, (uint64_t)round, (long)rank * c, (bf16 *)(out + off * size), c);
+        else
+            sum_f32(base, world, slot, (uint64_t)round, (long)rank * c, (float *)(out + off * size), c);
     }
     return round;
 }

@@ -55,6 +55,8 @@ def load() -> ctypes.CDLL | None:
     lib.shm_all_reduce.restype = ctypes.c_longlong
     lib.shm_all_gather.argtypes = [ptr, i, i, long, ctypes.c_longlong, ptr, long, ptr, f]
     lib.shm_all_gather.restype = ctypes.c_longlong
+    lib.shm_reduce_scatter.argtypes = [ptr, i, i, long, ctypes.c_longlong, ptr, long, i, ptr, f]
+    lib.shm_reduce_scatter.restype = ctypes.c_longlong
     lib.shm_max_ranks.restype = i
     lib.shm_header_bytes.restype = long
     return lib
@@ -121,12 +123,29 @@ class ShmGroup:
                                               x.numel(), int(x.dtype == torch.bfloat16), self.timeout_s), "all-reduce")
         return x
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[size, *x.shape]: every rank's x (contiguous CPU tensors of one shape and dtype on every rank)."""
-        out = torch.empty((self.size, *x.shape), dtype=x.dtype)
+    def all_gather(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[size, *x.shape]: every rank's x (contiguous CPU tensors of one shape and dtype on every rank), written into
+        `out` when given (contiguous, x's dtype, size * x.numel() elements, any shape)."""
+        if out is None:
+            out = torch.empty((self.size, *x.shape), dtype=x.dtype)
+        elif not (out.is_contiguous() and out.dtype == x.dtype and out.numel() == self.size * x.numel()):
+            raise ValueError(f"all-gather into {tuple(out.shape)} {out.dtype}: needs {self.size} x {x.numel()} "
+                             f"contiguous {x.dtype} elements")
         nbytes = x.numel() * x.element_size()
         self._advance(self.lib.shm_all_gather(self.base, self.size, self.rank, self.slot, self.round, x.data_ptr(),
                                               nbytes, out.data_ptr(), self.timeout_s), "all-gather")
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out = the sum over the ranks (in rank order) of their x's piece number `rank`: x contiguous fp32 or bf16 of
+        size * out.numel() elements, out contiguous of x's dtype; x is not changed."""
+        m = out.numel()
+        if not (x.is_contiguous() and out.is_contiguous() and x.dtype == out.dtype and x.numel() == self.size * m):
+            raise ValueError(f"reduce-scatter of {tuple(x.shape)} {x.dtype} into {tuple(out.shape)} {out.dtype}: "
+                             f"needs contiguous tensors of one dtype, the input {self.size} times the output")
+        self._advance(self.lib.shm_reduce_scatter(self.base, self.size, self.rank, self.slot, self.round, x.data_ptr(),
+                                                  m, int(x.dtype == torch.bfloat16), out.data_ptr(), self.timeout_s),
+                      "reduce-scatter")
         return out
 
 
