@@ -7,8 +7,10 @@ both. Per model size and per mode, in alternating rounds so that a slow spell of
   * ``gloo``  ``HYBRIDFLOW_SHM_COLLECTIVES=0``: gloo over loopback TCP.
 Timed per round: one ``train_step`` of --rows rows (each rank its half; prompts --prompt-len, responses up to
 --response-len tokens, lengths varying 4x) and one ``full_state_dict`` (every parameter gathered, as the weight
-sync to the rollout does). Reported: the median over the rounds after the first of each, the shm/gloo ratios, and
-whether both modes trained the very same weights (they must: the sums run in rank order either way).
+sync to the rollout does); then the collectives alone at the whole model's size (fp32): one all-gather, as FSDP2's
+forward and backward make, and one reduce-scatter, as its gradients take. Reported: the medians over the rounds
+after the first of each, the shm/gloo ratios, and whether both modes trained the very same weights (they must: the
+sums run in rank order either way).
 
     .venv/bin/python benchmarks/data_parallel_update.py                         # small,mid; one JSON document
     .venv/bin/python benchmarks/data_parallel_update.py --sizes mid --rounds 5 --out RESULT.json
@@ -64,10 +66,26 @@ def _rank_main(rank: int, port: int, model_path: str, mode: str, args, queue) ->
         state = engine.full_state_dict()
         dist.barrier()
         gathers.append(time.perf_counter() - t)
+    # the collectives alone, at the whole model's size: one all-gather (FSDP2's forward / backward) and one
+    # reduce-scatter (its gradients), fp32, on the group FSDP uses
+    group, numel = engine.mesh.get_group(), sum(t.numel() for t in state.values())
+    piece = torch.randn(numel // WORLD)
+    gathered, whole, reduced = torch.empty(piece.numel() * WORLD), torch.randn(piece.numel() * WORLD), torch.empty_like(piece)
+    collectives = {"all_gather_s": [], "reduce_scatter_s": [], "bytes": gathered.numel() * 4}
+    for _ in range(args.steps):
+        dist.barrier()
+        t = time.perf_counter()
+        dist.all_gather_into_tensor(gathered, piece, group=group)
+        collectives["all_gather_s"].append(time.perf_counter() - t)
+        dist.barrier()
+        t = time.perf_counter()
+        dist.reduce_scatter_tensor(reduced, whole, group=group)
+        collectives["reduce_scatter_s"].append(time.perf_counter() - t)
     digest = hashlib.sha256()
     for name in sorted(state):
         digest.update(state[name].contiguous().view(torch.uint8).numpy().tobytes())
-    queue.put((rank, {"backend": backend, "step_s": steps, "gather_s": gathers, "weights_sha256": digest.hexdigest()}))
+    queue.put((rank, {"backend": backend, "step_s": steps, "gather_s": gathers, "weights_sha256": digest.hexdigest(),
+                      "collectives": collectives}))
     dist.destroy_process_group()
 
 
@@ -105,6 +123,9 @@ def run_size(size: str, args, workdir: str) -> dict:
             "step_s": statistics.median(s for r in runs for s in r["step_s"][1:]),
             "gather_s": statistics.median(s for r in runs for s in r["gather_s"][1:]),
             "weights_sha256": sorted({r["weights_sha256"] for r in runs}),
+            "model_bytes_fp32": runs[0]["collectives"]["bytes"],
+            "all_gather_s": statistics.median(s for r in runs for s in r["collectives"]["all_gather_s"][1:]),
+            "reduce_scatter_s": statistics.median(s for r in runs for s in r["collectives"]["reduce_scatter_s"][1:]),
         }
     out["step_ratio_shm_over_gloo"] = round(out["shm"]["step_s"] / out["gloo"]["step_s"], 3)
     out["gather_ratio_shm_over_gloo"] = round(out["shm"]["gather_s"] / out["gloo"]["gather_s"], 3)
