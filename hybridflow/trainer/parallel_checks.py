@@ -87,8 +87,17 @@ def _roles(cfg: Any) -> list[tuple[str, str, Any, int, str | None]]:
     ]
 
 
+def _fsdp_sizes(cfg: Any) -> list[tuple[str, int]]:
+    """(key, value) of each training engine's fsdp_config.fsdp_size, in `_roles`' order."""
+    arr = cfg.actor_rollout_ref
+    return [("actor_rollout_ref.actor.fsdp_config.fsdp_size", arr.actor.fsdp_config.fsdp_size),
+            ("actor_rollout_ref.ref.fsdp_config.fsdp_size", arr.ref.fsdp_config.fsdp_size),
+            ("critic.fsdp_config.fsdp_size", cfg.critic.fsdp_config.fsdp_size)]
+
+
 def model_parallel_errors(cfg: Any) -> list[str]:
-    """One line per problem: sizes below 1, tp * sp not dividing the world, TP wider than a node, a model whose
+    """One line per problem: an fsdp_size that does not divide the world, sizes below 1, tp * sp not dividing the
+    world, TP wider than a node, a model whose
     heads / KV heads / MLP width the sizes do not divide, LoRA with TP, SP without use_remove_padding."""
     from hybridflow.engines.tensor_parallel_train import check_tensor_parallel
     from hybridflow.engines.train_mesh import check_mesh_sizes
@@ -97,12 +106,18 @@ def model_parallel_errors(cfg: Any) -> list[str]:
     t = cfg.trainer
     world = t.nnodes * t.n_gpus_per_node
     errors: list[str] = []
-    for tp_key, sp_key, tp, sp, path in _roles(cfg):
+    sizes = _fsdp_sizes(cfg)
+    for (key, fsdp_size), (tp_key, sp_key, tp, sp, path) in zip(sizes, _roles(cfg)):
+        if fsdp_size != -1 and (fsdp_size < 1 or world % fsdp_size):
+            errors.append(f"{key}={fsdp_size}: the ranks that shard one copy of the model must divide the "
+                          f"{world} training ranks (trainer.nnodes*trainer.n_gpus_per_node); choose one of "
+                          f"{[d for d in range(1, world + 1) if world % d == 0]}, or -1 (all of them)")
+            continue
         if tp == 1 and sp == 1:
             continue
         where = f"{tp_key}={tp}, {sp_key}={sp}"
         try:
-            check_mesh_sizes(world, tp, sp, -1, where=where)
+            check_mesh_sizes(world, tp, sp, fsdp_size, where=where)
         except ValueError as err:
             errors.append(str(err))
             continue

@@ -23,6 +23,22 @@ def test_layout_errors_name_the_numbers(overrides, match):
         load_config(overrides)
 
 
+@pytest.mark.parametrize("overrides, match", [
+    (["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.fsdp_size=3"],
+     r"actor\.fsdp_config\.fsdp_size=3: the ranks that shard one copy of the model must divide the 2 training ranks"
+     r".*choose one of \[1, 2\], or -1"),
+    (["trainer.n_gpus_per_node=4", "critic.fsdp_config.fsdp_size=0"], r"critic\.fsdp_config\.fsdp_size=0: .*\[1, 2, 4\]"),
+    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",
+      "actor_rollout_ref.actor.fsdp_config.tensor_model_parallel_size=2"],
+     r"fsdp_size=1 \(hybrid sharding\) cannot be combined with tensor/sequence parallelism"),
+])
+def test_an_fsdp_size_that_does_not_fit_is_a_config_error_before_any_worker_starts(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides)
+    ok = load_config(["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.fsdp_config.fsdp_size=1"])
+    assert ok.actor_rollout_ref.actor.fsdp_config.fsdp_size == 1  # 2 replicas of the whole model (HSDP)
+
+
 def test_a_layout_that_fits_is_taken():
     cfg = load_config([f"{TP}=2", "trainer.n_gpus_per_node=2"])
     assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
