@@ -15,8 +15,10 @@ is tied to its world size and sharding. For a portable copy use the engine's ``s
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import math
 import os
 import pickle
 from typing import Any
@@ -129,24 +131,44 @@ def assemble_full_state(shards: list[dict[str, torch.Tensor]], layouts: list[dic
             full[name] = tensor
             continue
         tensor = torch.empty(shape, dtype=held[0][0].dtype)
-        covered = torch.zeros(shape, dtype=torch.bool)
+        blocks: set[tuple[tuple[int, int], ...]] = set()
         for local, layout in held:
-            index = []
+            # per dim, the [start, stop) runs this shard holds and where each sits in the shard
+            per_dim = []
             for dim, size in enumerate(shape):
-                runs = layout.get(str(dim))  # None: the dim is not split
-                idx = torch.arange(size) if runs is None else torch.tensor(
-                    [i for a, b in runs for i in range(a, b)], dtype=torch.long)
-                index.append(idx.view([-1 if d == dim else 1 for d in range(len(shape))]))
-            if [len(i.view(-1)) for i in index] != list(local.shape):
-                raise ValueError(f"{where}: {name}: a shard of shape {list(local.shape)} does not match its layout")
-            if local.numel():
-                tensor[tuple(index)] = local
-                covered[tuple(index)] = True
-        if not bool(covered.all()):
-            raise ValueError(f"{where}: {name}: the shards cover {int(covered.sum())} of {covered.numel()} values; "
-                             "a rank's file is missing or from another run")
+                runs = layout.get(str(dim), [[0, size]])  # absent: the dim is not split
+                at, placed = 0, []
+                for a, b in runs:
+                    placed.append((a, b, at))
+                    at += b - a
+                if at != local.shape[dim]:
+                    raise ValueError(f"{where}: {name}: a shard of shape {list(local.shape)} does not match its "
+                                     "layout")
+                per_dim.append(placed)
+            # slices, never index tensors: a 150k x 4k embedding costs no index memory
+            for combo in itertools.product(*per_dim):
+                block = tuple((a, b) for a, b, _ in combo)
+                if block in blocks or any(a == b for a, b in block):
+                    continue  # a replica's copy of a block already written, or an empty piece
+                blocks.add(block)
+                tensor[tuple(slice(a, b) for a, b in block)] = local[tuple(slice(at, at + b - a) for a, b, at in combo)]
+        _check_cover(blocks, shape, f"{where}: {name}")
         full[name] = tensor
     return full
+
+
+def _check_cover(blocks: set[tuple[tuple[int, int], ...]], shape: list[int], what: str) -> None:
+    """The distinct blocks written must not overlap and must add up to the whole tensor (then they cover it)."""
+    ordered = sorted(blocks)
+    for i, first in enumerate(ordered):
+        for second in ordered[i + 1:]:
+            if all(a1 < b2 and a2 < b1 for (a1, b1), (a2, b2) in zip(first, second)):
+                raise ValueError(f"{what}: two shards hold overlapping pieces {first} and {second}; the files are from "
+                                 "different runs")
+    total = sum(math.prod(b - a for a, b in block) for block in blocks)
+    if total != math.prod(shape):
+        raise ValueError(f"{what}: the shards cover {total} of {math.prod(shape)} values; a rank's file is missing "
+                         "or from another run")
 
 
 def read_rank_file(path: str) -> tuple[dict[str, torch.Tensor], dict[str, dict] | None]:
