@@ -86,3 +86,13 @@ def test_files_without_a_layout_join_fsdp_rows_and_name_what_does_not_fit():
 def test_partial_values_are_refused():
     with pytest.raises(ValueError, match="partial values"):
         shard_index_runs((4,), (2,), [0], (Partial(),))
+
+
+def test_shards_from_different_runs_that_overlap_are_named():
+    full = torch.arange(20.0).view(5, 4)
+    shards = [{"w": full[:3]}, {"w": full[2:]}]
+    layouts = [{"w": {"0": [[0, 3]]}}, {"w": {"0": [[2, 5]]}}]
+    with pytest.raises(ValueError, match=r"ckpt: w: two shards hold overlapping pieces"):
+        assemble_full_state(shards, layouts, {"w": [5, 4]}, "ckpt")
+    with pytest.raises(ValueError, match=r"does not match its layout"):
+        assemble_full_state([{"w": full[:2]}], [{"w": {"0": [[0, 3]]}}], {"w": [5, 4]}, "ckpt")
