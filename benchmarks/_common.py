@@ -97,8 +97,33 @@ def document(benchmark: str, config: dict, results: dict, extra_versions: Iterab
     return doc
 
 
-def emit(doc: dict) -> None:
+def emit(doc: dict, out: str | None = None) -> None:
+    """The document on stdout, and also in the file `out` when given."""
     print(json.dumps(doc, indent=2, default=str))
+    if out:
+        with open(out, "w") as f:
+            json.dump(doc, f, indent=2, default=str)
+
+
+def run_ranks(target, world: int, *args) -> dict[int, dict]:
+    """`target(rank, port, *args, queue)` in `world` spawned processes (a torch.distributed world on a free port);
+    each puts ``(rank, result)`` on the queue. Returns {rank: result}; RuntimeError if a process failed."""
+    import torch.multiprocessing as mp
+
+    from hybridflow.common.ports import find_free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = find_free_port()
+    procs = [ctx.Process(target=target, args=(r, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    per_rank = dict(queue.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise RuntimeError(f"rank process exited with {p.exitcode}")
+    return per_rank
 
 
 class StdoutToStderr:

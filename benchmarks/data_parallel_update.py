@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks._common import document, emit, write_benchmark_model  # noqa: E402
+from benchmarks._common import document, emit, run_ranks, write_benchmark_model  # noqa: E402
 from benchmarks.train_throughput import pg_loss, rollout_batch  # noqa: E402
 
 WORLD = 2
@@ -90,22 +90,7 @@ def _rank_main(rank: int, port: int, model_path: str, mode: str, args, queue) ->
 
 
 def _round(path: str, mode: str, args) -> dict:
-    import torch.multiprocessing as mp
-
-    from hybridflow.common.ports import find_free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = find_free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, path, mode, args, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    per_rank = dict(queue.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"rank process exited with {p.exitcode}")
-    return per_rank[0]
+    return run_ranks(_rank_main, WORLD, path, mode, args)[0]
 
 
 def run_size(size: str, args, workdir: str) -> dict:
@@ -149,13 +134,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         for size in args.sizes.split(","):
             results[size] = run_size(size, args, workdir)
-    doc = document("data_parallel_update", {**vars(args), "world": WORLD, "modes": list(MODES)}, results)
-    emit(doc)
-    if args.out:
-        import json
-
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=2, default=str)
+    emit(document("data_parallel_update", {**vars(args), "world": WORLD, "modes": list(MODES)}, results), args.out)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks._common import document, emit, write_benchmark_model  # noqa: E402
+from benchmarks._common import document, emit, run_ranks, write_benchmark_model  # noqa: E402
 
 WORLD = 2
 CASES = ("full_gather_tp1", "full_gather_tp2", "reshard_tp2")
@@ -126,22 +126,8 @@ def _rank_main(rank: int, port: int, model_path: str, args, queue) -> None:
 
 
 def run_size(size: str, args, workdir: str) -> dict:
-    import torch.multiprocessing as mp
-
-    from hybridflow.common.ports import find_free_port
-
     path = write_benchmark_model(os.path.join(workdir, size), size, unreachable_eos=True)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = find_free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, path, args, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    per_rank = dict(queue.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"rank process exited with {p.exitcode}")
+    per_rank = run_ranks(_rank_main, WORLD, path, args)
     # model_bytes: the full model (FSDP2's parameters report the full shape; element counts are global)
     return {"model_bytes": per_rank[0]["model_bytes"], "per_rank": [per_rank[r] for r in range(WORLD)]}
 
@@ -161,13 +147,7 @@ def main() -> None:
         for size in args.sizes.split(","):
             print(f"[resharding] {size} ...", file=sys.stderr, flush=True)
             results[size] = run_size(size, args, workdir)
-    doc = document("resharding", {**vars(args), "world": WORLD, "cases": list(CASES)}, results)
-    emit(doc)
-    if args.out:
-        import json
-
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=2, default=str)
+    emit(document("resharding", {**vars(args), "world": WORLD, "cases": list(CASES)}, results), args.out)
 
 
 if __name__ == "__main__":
