@@ -12,6 +12,9 @@ Per episode (one row):
      calls and the termination reason) are added, and the tools' per-call rewards if ``add_tool_rewards``; an
      environment failure replaces them with ``failure_reward``.
 
+A row whose ``agent_name`` (veRL's per-row column) is ``single_turn_agent`` is one generation from its prompt, with
+no tools in the prompt and no environment, as veRL's single-turn agent loop; other rows are episodes as above.
+
 Failures never escape an episode: a tool that raises, hangs or returns too much, an environment that raises in
 reset / step / get_reward, a malformed call, an unknown tool, wrong argument types all become an error observation
 or the end of the episode, counted by kind in the episode's metrics. Only when more than ``max_failure_fraction`` of
@@ -39,7 +42,9 @@ from hybridflow.agents.tools import Tool, as_tool, call_maybe_async, to_tool_res
 from hybridflow.agents.trajectory import TRUNCATE_SIDES, ChatRenderer, Trajectory, truncate_text
 from hybridflow.engines.rollout.base import SamplingParams
 
-__all__ = ["AgentFailureError", "AgentLoop", "AgentLoopConfig", "Episode", "summarize_episodes"]
+__all__ = ["SINGLE_TURN_AGENT", "AgentFailureError", "AgentLoop", "AgentLoopConfig", "Episode", "summarize_episodes"]
+
+SINGLE_TURN_AGENT = "single_turn_agent"  # a row's agent_name for one generation without tools or environment
 
 # Tool-call outcomes that are the tool's or environment's fault (they count towards max_failure_fraction);
 # the others are the model's mistakes, answered with an error observation so that it can learn from them.
@@ -261,7 +266,8 @@ class _EpisodeRun:
                  executor):
         self.loop, self.cfg, self.index, self.row = loop, loop.config, index, row
         self.sampling, self.base_seed, self.executor = sampling, base_seed, executor
-        self.tools: dict[str, Tool] = dict(loop.tools)
+        self.single_turn = row.get("agent_name") == SINGLE_TURN_AGENT
+        self.tools: dict[str, Tool] = {} if self.single_turn else dict(loop.tools)
         self.states: dict[str, asyncio.Future] = {}
         self.env: Any = None
         self.env_name = "environment"
@@ -296,7 +302,7 @@ class _EpisodeRun:
     async def run(self) -> Episode:
         messages = _messages_of(self.row, self.index)
         first_obs, env_error, cut = None, None, False
-        if self.loop.env_factory is not None:
+        if self.loop.env_factory is not None and not self.single_turn:
             try:
                 self.env = self.loop.env_factory()
                 self.env_name = f"environment {type(self.env).__name__}"

@@ -121,7 +121,8 @@ class CustomClassDataset(RLDataset):
         if chat is None and require_raw_chat:
             raise DataConfigError(f"{where}, item {i}: no 'raw_prompt' (chat messages), which data.return_raw_chat=true "
                                   "and multi-turn rollouts need; return it from __getitem__")
-        raw = {key: item.get(key) for key in ("data_source", "ability", "reward_model", "extra_info", "ground_truth")}
+        raw = {key: item.get(key)
+               for key in ("data_source", "ability", "reward_model", "extra_info", "ground_truth", "agent_name")}
         # check_row validates a prompt too; an item of tokens only has none, so it gets a stand-in, dropped after
         raw["raw_prompt"] = chat if chat is not None else [{"role": "user", "content": "(tokens only)"}]
         row = check_row(raw, where, i, prompt_key="raw_prompt", require_ground_truth=True)

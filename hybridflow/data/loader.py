@@ -23,7 +23,8 @@ from hybridflow.protocol import DataProto
 
 __all__ = ["RLDataLoader", "collate_prompts"]
 
-_NON_TENSOR_KEYS = ("data_source", "raw_prompt", "ability", "reward_model", "ground_truth", "extra_info", "index")
+_NON_TENSOR_KEYS = ("data_source", "raw_prompt", "ability", "reward_model", "ground_truth", "extra_info", "index",
+                    "agent_name")
 
 
 def collate_prompts(rows: list[dict[str, Any]], pad_token_id: int, *, return_raw_chat: bool = True) -> DataProto:
@@ -41,7 +42,7 @@ def collate_prompts(rows: list[dict[str, Any]], pad_token_id: int, *, return_raw
         input_ids[i, longest - n :] = r["input_ids"]
         attention_mask[i, longest - n :] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    non_tensors = {k: [r[k] for r in rows] for k in _NON_TENSOR_KEYS if return_raw_chat or k != "raw_prompt"}
+    non_tensors = {k: [r.get(k) for r in rows] for k in _NON_TENSOR_KEYS if return_raw_chat or k != "raw_prompt"}
     return DataProto.from_dict(
         {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}, non_tensors
     )

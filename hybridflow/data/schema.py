@@ -6,6 +6,7 @@ One row of an RL prompt file:
   ``ability``       str, free-form tag (e.g. "math"); optional
   ``reward_model``  ``{"style": "rule", "ground_truth": ...}``; ground_truth is a str, a number, a list or a dict
   ``extra_info``    dict, free-form (often ``index``, ``split``, ``question``, ``answer``); optional
+  ``agent_name``    str, veRL's agent loop for the row: ``single_turn_agent`` or ``tool_agent``; optional
 
 Files written by veRL's preprocessing scripts read as they are. Every problem is raised as a DataConfigError that
 names the file, the row (0-based) and the column, and says how to fix it.
@@ -122,8 +123,9 @@ def check_row(
 ) -> dict[str, Any]:
     """Validate one raw row and return its normalised fields.
 
-    Returns ``{data_source, raw_prompt, ability, reward_model, ground_truth, extra_info}`` with ``raw_prompt`` a list
-    of ``{"role", "content"}`` dicts and ``reward_model`` / ``extra_info`` dicts.
+    Returns ``{data_source, raw_prompt, ability, reward_model, ground_truth, extra_info, agent_name}`` with
+    ``raw_prompt`` a list of ``{"role", "content"}`` dicts, ``reward_model`` / ``extra_info`` dicts and ``agent_name``
+    veRL's optional per-row agent loop (None when the row has none).
     """
     data_source = row.get("data_source")
     if not isinstance(data_source, str) or not data_source:
@@ -169,6 +171,10 @@ def check_row(
         extra_info = {}
     if not isinstance(extra_info, dict):
         raise DataConfigError(f"{_where(path, index, 'extra_info')}: expected a dict, got {_describe(extra_info)}")
+    agent_name = row.get("agent_name")
+    if agent_name is not None and not isinstance(agent_name, str):
+        raise DataConfigError(f"{_where(path, index, 'agent_name')}: expected a string (veRL's agent loop name, e.g. "
+                              f"'tool_agent'), got {_describe(agent_name)}")
     return {
         "data_source": data_source,
         "raw_prompt": raw_prompt,
@@ -176,6 +182,7 @@ def check_row(
         "reward_model": dict(reward_model, ground_truth=ground_truth),
         "ground_truth": ground_truth,
         "extra_info": extra_info,
+        "agent_name": agent_name or None,
     }
 
 

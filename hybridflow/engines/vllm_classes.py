@@ -16,7 +16,12 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["restore_model_classes", "snapshot_model_classes"]
+__all__ = ["CPU_SLEEP_MODE", "restore_model_classes", "snapshot_model_classes"]
+
+# the rollout's and the start-up checks' one message for veRL's free_cache_engine=true with vLLM on CPUs
+CPU_SLEEP_MODE = ("actor_rollout_ref.rollout.free_cache_engine=true asks vLLM for its sleep mode (weights offloaded "
+                  "and the KV cache freed between generations), which vLLM runs on GPUs only; on CPU set "
+                  "free_cache_engine=false or remove the key")
 
 _DECORATED = ("__init__", "__call__")  # what vLLM's support_torch_compile replaces on a class
 

@@ -27,7 +27,7 @@ __all__ = ["AgentRewardFn", "episode_records", "generation_input", "merge_genera
 
 # non-tensor columns of an episode (agents/collate.py) that ride on the trained row
 EPISODE_COLUMNS = ("num_turns", "termination", "tool_calls", "turn_spans", "conversation", "agent_reward",
-                   "agent_reward_parts", "turn_rewards", "agent_metrics")
+                   "agent_reward_parts", "turn_rewards", "agent_metrics", "agent_name")
 
 
 def generation_input(prompts: DataProto, gen_in: DataProto) -> DataProto:
@@ -51,8 +51,10 @@ def episode_records(batch: DataProto) -> list[dict[str, Any]] | None:
     nt = batch.non_tensor_batch
     if "conversation" not in nt:
         return None
+    names = nt.get("agent_name")
     return [{"conversation": list(nt["conversation"][i]), "num_turns": int(nt["num_turns"][i]),
              "termination": str(nt["termination"][i]),
+             **({"agent_name": names[i]} if names is not None and names[i] is not None else {}),
              "tool_calls": [{"name": c.get("name"), "arguments": c.get("arguments"), "error": c.get("error")}
                             for c in nt["tool_calls"][i]]} for i in range(len(batch))]
 

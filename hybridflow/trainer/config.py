@@ -260,6 +260,26 @@ class MultiTurnConfig:
 
 
 @dataclass
+class AgentSection:
+    """veRL's ``rollout.agent`` section, as far as hybridflow has what it switches: which agent loop runs a row whose
+    data has no ``agent_name`` column (workers/agent_rollout.py; docs/agents.md)."""
+
+    # single_turn_agent (one generation, no tools) | tool_agent (the multi-turn loop: tools / environment);
+    # None: tool_agent when multi_turn.enable=true, else single_turn_agent (veRL's default is single_turn_agent)
+    default_agent_loop: str | None = None
+
+
+@dataclass
+class TraceSection:
+    """veRL's ``rollout.trace`` (agent-loop traces sent to mlflow / weave): not offered, so only its defaults, which
+    trace nothing, are taken (verl_model_keys.py); samples.jsonl keeps rollouts and episodes as text."""
+
+    backend: str | None = None
+    token2text: bool = False
+    max_samples_per_step_per_worker: int | None = None
+
+
+@dataclass
 class RolloutConfig:
     name: str = "native"  # native | hf | vllm
     temperature: float = 1.0
@@ -295,10 +315,14 @@ class RolloutConfig:
     n_gpus_per_node: int = 1
     update_weights_bucket_megabytes: int = 64
     # veRL's keys, as far as hybridflow has what they switch (trainer/verl_model_keys.py)
-    mode: str = "sync"  # sync only: each batch is generated in-process (veRL's async = a vLLM server + agent loop)
+    # async (veRL's default and, since it removed sync, its only mode) | sync: both name hybridflow's one rollout path,
+    # the engine generating each request of the batch (the agent loop for multi-turn rows); verl_model_keys.py
+    mode: str = "async"
     load_format: str = "auto"  # auto | hf | safetensors (requires *.safetensors in model.path)
     layered_summon: bool = True  # always: weight sync gathers one full tensor at a time
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentSection = field(default_factory=AgentSection)
+    trace: TraceSection = field(default_factory=TraceSection)
     # veRL's engine knobs. max_model_len: the rollout engine's context length, any engine (None:
     # data.max_prompt_length + data.max_response_length; more leaves multi-turn episodes room). quantization and
     # enable_prefix_caching: vllm only, passed to vllm.LLM (other engines refuse them, engines/rollout/base.py)
@@ -657,6 +681,11 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
     except (ConfigKeyError, ConfigAttributeError) as e:
         raise ConfigError(f"unknown {what} key: {e}") from None
     except ValidationError as e:
+        key = getattr(e, "full_key", None)
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if key:  # OmegaConf's message, with the key first and without its reference_type / object_type lines
+            raise ConfigError(f"invalid {what} value for {key}: {why}; fix it on the command line or in the YAML "
+                              f"(`hybridflow train --print-config` shows {key}'s default and type)") from None
         raise ConfigError(f"invalid {what} value: {e}") from None
     if global_micro:
         explicitly_set = {k for layer in layers for k in _all_keys(layer)}

@@ -21,18 +21,21 @@ def preflight_errors(cfg: Any, *, train_ds: Any = None, val_ds: Any = None,
     for ds in (train_ds, val_ds):
         if ds is not None:
             errors += _scorer_errors(cfg, ds)
+            errors += _agent_name_errors(cfg, ds)
     errors += _device_errors(cfg, cluster_resources)
     errors += _model_layout_errors(cfg)
     if cluster_resources is not None:
         errors += _cluster_errors(cfg, cluster_resources)
     else:
         from hybridflow.trainer.reward_loop import reward_model_tokenizer_errors
+        from hybridflow.trainer.tracking import logger_errors
         from hybridflow.trainer.verl_model_keys import model_folder_errors
 
         errors += _rollout_model_errors(cfg)
         errors += _resume_errors(cfg)
         errors += model_folder_errors(cfg)
         errors += reward_model_tokenizer_errors(cfg)
+        errors += logger_errors(cfg.trainer.logger)
     return errors
 
 
@@ -111,8 +114,34 @@ def _scorer_errors(cfg: Any, ds: Any) -> list[str]:
     ]
 
 
+def _agent_name_errors(cfg: Any, ds: Any) -> list[str]:
+    """Rows whose agent_name (veRL's per-row agent loop) hybridflow cannot run with this config."""
+    from hybridflow.workers.agent_rollout import agent_name_errors
+
+    return agent_name_errors(cfg, ds.data_source_counts("agent_name"), f"{ds.name} data ({', '.join(ds.files)})")
+
+
+def _on_cpu(cfg: Any, cluster_resources: dict[str, float] | None) -> bool:
+    """Whether the run's workers will be on CPUs (False when that is not known yet: a cluster to join)."""
+    t = cfg.trainer
+    if t.device != "auto":
+        return t.device == "cpu"
+    if cluster_resources is not None:
+        return not cluster_resources.get("GPU", 0)
+    if t.backend == "ray" and t.ray_address:
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def _device_errors(cfg: Any, cluster_resources: dict[str, float] | None) -> list[str]:
     t = cfg.trainer
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name == "vllm" and rollout.free_cache_engine and _on_cpu(cfg, cluster_resources):
+        from hybridflow.engines.vllm_classes import CPU_SLEEP_MODE
+
+        return [CPU_SLEEP_MODE]
     if t.device != "cuda":
         return []
     if cluster_resources is not None:

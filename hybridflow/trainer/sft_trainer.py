@@ -115,6 +115,11 @@ def check_sft_config(cfg: SFTConfig) -> None:
             f"data.train_batch_size={d.train_batch_size} must split into {world} ranks x whole micro-batches of "
             f"data.micro_batch_size_per_gpu={d.micro_batch_size_per_gpu}"
         )
+    from hybridflow.trainer.tracking import logger_errors
+
+    errors = logger_errors(cfg.trainer.logger)
+    if errors:
+        raise ConfigError("; ".join(errors))
 
 
 def run_sft(cfg: SFTConfig, *, eval_every: int = 0, stop_when=None) -> dict[str, Any]:

@@ -32,9 +32,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
-__all__ = ["DEFAULT_CONSOLE_KEYS", "LOGGERS", "Tracking", "TrackingConfigError", "mlflow_metric_name"]
+__all__ = ["DEFAULT_CONSOLE_KEYS", "LOGGERS", "Tracking", "TrackingConfigError", "logger_errors", "mlflow_metric_name"]
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # logger -> the module it imports
 
 # Headline metrics for the console table, in column order. An entry ending in "/" is a prefix (all keys under it).
 DEFAULT_CONSOLE_KEYS = (
@@ -110,17 +111,43 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _logger_names(loggers: Sequence[str] | str) -> list[str]:
+    return [s.strip() for s in loggers.split(",")] if isinstance(loggers, str) else [str(s) for s in loggers]
+
+
+def _unknown_error(names: list[str]) -> str | None:
+    unknown = [n for n in names if n not in LOGGERS]
+    if unknown:
+        return f"unknown logger(s) {unknown} in trainer.logger={names}; valid loggers are {list(LOGGERS)}"
+    return None
+
+
+def _missing_error(logger: str, package: str, why: str) -> str:
+    return (f"logger {logger!r} needs the {package!r} package, which could not be imported ({why}); "
+            f"install the tracking extra: {_INSTALL_HINT} (or pip install {package}), "
+            f"or remove {logger!r} from trainer.logger")
+
+
+def logger_errors(loggers: Sequence[str] | str) -> list[str]:
+    """What `Tracking` would refuse in this logger list, found without importing the loggers' packages (so that
+    ``--dry-run`` and the checks before Ray starts name a missing ``wandb`` instead of the run failing after)."""
+    import importlib.util
+
+    names = _logger_names(loggers)
+    unknown = _unknown_error(names)
+    if unknown:
+        return [unknown]
+    return [_missing_error(n, _PACKAGES[n], f"No module named {_PACKAGES[n]!r}")
+            for n in dict.fromkeys(names) if n in _PACKAGES and importlib.util.find_spec(_PACKAGES[n]) is None]
+
+
 def _require(module: str, logger: str, package: str) -> Any:
     import importlib
 
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise TrackingConfigError(
-            f"logger {logger!r} needs the {package!r} package, which could not be imported ({e}); "
-            f"install the tracking extra: {_INSTALL_HINT} (or pip install {package}), "
-            f"or remove {logger!r} from trainer.logger"
-        ) from e
+        raise TrackingConfigError(_missing_error(logger, package, str(e))) from e
 
 
 def _read_ids(run_dir: str) -> dict[str, str]:
@@ -371,12 +398,10 @@ class Tracking:
         console_stream: TextIO | None = None,
         resume_from_step: int | None = None,
     ) -> None:
-        names = [s.strip() for s in loggers.split(",")] if isinstance(loggers, str) else [str(s) for s in loggers]
-        unknown = [n for n in names if n not in LOGGERS]
+        names = _logger_names(loggers)
+        unknown = _unknown_error(names)
         if unknown:
-            raise TrackingConfigError(
-                f"unknown logger(s) {unknown} in trainer.logger={names}; valid loggers are {list(LOGGERS)}"
-            )
+            raise TrackingConfigError(unknown)
         if "jsonl" not in names:
             names.append("jsonl")
         self.run_dir = str(run_dir)

@@ -17,8 +17,10 @@
   ``model.fused_kernel_options.impl_backend=torch`` (or veRL's None) and ``*.entropy_from_logits_with_chunking=true``
   (log-probs and entropy come from the hidden states of the response positions only, in chunks of rows: no [tokens,
   vocab] logits at once in a forward),
-  ``*.use_torch_compile=false`` (the training forward is eager), ``rollout.mode=sync`` (veRL's ``async`` serves vLLM
-  behind an agent loop; the step's samples are the same either way), ``trainer.use_legacy_worker_impl=auto|disable``
+  ``*.use_torch_compile=false`` (the training forward is eager), ``rollout.mode=async|sync`` (veRL's ``async``, its
+  default, serves the engine behind an agent loop; here the engine generates every request of the batch and
+  multi-turn rows run the agent loop, so both values name that one path),
+  ``trainer.use_legacy_worker_impl=auto|disable``
   (hybridflow's one worker implementation is veRL's new-style one; ``enable`` is refused).
 * ``actor_rollout_ref.model.use_fused_kernels``: veRL's fused log-prob / entropy kernels, whose point is memory;
   ``true`` makes the actor's backward recompute each chunk's logits from its hidden states instead of keeping every
@@ -67,13 +69,20 @@ def switch_errors(cfg: Any) -> list[str]:
     for key, value, only, why in fixed:
         if value is not only:
             errors.append(f"{key}={str(value).lower()}: {why}; remove the key or set it to {str(only).lower()}")
-    if arr.rollout.mode != "sync":
+    if arr.rollout.mode not in ("async", "sync"):
         errors.append(
-            f"actor_rollout_ref.rollout.mode={arr.rollout.mode!r}: veRL's async mode serves vLLM behind an agent "
-            "loop (multi-turn rollouts), which hybridflow does not have; each batch is generated in-process with the "
-            "same samples as mode=sync (set sync or drop the key). To overlap generation with training use "
-            "trainer.rollout_mode=one_step_off or async"
+            f"actor_rollout_ref.rollout.mode={arr.rollout.mode!r}: veRL's rollout modes are async (its default) and "
+            "sync; both run hybridflow's rollout (the engine generates every request of the batch, multi-turn rows "
+            "through the agent loop). To overlap generation with training use trainer.rollout_mode=one_step_off or "
+            "async"
         )
+    trace = arr.rollout.trace
+    for key, value in (("backend", trace.backend), ("token2text", trace.token2text or None),
+                       ("max_samples_per_step_per_worker", trace.max_samples_per_step_per_worker)):
+        if value is not None:
+            errors.append(f"actor_rollout_ref.rollout.trace.{key}={value}: rollout traces to mlflow / weave are not "
+                          "offered (trainer.log_samples_freq writes rollouts and episodes, turn by turn, to "
+                          "samples.jsonl, and `hybridflow report` shows them); remove the key")
     backend = arr.model.fused_kernel_options.impl_backend
     if backend not in ("torch", None, "None"):
         errors.append(f"actor_rollout_ref.model.fused_kernel_options.impl_backend={backend}: hybridflow's fused "

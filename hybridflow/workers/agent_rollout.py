@@ -11,10 +11,14 @@ layout of engines/rollout/base.py, so the rest of the step does not change:
   non_tensor_batch: ``num_turns``, ``termination``, ``tool_calls``, ``turn_spans``, ``conversation``,
   ``agent_reward`` (the environment's reward), ``agent_metrics`` (per episode), see agents/collate.py.
 
-Sample j of prompt i is row ``i*n + j``, as with single-turn generation. The episode's rows come from the prompt's
-non-tensor columns (``raw_prompt`` — hence ``data.return_raw_chat=true`` —, ``data_source``, ``extra_info``,
-``reward_model``, ``tools_kwargs``). The user's ``compute_score`` is not run here but by the driver's reward
-manager, which sees the episode's turns and tool calls in ``extra_info`` (trainer/agent_rewards.py).
+Sample j of prompt i is row ``i*n + j``, as with single-turn generation. A row's ``agent_name`` column (veRL's) picks
+its agent loop: ``tool_agent`` (the episode above) or ``single_turn_agent`` (one generation, no tools, no
+environment); rows without one take ``rollout.agent.default_agent_loop`` (None: ``tool_agent`` when
+``multi_turn.enable=true``, else ``single_turn_agent``, and then the plain single-turn rollout runs). The episode's
+rows come from the prompt's non-tensor columns (``raw_prompt`` — hence ``data.return_raw_chat=true`` —,
+``data_source``, ``extra_info``, ``reward_model``, ``tools_kwargs``, ``agent_name``). The user's ``compute_score``
+is not run here but by the driver's reward manager, which sees the episode's turns and tool calls in
+``extra_info`` (trainer/agent_rewards.py).
 
 Key mapping (veRL's names; hybridflow's additions marked +):
   max_assistant_turns, max_user_turns, max_parallel_calls -> the loop's limits of the same names;
@@ -38,16 +42,56 @@ import torch
 from hybridflow.agents import AgentLoop, AgentLoopConfig, RolloutEngineGenerator, collate_episodes, get_parser
 from hybridflow.agents.adapters import load_verl_tool_config
 from hybridflow.agents.builtin import environment_factory
+from hybridflow.agents.loop import SINGLE_TURN_AGENT
 from hybridflow.agents.trajectory import TRUNCATE_SIDES
 from hybridflow.engines.rollout.base import SamplingParams
 from hybridflow.engines.rollout.layout import pad_responses
 from hybridflow.plugins import import_object
 from hybridflow.protocol import DataProto
 
-__all__ = ["AgentRollout", "agent_batch_metrics", "agent_loop_config", "multi_turn_config_errors", "multi_turn_tools"]
+__all__ = ["AGENT_LOOPS", "AgentRollout", "agent_batch_metrics", "agent_loop_config", "agent_name_errors",
+           "default_agent_loop", "multi_turn_config_errors", "multi_turn_tools"]
 
 # the prompt's non-tensor columns an episode reads (others stay on the driver's copy of the batch)
-ROW_COLUMNS = ("raw_prompt", "data_source", "extra_info", "reward_model", "ground_truth", "tools_kwargs", "index")
+ROW_COLUMNS = ("raw_prompt", "data_source", "extra_info", "reward_model", "ground_truth", "tools_kwargs", "index",
+               "agent_name")
+TOOL_AGENT = "tool_agent"
+AGENT_LOOPS = (SINGLE_TURN_AGENT, TOOL_AGENT)  # veRL's agent loop names that hybridflow runs
+
+
+def default_agent_loop(rollout: Any) -> str:
+    """The agent loop of a row with no agent_name: rollout.agent.default_agent_loop, or by multi_turn.enable."""
+    return rollout.agent.default_agent_loop or (TOOL_AGENT if rollout.multi_turn.enable else SINGLE_TURN_AGENT)
+
+
+def _agent_loop_errors(rollout: Any) -> list[str]:
+    key = "actor_rollout_ref.rollout.agent.default_agent_loop"
+    name = rollout.agent.default_agent_loop
+    if name is not None and name not in AGENT_LOOPS:
+        return [f"{key}={name!r}: hybridflow runs veRL's {' and '.join(AGENT_LOOPS)} (a custom agent loop is an "
+                "environment here: actor_rollout_ref.rollout.multi_turn.environment=package.module:Class)"]
+    if name == TOOL_AGENT and not rollout.multi_turn.enable:
+        return [f"{key}=tool_agent needs actor_rollout_ref.rollout.multi_turn.enable=true and its tools or "
+                "environment"]
+    return []
+
+
+def agent_name_errors(cfg: Any, counts: dict[str, int], where: str) -> list[str]:
+    """The data's agent_name values (`counts`: value -> rows, "None" for rows without one) that cannot run."""
+    rollout = cfg.actor_rollout_ref.rollout
+    named = {k: c for k, c in counts.items() if k != "None"}
+    unknown = {k: c for k, c in named.items() if k not in AGENT_LOOPS}
+    errors = []
+    if unknown:
+        listed = ", ".join(f"{k!r} ({c} rows)" for k, c in sorted(unknown.items()))
+        errors.append(f"{where}: column 'agent_name' names agent loop(s) {listed}; hybridflow runs veRL's "
+                      f"{' and '.join(AGENT_LOOPS)} (an agent of your own is an environment here: "
+                      "actor_rollout_ref.rollout.multi_turn.environment=package.module:Class)")
+    if named.get(TOOL_AGENT) and not rollout.multi_turn.enable:
+        errors.append(f"{where}: {named[TOOL_AGENT]} rows have agent_name 'tool_agent', which needs "
+                      "actor_rollout_ref.rollout.multi_turn.enable=true with tools (tool_config_path / tools) or an "
+                      "environment")
+    return errors
 
 
 def agent_loop_config(mt: Any, max_response_length: int, seed: int = 0) -> AgentLoopConfig:
@@ -84,11 +128,11 @@ def multi_turn_config_errors(cfg: Any) -> list[str]:
     tool config file and the environment, so a missing class fails here, before any process starts."""
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     key = "actor_rollout_ref.rollout.multi_turn"
+    errors = _agent_loop_errors(cfg.actor_rollout_ref.rollout)
     if not mt.enable:
         set_keys = [k for k in ("tool_config_path", "environment") if getattr(mt, k)] + (["tools"] if mt.tools else [])
-        return [f"{key}.{k} is set but {key}.enable=false; set enable=true to run multi-turn episodes, or remove it"
-                for k in set_keys]
-    errors = []
+        return errors + [f"{key}.{k} is set but {key}.enable=false; set enable=true to run multi-turn episodes, or "
+                         "remove it" for k in set_keys]
     if not cfg.data.return_raw_chat:
         errors.append(f"{key}.enable=true needs data.return_raw_chat=true (episodes are rendered from the chat "
                       "messages, as in veRL)")
@@ -129,6 +173,7 @@ class AgentRollout:
         self.max_prompt_length = int(cfg.data.max_prompt_length)
         self.max_response_length = int(cfg.data.max_response_length)
         self.engine = engine
+        self.default_agent = default_agent_loop(cfg.actor_rollout_ref.rollout)
         self.pad_token_id = int(getattr(engine, "pad_token_id", None) or tokenizer.pad_token_id or 0)
         env_name, env_kwargs = mt.environment, mt.environment_kwargs
         env_factory = environment_factory(env_name, env_kwargs) if env_name else None
@@ -156,6 +201,8 @@ class AgentRollout:
                              "data.return_raw_chat=true")
         columns = [c for c in ROW_COLUMNS if c in nt]
         rows = [{c: nt[c][i] for c in columns} for i in range(len(prompts))]
+        for r in rows:
+            r["agent_name"] = r.get("agent_name") or self.default_agent
         return [dict(r) for r in rows for _ in range(n)]  # sample j of prompt i at row i*n + j
 
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
@@ -164,6 +211,7 @@ class AgentRollout:
         sampling = dataclasses.replace(params, n=1, max_new_tokens=self.max_response_length)
         episodes = self.loop.run_sync(rows, sampling)
         out = collate_episodes(episodes, self.pad_token_id)
+        out.non_tensor_batch["agent_name"] = np.array([r["agent_name"] for r in rows], dtype=object)  # as resolved
         out = _left_pad_prompts(out, self.max_prompt_length, self.pad_token_id)
         return pad_responses(out, self.max_response_length, self.pad_token_id)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import pyarrow.parquet as pq
 import pytest
 from e2e_helpers import tiny_run_overrides
 
@@ -35,6 +36,10 @@ MULTI_TURN = [
 @pytest.mark.parametrize("engine,ranks", [("native", 1), ("hf", 2)])
 def test_one_multi_turn_grpo_step_on_ray(engine, ranks, ray_session, tiny_model_path, tmp_path):
     files = generate_guess_number_task(str(tmp_path / "data"), num_train=16, num_val=4, num_sft_games=1)
+    # veRL's per-row agent loop (the agent_name column): every other prompt a plain single-turn generation
+    table = pq.read_table(files["train"])
+    pq.write_table(table.append_column("agent_name", [["tool_agent", "single_turn_agent"] * (table.num_rows // 2)]),
+                   files["train"])
     scorer = tmp_path / "turn_scorer.py"
     scorer.write_text(SCORER_FILE)
     run_dir = str(tmp_path / "run")
@@ -56,6 +61,10 @@ def test_one_multi_turn_grpo_step_on_ray(engine, ranks, ray_session, tiny_model_
     assert row["critic/score/mean"] == pytest.approx(row["reward/user_score_mean"] + row["reward/env_reward_mean"],
                                                      rel=1e-5)
     samples = [json.loads(line) for line in open(os.path.join(run_dir, "samples.jsonl"))]
+    by_loop = {name: [s for s in samples if s["agent_name"] == name] for name in ("tool_agent", "single_turn_agent")}
+    assert by_loop["tool_agent"] and by_loop["single_turn_agent"]
+    assert all(s["num_turns"] == 1 and len(s["conversation"]) == 2 for s in by_loop["single_turn_agent"])
+    assert max(s["num_turns"] for s in by_loop["tool_agent"]) > 1
     episode = max(samples, key=lambda s: s["num_turns"])
     roles = [m["role"] for m in episode["conversation"]]
     assert roles[:3] == ["user", "assistant", "user"] and episode["termination"]
@@ -87,6 +96,7 @@ def test_calculator_tool_through_verl_tool_config_file(ray_session, tiny_model_p
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tool_file}",
         "actor_rollout_ref.rollout.multi_turn.max_tool_response_length=8",
         "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=right",
+        "actor_rollout_ref.rollout.mode=async",  # veRL's multi-turn scripts set it (its default)
         "trainer.backend=ray", "trainer.total_training_steps=1"))
     assert run_training(cfg, progress=False).global_step == 1
 

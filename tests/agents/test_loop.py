@@ -99,6 +99,35 @@ def test_tool_episode_tokens_masks_records_and_score(tiny_lm, qwen_tok):
     assert m["tool_calls"] == 1 and m["assistant_turns"] == 2 and 0 < m["observation_token_share"] < 1
 
 
+def test_a_single_turn_agent_row_is_one_generation_without_tools_or_environment(tiny_lm, qwen_tok):
+    """veRL's per-row agent_name: single_turn_agent rows are plain generations in a batch of tool episodes."""
+    model, _ = tiny_lm
+    contexts = []
+
+    def reply(context: str) -> str:
+        contexts.append(context)
+        return call("multiply", a=2, b=3) if assistant_turns(context) == 0 else "6"
+
+    made = []
+
+    class Env:  # no reset or step: only its construction is seen
+        def __init__(self):
+            made.append(self)
+
+    gen = ScriptedGenerator(model, qwen_tok, reply)
+    loop = AgentLoop(gen, qwen_tok, AgentLoopConfig(), tools=[multiply], env_factory=Env)
+    tool_ep, single, default = loop.run_sync([row("2*3?", agent_name="tool_agent"),
+                                              row("2*3?", agent_name="single_turn_agent"), row("2*3?")])
+    assert tool_ep.num_turns == 3 and [c["name"] for c in tool_ep.tool_calls] == ["multiply"]
+    assert default.num_turns == 3  # no agent_name: the loop's episode
+    assert single.num_turns == 1 and single.tool_calls == [] and single.termination == "stop"
+    assert single.conversation[-1]["content"] == call("multiply", a=2, b=3)  # its text is the answer, not run
+    assert len(made) == 2  # no environment for the single-turn row
+    without_tools = qwen_tok.decode(qwen_tok.apply_chat_template([{"role": "user", "content": "2*3?"}],
+                                                                 add_generation_prompt=True, tokenize=True))
+    assert sum(c == without_tools for c in contexts) == 1 and sum('"multiply"' in c for c in contexts) >= 2
+
+
 def test_model_mistakes_become_error_observations(tiny_lm, qwen_tok):
     model, _ = tiny_lm
     gen = ScriptedGenerator(model, qwen_tok, scripted({

@@ -68,6 +68,11 @@ def test_misspelled_key_names_the_closest_valid_one():
 def test_wrong_value_type_is_reported():
     with pytest.raises(ConfigError, match=r"rollout\.n"):
         load_config(["actor_rollout_ref.rollout.n=many"])
+    # an unset shell variable in a veRL script (`use_kl_loss=${use_kl_loss}`): one line naming the key and the fix
+    with pytest.raises(ConfigError) as e:
+        load_config(["actor_rollout_ref.actor.use_kl_loss="])
+    assert str(e.value).startswith("invalid config value for actor_rollout_ref.actor.use_kl_loss: Value '' is not a "
+                                   "valid bool") and "\n" not in str(e.value) and "--print-config" in str(e.value)
 
 
 def test_unknown_estimator_lists_the_known_ones():

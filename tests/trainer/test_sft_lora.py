@@ -44,6 +44,8 @@ def test_bad_lora_rank_and_batch_split_are_config_errors_before_the_data_is_read
     with pytest.raises(ConfigError, match=r"data\.train_batch_size=16 must split into 2 ranks x whole micro-batches"):
         load_sft_config(_overrides(tiny_model_path, str(tmp_path / "x"), "trainer.n_gpus_per_node=2",
                                    "data.micro_batch_size_per_gpu=3"))
+    with pytest.raises(ConfigError, match=r"unknown logger\(s\) \['wand'\]"):
+        load_sft_config(_overrides(tiny_model_path, str(tmp_path / "x"), "trainer.logger=[console,wand]"))
     built_in_code = load_sft_config(_overrides(tiny_model_path, str(tmp_path / "x")))
     built_in_code.model.lora_rank = -2  # run_sft checks a config it did not load
     with pytest.raises(ConfigError, match=r"model\.lora_rank=-2"):

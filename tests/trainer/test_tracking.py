@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hybridflow.trainer.progress import ProgressBar
-from hybridflow.trainer.tracking import Tracking, TrackingConfigError, mlflow_metric_name
+from hybridflow.trainer.tracking import Tracking, TrackingConfigError, logger_errors, mlflow_metric_name
 
 STEP1 = {"critic/score/mean": 0.25, "actor/pg_loss": torch.tensor(-0.5), "response_length/max": np.int64(12)}
 STEP2 = {"critic/score/mean": 0.75, "actor/pg_loss": float("nan"), "val/gsm8k/mean@1": 0.5}
@@ -93,6 +93,18 @@ def test_missing_package_names_the_extra(tmp_path, monkeypatch, logger, module):
     with pytest.raises(TrackingConfigError, match=r"pip install 'hybridflow\[tracking\]'") as err:
         Tracking(str(tmp_path), loggers=["jsonl", logger])
     assert repr(logger) in str(err.value)
+
+
+def test_logger_errors_finds_what_tracking_would_refuse_without_importing(monkeypatch):
+    assert logger_errors(["console", "jsonl", "tensorboard", "wandb", "mlflow"]) == []  # the tracking extra is in
+    assert logger_errors("console,tensorbord") == [
+        "unknown logger(s) ['tensorbord'] in trainer.logger=['console', 'tensorbord']; valid loggers are "
+        "['console', 'jsonl', 'tensorboard', 'wandb', 'mlflow']"]
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not installed
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    errors = logger_errors(["console", "wandb", "mlflow", "wandb"])
+    assert len(errors) == 2 and "'wandb'" in errors[0] and "'mlflow'" in errors[1]
+    assert all("pip install 'hybridflow[tracking]'" in e for e in errors)
 
 
 def test_tensorboard_event_file_is_readable(tmp_path):

@@ -19,7 +19,7 @@ from hybridflow.trainer.preflight import preflight_errors
     ("actor_rollout_ref.ref.entropy_from_logits_with_chunking=false", r"always computed in chunks"),
     ("actor_rollout_ref.actor.use_torch_compile=true", r"use_torch_compile=true: the training forward runs eagerly"),
     ("actor_rollout_ref.ref.use_torch_compile=true", r"ref.use_torch_compile=true"),
-    ("actor_rollout_ref.rollout.mode=async", r"rollout.mode='async': veRL's async mode serves vLLM"),
+    ("actor_rollout_ref.rollout.mode=server", r"rollout.mode='server': veRL's rollout modes are async .* and sync"),
     ("actor_rollout_ref.rollout.load_format=dummy_dtensor", r"random initial rollout weights are not offered"),
     ("actor_rollout_ref.rollout.load_format=pt", r"load_format='pt': choose one of \['auto', 'hf', 'safetensors'\]"),
     ("actor_rollout_ref.model.fused_kernel_options.impl_backend=triton", r"impl_backend=triton: .* is torch code"),
@@ -33,6 +33,7 @@ def test_the_values_hybridflow_has_are_taken():
     cfg = load_config(["actor_rollout_ref.rollout.layered_summon=True", "actor_rollout_ref.model.use_fused_kernels=True",
                        "actor_rollout_ref.actor.use_torch_compile=False", "actor_rollout_ref.ref.use_torch_compile=False",
                        "actor_rollout_ref.rollout.mode=sync", "actor_rollout_ref.rollout.load_format=safetensors",
+                       "actor_rollout_ref.rollout.mode=async",  # veRL's default (its only mode: sync was removed)
                        "actor_rollout_ref.actor.entropy_from_logits_with_chunking=True",
                        "actor_rollout_ref.model.trust_remote_code=True", "data.trust_remote_code=True",
                        "critic.model.trust_remote_code=True",

@@ -49,7 +49,7 @@ from hybridflow import device
 from hybridflow.engines.moe_train import is_mixture_of_experts
 from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
 from hybridflow.engines.rollout.layout import assemble_output, read_prompts, special_token_ids
-from hybridflow.engines.vllm_classes import restore_model_classes, snapshot_model_classes
+from hybridflow.engines.vllm_classes import CPU_SLEEP_MODE, restore_model_classes, snapshot_model_classes
 from hybridflow.protocol import DataProto
 
 _INSTALL_HINT = (
@@ -58,6 +58,18 @@ _INSTALL_HINT = (
     "or `pip install 'hybridflow[vllm]'` on a GPU machine, then run with that environment's python; "
     "or choose actor_rollout_ref.rollout.name=hf / native."
 )
+
+
+def _raise_picklable(e: Exception) -> None:
+    """Re-raise `e`, or, when Ray could not send it to the driver (vLLM's config errors carry pydantic objects that
+    do not pickle, and the driver then saw only "cannot pickle 'ArgsKwargs'"), a RuntimeError with its text."""
+    import pickle
+
+    try:
+        pickle.dumps(e)
+    except Exception:
+        raise RuntimeError(f"vLLM could not start: {type(e).__name__}: {e}") from None
+    raise e
 
 
 # vLLM's allowed max_lora_rank values (vllm.config.lora.MaxLoRARanks)
@@ -265,6 +277,8 @@ class VLLMRollout(RolloutEngine):
         if self._adapter_dir is not None:
             self._remove_adapter_dir = weakref.finalize(self, shutil.rmtree, self._adapter_dir, ignore_errors=True)
         self.on_gpu = device.is_cuda_available()
+        if kw.get("enable_sleep_mode") and not self.on_gpu:
+            raise ValueError(CPU_SLEEP_MODE)
         self._asleep = False
         self._sleep_mode = bool(kw.get("enable_sleep_mode", False)) and self.on_gpu
         self._seed_rng = np.random.default_rng(seed)
@@ -320,7 +334,10 @@ class VLLMRollout(RolloutEngine):
                     ) from e
                 start = time.perf_counter()
                 classes = snapshot_model_classes(self.model_path)
-                self.llm = LLM(**engine_kw)
+                try:
+                    self.llm = LLM(**engine_kw)
+                except Exception as e:
+                    _raise_picklable(e)
                 restore_model_classes(self.llm, classes)
                 global _live_engines
                 _live_engines += 1
