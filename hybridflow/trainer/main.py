@@ -98,9 +98,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from hybridflow.plugins import PluginError
     from hybridflow.rewards.registry import RewardConfigError
     from hybridflow.trainer.checkpoint import CheckpointError
+    from hybridflow.trainer.run_dir import RunDirError
     from hybridflow.trainer.tracking import TrackingConfigError
 
-    return ConfigError, DataConfigError, CheckpointError, RewardConfigError, TrackingConfigError, PluginError
+    return (ConfigError, DataConfigError, CheckpointError, RewardConfigError, TrackingConfigError, PluginError,
+            RunDirError)
 
 
 def build_datasets(cfg: HybridFlowConfig, tokenizer):

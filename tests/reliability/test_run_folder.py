@@ -16,7 +16,7 @@ from hybridflow.engines.checkpoint_io import load_engine_state, save_engine_stat
 from hybridflow.engines.optim import OptimConfig, build_lr_scheduler, build_optimizer, lr_multiplier
 from hybridflow.trainer.checkpoint import CheckpointError, CheckpointManager
 from hybridflow.trainer.config import load_config
-from hybridflow.trainer.main import run_training
+from hybridflow.trainer.main import run_training, user_errors
 from hybridflow.trainer.run_dir import RunDirError, prepare_run_dir
 
 
@@ -50,6 +50,7 @@ def test_fresh_start_into_a_run_is_refused_and_overwrite_archives_it(arithmetic_
     msg = str(e.value)
     assert run_dir in msg and "1 metrics rows" in msg and "global_step_1" in msg
     assert "trainer.overwrite=true" in msg and "trainer.resume_mode=auto" in msg
+    assert isinstance(e.value, user_errors())  # the CLI prints this message and exits 2, no traceback
     assert _steps(run_dir) == [1]  # nothing was appended by the refused run
 
     result = run_training(_local(arithmetic_files, tiny_model_path, run_dir, "trainer.overwrite=true"), progress=False)

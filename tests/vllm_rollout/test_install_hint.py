@@ -38,8 +38,8 @@ def test_verl_switches_reach_vllm():
 
 
 def test_free_cache_engine_on_cpu_is_refused_before_the_run_and_by_the_engine(model_path):
-    """veRL's scripts set free_cache_engine=True for vLLM's sleep mode, which vLLM runs on GPUs only: on CPU the start-up
-    checks name the key (before: vLLM's pydantic error, which Ray could not send, "cannot pickle 'ArgsKwargs'")."""
+    """veRL's scripts set free_cache_engine=True for vLLM's sleep mode, which vLLM runs on GPUs only: on CPU the
+    start-up checks name the key (before: vLLM's pydantic error, which Ray could not send, "cannot pickle 'ArgsKwargs'")."""
     import pytest
 
     from hybridflow.engines.rollout.vllm_rollout import VLLMRollout
@@ -48,7 +48,8 @@ def test_free_cache_engine_on_cpu_is_refused_before_the_run_and_by_the_engine(mo
     from hybridflow.trainer.preflight import preflight_errors
 
     base = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.n=2", "trainer.device=cpu"]
-    assert preflight_errors(load_config([*base, "actor_rollout_ref.rollout.free_cache_engine=True"])) == [CPU_SLEEP_MODE]
+    on = load_config([*base, "actor_rollout_ref.rollout.free_cache_engine=True"])
+    assert preflight_errors(on) == [CPU_SLEEP_MODE]
     assert preflight_errors(load_config([*base, "actor_rollout_ref.rollout.free_cache_engine=False"])) == []
     with pytest.raises(ValueError, match="free_cache_engine=true asks vLLM for its sleep mode"):
         VLLMRollout(model_path, dtype="fp32", enable_sleep_mode=True)
