@@ -56,6 +56,9 @@ class DataConfig:
     filter_overlong_prompts: bool = True
     # veRL's key: processes that render and tokenize the prompts (data/parallel_prompts.py; 1: in the driver)
     filter_overlong_prompts_workers: int = 1
+    # veRL's DataLoader processes: none here (batches are slices of the rows tokenized before the first step), so
+    # only 0 is taken (verl_model_keys.py)
+    dataloader_num_workers: int = 0
     truncation: str = "error"  # error | left | right
     shuffle: bool = True
     seed: int = 1
@@ -197,6 +200,10 @@ class ActorConfig:
     ppo_max_token_len_per_gpu: int = 16384
     ppo_epochs: int = 1
     shuffle: bool = False
+    # veRL's PrefixGrouper switch: each prompt computed once for its n responses in a packed micro-batch
+    # (engines/shared_prompts.py). None: wherever the engine packs; true asks for it (an error where it cannot run,
+    # e.g. a mixture-of-experts model); false: every row computes its own prompt
+    use_prefix_grouper: bool | None = None
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None  # None: clip_ratio
     clip_ratio_high: float | None = None  # None: clip_ratio (DAPO clip-higher: e.g. 0.28)
@@ -323,6 +330,12 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     agent: AgentSection = field(default_factory=AgentSection)
     trace: TraceSection = field(default_factory=TraceSection)
+    # veRL's keys whose one value is what hybridflow does (the others are refused with the reason,
+    # verl_model_keys.py): every request runs to its end (no early abort of the slowest), the engine takes and
+    # returns token ids, and the rollout records MoE routes exactly when actor.router_replay.mode=R3
+    over_sample_rate: float = 0.0
+    skip_tokenizer_init: bool = True
+    enable_rollout_routing_replay: bool = False
     # veRL's engine knobs. max_model_len: the rollout engine's context length, any engine (None:
     # data.max_prompt_length + data.max_response_length; more leaves multi-turn episodes room). quantization and
     # enable_prefix_caching: vllm only, passed to vllm.LLM (other engines refuse them, engines/rollout/base.py)
@@ -366,6 +379,9 @@ class CriticConfig:
     ppo_micro_batch_size_per_gpu: int = 8
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
+    # veRL's keys: the value pass (forward only) sized apart from the update; None: the ppo_* size above
+    forward_micro_batch_size_per_gpu: int | None = None
+    forward_max_token_len_per_gpu: int | None = None
     ppo_epochs: int | None = None  # None: the actor's
     shuffle: bool = False
     cliprange_value: float = 0.5

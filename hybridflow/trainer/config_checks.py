@@ -95,6 +95,10 @@ def config_errors(cfg: HybridFlowConfig) -> list[str]:
         )
     if n < 1:
         errors.append(f"actor_rollout_ref.rollout.n={n} must be >= 1")
+    for key in ("forward_micro_batch_size_per_gpu", "forward_max_token_len_per_gpu"):
+        value = getattr(cfg.critic, key)
+        if value is not None and value < 1:
+            errors.append(f"critic.{key}={value} must be >= 1, or null for the critic's ppo_* size")
     if d.filter_overlong_prompts_workers < 1:
         errors.append(f"data.filter_overlong_prompts_workers={d.filter_overlong_prompts_workers} must be >= 1 "
                       "(processes that render and tokenize the prompts; 1: in the driver)")

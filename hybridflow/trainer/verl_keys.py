@@ -77,6 +77,10 @@ UNSUPPORTED: dict[str, str] = {
     "use an environment's step() (multi_turn.environment)",
     "model.use_liger": "Liger kernels are not used; hybridflow's chunked log-prob/entropy keeps [tokens, vocab] "
     "small without them",
+    "data.sampler.": "veRL's sampler classes (curriculum sampling) are not loaded; data.shuffle and data.seed order "
+    "the prompts (a dataset class, data.custom_cls, can order its own items)",
+    "actor_rollout_ref.model.enable_activation_offload": "activations are not offloaded to host memory; "
+    "actor_rollout_ref.model.enable_gradient_checkpointing keeps one layer's activations at a time",
 }
 
 # prefix -> the open issue whose work adds the feature (refused until it lands)

@@ -26,6 +26,7 @@ GLOBAL_MICRO_BATCH: dict[str, tuple[str, str]] = {
         ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor"),
     "actor_rollout_ref.ref.log_prob_micro_batch_size": ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "ref"),
     "critic.ppo_micro_batch_size": ("critic.ppo_micro_batch_size_per_gpu", "critic"),
+    "critic.forward_micro_batch_size": ("critic.forward_micro_batch_size_per_gpu", "critic"),
     "data.micro_batch_size": ("data.micro_batch_size_per_gpu", "sft"),  # `hybridflow sft` only (its schema's key)
 }
 

@@ -20,7 +20,10 @@
   ``*.use_torch_compile=false`` (the training forward is eager), ``rollout.mode=async|sync`` (veRL's ``async``, its
   default, serves the engine behind an agent loop; here the engine generates every request of the batch and
   multi-turn rows run the agent loop, so both values name that one path),
-  ``trainer.use_legacy_worker_impl=auto|disable``
+  ``rollout.over_sample_rate=0`` (every request runs to its end), ``rollout.skip_tokenizer_init=true`` (the engines
+  take and return token ids), ``rollout.enable_rollout_routing_replay`` (true only with ``actor.router_replay.mode=R3``,
+  whose routes the rollout records), ``rollout.trace.*`` at their defaults (no mlflow / weave traces),
+  ``data.dataloader_num_workers=0`` (no loader processes), ``trainer.use_legacy_worker_impl=auto|disable``
   (hybridflow's one worker implementation is veRL's new-style one; ``enable`` is refused).
 * ``actor_rollout_ref.model.use_fused_kernels``: veRL's fused log-prob / entropy kernels, whose point is memory;
   ``true`` makes the actor's backward recompute each chunk's logits from its hidden states instead of keeping every
@@ -76,6 +79,22 @@ def switch_errors(cfg: Any) -> list[str]:
             "through the agent loop). To overlap generation with training use trainer.rollout_mode=one_step_off or "
             "async"
         )
+    rollout = arr.rollout
+    if rollout.over_sample_rate != 0:
+        errors.append(f"actor_rollout_ref.rollout.over_sample_rate={rollout.over_sample_rate}: aborting a step's "
+                      "slowest requests is not offered (every sample runs to its end; trainer.rollout_mode=async "
+                      "overlaps long generations with training instead); set 0 or remove the key")
+    if not rollout.skip_tokenizer_init:
+        errors.append("actor_rollout_ref.rollout.skip_tokenizer_init=false: the rollout engines always take and "
+                      "return token ids (the worker decodes what it needs); set true or remove the key")
+    if rollout.enable_rollout_routing_replay and arr.actor.router_replay.mode != "R3":
+        errors.append("actor_rollout_ref.rollout.enable_rollout_routing_replay=true records the MoE routes that "
+                      "actor_rollout_ref.actor.router_replay.mode=R3 replays; set that mode, or remove the key")
+    if cfg.data.dataloader_num_workers != 0:
+        errors.append(f"data.dataloader_num_workers={cfg.data.dataloader_num_workers}: there are no data loader "
+                      "processes (the prompts are tokenized before the first step, by data."
+                      "filter_overlong_prompts_workers processes, and each batch is a slice of them); set 0 or remove "
+                      "the key")
     trace = arr.rollout.trace
     for key, value in (("backend", trace.backend), ("token2text", trace.token2text or None),
                        ("max_samples_per_step_per_worker", trace.max_samples_per_step_per_worker)):

@@ -122,6 +122,7 @@ class ActorRolloutRefWorker(Worker):
                     router_replay=actor.router_replay.mode == "R3",
                     ulysses_sequence_parallel_size=actor.ulysses_sequence_parallel_size,
                     entropy_checkpointing=actor.entropy_checkpointing,
+                    share_prompts=actor.use_prefix_grouper,
                 )
             )
             self.objective = build_actor_objective(actor_loss_config(actor, cfg.algorithm.rollout_correction))

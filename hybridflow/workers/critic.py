@@ -36,6 +36,8 @@ class CriticWorker(Worker):
                 micro_batch_size=critic.ppo_micro_batch_size_per_gpu,
                 use_dynamic_bsz=critic.use_dynamic_bsz,
                 max_token_len=critic.ppo_max_token_len_per_gpu,
+                infer_micro_batch_size=critic.forward_micro_batch_size_per_gpu,
+                infer_max_token_len=critic.forward_max_token_len_per_gpu,
                 optim=optim_config(critic.optim, critic.grad_clip, critic.optim.total_training_steps),
                 ulysses_sequence_parallel_size=critic.ulysses_sequence_parallel_size,
             )

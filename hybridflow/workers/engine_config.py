@@ -80,6 +80,7 @@ def engine_config(
     router_replay: bool = False,
     ulysses_sequence_parallel_size: int = 1,
     entropy_checkpointing: bool = False,
+    share_prompts: bool | None = None,
 ) -> EngineConfig:
     """One engine's config. The ``infer_*`` settings size the forward-only passes (log-probs, values), which hold
     no activations for backward and may use larger micro-batches than training; None: the training settings."""
@@ -108,6 +109,7 @@ def engine_config(
         router_aux_loss_coef=router_aux_loss_coef,
         router_replay=router_replay,
         entropy_checkpointing=entropy_checkpointing,
+        share_prompts=share_prompts,
     )
     if optim is not None:
         kwargs["optim"] = optim

@@ -13,13 +13,23 @@ def test_global_actor_micro_batch_is_divided_by_the_data_parallel_ranks_whatever
     # the global key comes before the rank count on the command line: the division waits for every key
     cfg = load_config(["actor_rollout_ref.actor.ppo_micro_batch_size=16", "trainer.n_gpus_per_node=4",
                        "trainer.nnodes=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size=32",
-                       "actor_rollout_ref.ref.log_prob_micro_batch_size=64", "critic.ppo_micro_batch_size=8"],
-                      validate=False)
+                       "actor_rollout_ref.ref.log_prob_micro_batch_size=64", "critic.ppo_micro_batch_size=8",
+                       "critic.forward_micro_batch_size=32"], validate=False)
     arr = cfg.actor_rollout_ref
     assert arr.actor.ppo_micro_batch_size_per_gpu == 2  # 16 rows over 8 ranks
     assert arr.rollout.log_prob_micro_batch_size_per_gpu == 4
     assert arr.ref.log_prob_micro_batch_size_per_gpu == 8
     assert cfg.critic.ppo_micro_batch_size_per_gpu == 1
+    assert cfg.critic.forward_micro_batch_size_per_gpu == 4  # the value pass's own size (None: the update's)
+
+
+def test_the_critics_value_pass_sizes_are_taken_and_bad_ones_are_named():
+    # the critic worker gives them to its engine as the forward-only sizes (test_every_key_has_an_effect sees it read)
+    critic = load_config(["critic.forward_micro_batch_size_per_gpu=3", "critic.forward_max_token_len_per_gpu=512",
+                          "algorithm.adv_estimator=gae"]).critic
+    assert (critic.forward_micro_batch_size_per_gpu, critic.forward_max_token_len_per_gpu) == (3, 512)
+    with pytest.raises(ConfigError, match=r"critic\.forward_max_token_len_per_gpu=0 must be >= 1"):
+        load_config(["critic.forward_max_token_len_per_gpu=0"])
 
 
 def test_sequence_parallel_ranks_share_rows_so_they_count_once():

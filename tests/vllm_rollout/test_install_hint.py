@@ -39,7 +39,8 @@ def test_verl_switches_reach_vllm():
 
 def test_free_cache_engine_on_cpu_is_refused_before_the_run_and_by_the_engine(model_path):
     """veRL's scripts set free_cache_engine=True for vLLM's sleep mode, which vLLM runs on GPUs only: on CPU the
-    start-up checks name the key (before: vLLM's pydantic error, which Ray could not send, "cannot pickle 'ArgsKwargs'")."""
+    start-up checks name the key (before: vLLM's pydantic error, which Ray could not send: "cannot pickle
+    'ArgsKwargs'")."""
     import pytest
 
     from hybridflow.engines.rollout.vllm_rollout import VLLMRollout
