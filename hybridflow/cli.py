@@ -207,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="qwen2 (default) | qwen3 | qwen3_moe | llama | mistral | gemma2 | gemma3_text | phi3 | "
                            "smollm3")
     tiny.set_defaults(func=_cmd_make_tiny_model)
+    parser.command_parsers = {"train": train, "sft": sft}  # main() lets their overrides and flags interleave
     return parser
 
 
@@ -224,8 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"hybridflow {argv[0]}: {e}", file=sys.stderr)
             return 2
-        argv = [argv[0], *rest]
-    args = parser.parse_args(argv)
+        # key=value overrides on both sides of a flag (`train a=1 --dry-run b=2`): a script's "$@" lands after its
+        # own overrides; plain parse_args takes one run of positionals only
+        args = parser.command_parsers[argv[0]].parse_intermixed_args(rest)
+    else:
+        args = parser.parse_args(argv)
     args.config_path, args.config_name = config_path, config_name
     if not getattr(args, "func", None):
         parser.print_help()

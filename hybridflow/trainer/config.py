@@ -605,13 +605,50 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
     return keys
 
 
+DELETE = object()  # the value of Hydra's `~key`: the key goes back to its default (a free-form dict's entry goes)
+
+
+def _hydra_flow_to_yaml(raw: str) -> str:
+    """Hydra's dict values (``{a:1,b:{c:x}}``, as veRL's scripts write them) in YAML's flow syntax (``{a: 1, ...}``):
+    a space after each key's colon. YAML alone reads ``{a:1}`` as the key ``'a:1'`` with no value. Quoted text and
+    colons inside a value (``{url:http://x}``) are left alone."""
+    out, stack, quote, at_key = [], [], None, False
+    for i, ch in enumerate(raw):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "{[":
+            stack.append(ch)
+            at_key = ch == "{"
+        elif ch in "}]":
+            stack and stack.pop()
+            at_key = False
+        elif ch == "," and stack:
+            at_key = stack[-1] == "{"
+        elif ch == ":" and at_key:
+            at_key = False
+            out.append(ch)
+            if i + 1 < len(raw) and raw[i + 1] not in " \t":
+                out.append(" ")
+            continue
+        out.append(ch)
+    return "".join(out)
+
+
 def _parse_override(item: str) -> tuple[str, Any]:
+    """``key=value`` (``+key=value`` too) -> (key, value parsed as YAML, Hydra's ``{a:1}`` dicts included);
+    Hydra's ``~key`` -> (key, DELETE)."""
+    if item.startswith("~"):
+        return item[1:].split("=", 1)[0].strip(), DELETE
     if "=" not in item:
-        raise ConfigError(f"override {item!r} is not of the form key=value (e.g. actor_rollout_ref.rollout.n=8)")
+        raise ConfigError(f"override {item!r} is not of the form key=value (e.g. actor_rollout_ref.rollout.n=8), "
+                          "or ~key to set a key back to its default")
     key, raw = item.split("=", 1)
     key = key.strip().lstrip("+")
+    text = _hydra_flow_to_yaml(raw) if raw.lstrip().startswith("{") else raw
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = yaml.safe_load(text) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -687,13 +724,23 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
             close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.5)
             hint = f" Did you mean {' or '.join(close)}?" if close else ""
             raise ConfigError(f"unknown {what} key {key!r}.{hint} (run `hybridflow train --print-config` for all keys)")
+        if value is DELETE:
+            layers.append((DELETE, key))
+            continue
         layer = OmegaConf.create()
         OmegaConf.update(layer, key, value, force_add=True)
         layers.append(layer)
     if refused:
         raise ConfigError(f"{what} keys hybridflow does not take (veRL names them):\n  - " + "\n  - ".join(refused))
     try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(base, *layers))
+        merged = base.copy()
+        for layer in layers:
+            if isinstance(layer, tuple):
+                _delete(merged, layer[1], OmegaConf.structured(schema), what)
+            else:
+                merged = OmegaConf.merge(merged, layer)
+        layers = [layer for layer in layers if not isinstance(layer, tuple)]
+        cfg = OmegaConf.to_object(merged)
     except (ConfigKeyError, ConfigAttributeError) as e:
         raise ConfigError(f"unknown {what} key: {e}") from None
     except ValidationError as e:
@@ -708,6 +755,20 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
         if problems := apply_global_micro_batches(cfg, global_micro, explicitly_set):
             raise ConfigError(f"{what}: veRL's global micro-batch keys:\n  - " + "\n  - ".join(problems))
     return cfg
+
+
+def _delete(merged: Any, key: str, defaults: Any, what: str) -> None:
+    """Hydra's ``~key`` on the config merged so far: an entry of a free-form dict is removed; a schema key (a whole
+    free-form dict too) goes back to its default."""
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(merged, parent_key) if parent_key else merged
+    if OmegaConf.select(defaults, key, default=DELETE) is not DELETE:
+        OmegaConf.update(merged, key, OmegaConf.select(defaults, key), merge=False)
+    elif OmegaConf.is_dict(parent) and leaf in parent:
+        del parent[leaf]
+    else:
+        raise ConfigError(f"~{key}: there is no {what} key {key!r} to remove (run `hybridflow train --print-config` "
+                          "for all keys)")
 
 
 def load_config(overrides: list[str] | None = None, preset: str | None = None, validate: bool = True) -> HybridFlowConfig:

@@ -157,12 +157,35 @@ def multi_turn_config_errors(cfg: Any) -> list[str]:
             environment_factory(mt.environment, mt.environment_kwargs)
         except Exception as e:
             errors.append(f"{key}.environment={mt.environment!r}: {e}")
+        else:
+            errors += _environment_kwargs_errors(mt.environment, dict(mt.environment_kwargs or {}), key)
     elif mt.environment_kwargs:
         errors.append(f"{key}.environment_kwargs is set without {key}.environment")
     if not mt.environment and not mt.tools and not mt.tool_config_path:
         errors.append(f"{key}.enable=true with neither tools (tool_config_path / tools) nor an environment: "
                       "episodes would be single-turn; configure one, or set enable=false")
     return errors
+
+
+def _environment_kwargs_errors(name: str, kwargs: dict[str, Any], key: str) -> list[str]:
+    """environment_kwargs that the environment's constructor does not take (a preset's kwargs left over when the
+    environment is changed; a misspelled name): found from its signature here, not in every episode after start."""
+    import inspect
+
+    from hybridflow.agents.builtin import ENVIRONMENTS
+
+    entry = ENVIRONMENTS.get(name)
+    try:
+        signature = inspect.signature(entry)
+    except (TypeError, ValueError):
+        return []  # a constructor without a signature to read: its episodes say it
+    try:
+        signature.bind(**kwargs)
+    except TypeError as e:
+        return [f"{key}.environment_kwargs={kwargs}: {getattr(entry, '__name__', name)}{signature} does not take them "
+                f"({e}); fix the names, or drop a preset's entry with ~{key}.environment_kwargs.<name> (Hydra's "
+                f"deletion; ~{key}.environment_kwargs drops them all)"]
+    return []
 
 
 class AgentRollout:

@@ -104,6 +104,39 @@ def test_cli_misspelled_override_fails_before_any_worker_starts():
     assert "ray" not in out.stderr.lower()  # no cluster was started
 
 
+def test_hydra_dict_values_and_deletions():
+    """Hydra's `{a:1}` is a dict (YAML alone reads the key 'a:1'); `~key` drops a free-form dict's entry (a preset's)
+    or sets a key back to its default."""
+    env = "actor_rollout_ref.rollout.multi_turn.environment_kwargs"
+    cfg = load_config([f"{env}={{bonus:0.5,nested:{{url:http://h:8}},'k:1':2}}"], validate=False)
+    assert cfg.actor_rollout_ref.rollout.multi_turn.environment_kwargs == {
+        "bonus": 0.5, "nested": {"url": "http://h:8"}, "k:1": 2}
+    cfg = load_config([f"{env}={{a:1,b:2}}", f"~{env}.a", "actor_rollout_ref.rollout.n=5",
+                       "~actor_rollout_ref.rollout.n"], validate=False)
+    assert cfg.actor_rollout_ref.rollout.multi_turn.environment_kwargs == {"b": 2}
+    assert cfg.actor_rollout_ref.rollout.n == load_config([], validate=False).actor_rollout_ref.rollout.n
+    cfg = load_config([f"{env}={{a:1}}", f"~{env}", f"+{env}={{c:3}}"], validate=False)  # replace a dict
+    assert cfg.actor_rollout_ref.rollout.multi_turn.environment_kwargs == {"c": 3}
+    with pytest.raises(ConfigError, match=r"~actor_rollout_ref.rollout.multi_turn.environment_kwargs.zz: there is no"):
+        load_config([f"~{env}.zz"], validate=False)
+    # kwargs the environment's constructor does not take are named at load, not in every episode after start
+    with pytest.raises(ConfigError, match=r"GuessNumberEnv\(turn_penalty.*does not take them .*'turn_penaltyy'"):
+        load_config(["data.return_raw_chat=true", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                     "actor_rollout_ref.rollout.multi_turn.environment=guess_number", f"{env}={{turn_penaltyy:0.1}}"])
+
+
+def test_cli_takes_overrides_on_both_sides_of_a_flag(capsys):
+    """`bash examples/X.sh --dry-run key=value`: the script's own overrides, then "$@" with a flag first."""
+    from hybridflow.cli import main
+
+    assert main(["train", "trainer.total_training_steps=2", "--dry-run", "actor_rollout_ref.rollout.n=3",
+                 "--print-config", "data.train_batch_size=12"]) == 0
+    printed = capsys.readouterr().out
+    assert "total_training_steps: 2" in printed and "n: 3" in printed and "train_batch_size: 12" in printed
+    with pytest.raises(SystemExit):
+        main(["train", "trainer.total_training_steps=2", "--no-such-flag"])
+
+
 @pytest.mark.parametrize("script", sorted(glob.glob(os.path.join(REPO, "examples", "*.sh"))), ids=os.path.basename)
 def test_example_scripts_hold_valid_overrides(script):
     text = open(script).read()
