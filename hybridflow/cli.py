@@ -83,9 +83,14 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from hybridflow.trainer.checkpoint import CheckpointError
     from hybridflow.trainer.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out_dir, adapter=args.adapter)
+    try:
+        out = export_checkpoint(args.checkpoint, args.out_dir, adapter=args.adapter)
+    except CheckpointError as e:
+        print(f"hybridflow export: {e}", file=sys.stderr)
+        return 2
     print(f"exported {'a PEFT adapter' if args.adapter else 'a Hugging Face model'} to {out}")
     return 0
 

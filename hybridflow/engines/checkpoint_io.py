@@ -287,7 +287,8 @@ def load_engine_state(
     if meta["world_size"] != world_size:
         raise ValueError(
             f"checkpoint {directory!r} was written by {meta['world_size']} ranks but this engine has {world_size}; "
-            "resume with the same number of ranks, or export with save_hf_model and start from that"
+            "resume with the same number of ranks, or export it (`hybridflow export CHECKPOINT OUT_DIR`) and start a "
+            "new run from OUT_DIR"
         )
     if bool(meta.get("trainable_only", False)) != trainable_only:
         raise ValueError(

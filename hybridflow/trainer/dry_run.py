@@ -31,6 +31,7 @@ def dry_run(cfg: HybridFlowConfig) -> dict[str, Any]:
     )
     from hybridflow.trainer.preflight import preflight_errors
     from hybridflow.trainer.rl_trainer import is_on_policy
+    from hybridflow.trainer.run_dir import prepare_run_dir
 
     cfg = resolve_defaults(cfg)
     arr, alg = cfg.actor_rollout_ref, cfg.algorithm
@@ -51,6 +52,9 @@ def dry_run(cfg: HybridFlowConfig) -> dict[str, Any]:
     total_steps = total_steps_of(cfg, train_loader)
     train_ds, val_ds = train_loader.dataset, (val_loader.dataset if val_loader else None)
     _raise_preflight(preflight_errors(cfg, train_ds=train_ds, val_ds=val_ds))
+    t = cfg.trainer
+    folder = prepare_run_dir(t.default_local_dir, resume_mode=t.resume_mode, overwrite=t.overwrite,
+                             total_steps=total_steps, save_freq=t.save_freq, check_only=True)  # RunDirError: exit 2
     reward_fn = build_reward_fn(cfg, tokenizer, load_reward_function(cfg))
     reward_fn.close()
     estimator = get_advantage_estimator(alg.adv_estimator)
@@ -79,5 +83,8 @@ def dry_run(cfg: HybridFlowConfig) -> dict[str, Any]:
             "greedy_baseline": estimator.needs_greedy_baseline,
         },
         "custom_reward_function": cfg.custom_reward_function.path,
+        "run_dir": {"path": t.default_local_dir, "start_step": folder.start_step,
+                    **({"old_run_moves_to": folder.archived_to} if folder.archived_to else {}),
+                    **({"nothing_to_train": True} if folder.start_step >= total_steps and not t.val_only else {})},
     }
     return {"config": to_dict(cfg), "plan": plan}

@@ -37,7 +37,7 @@ def resolve_defaults(cfg: HybridFlowConfig) -> HybridFlowConfig:
         cfg.actor_rollout_ref.model.path = builtin_base_model_path()
     path = os.path.expanduser(cfg.actor_rollout_ref.model.path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(
+        raise ConfigError(
             f"actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path!r} is not a folder; point it at a "
             "Hugging Face model folder (config.json + weights + tokenizer), e.g. one written by "
             "`hybridflow make-tiny-model DIR`"
@@ -217,8 +217,6 @@ def total_steps_of(cfg: HybridFlowConfig, train_loader) -> int:
 
 def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult:
     """Everything `hybridflow train` does after parsing the command line."""
-    from transformers import AutoTokenizer
-
     from hybridflow.single_controller import WorkerGroupError
     from hybridflow.trainer.metrics import machine_peak_flops
     from hybridflow.trainer.placement import build_worker_groups
@@ -232,7 +230,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
 
     cfg = resolve_defaults(cfg)
     t, rm = cfg.trainer, cfg.reward_model
-    tokenizer = AutoTokenizer.from_pretrained(cfg.actor_rollout_ref.model.path)
+    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
     train_loader, val_loader = build_datasets(cfg, tokenizer)
     train_ds, val_ds = train_loader.dataset, (val_loader.dataset if val_loader else None)
     data_metrics = train_ds.count_metrics()
@@ -246,8 +244,16 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
     _raise_preflight(preflight_errors(cfg, train_ds=train_ds, val_ds=val_ds))  # before any process starts
     run_dir = t.default_local_dir
     # One folder, one history: refuse (or, with trainer.overwrite, archive) an old run before anything is written.
-    prepare_run_dir(run_dir, resume_mode=t.resume_mode, overwrite=t.overwrite, total_steps=total_steps,
-                    save_freq=t.save_freq)
+    plan = prepare_run_dir(run_dir, resume_mode=t.resume_mode, overwrite=t.overwrite, total_steps=total_steps,
+                           save_freq=t.save_freq)
+    if plan.start_step >= total_steps and not t.val_only:
+        # resuming a run that already took its last step: say so before Ray and the workers start, and stop
+        print(f"{run_dir} is already at step {plan.start_step} of {total_steps} (trainer.total_training_steps or the "
+              "epochs' steps): nothing to train. Raise trainer.total_training_steps to train on, use "
+              "trainer.val_only=true to validate the checkpoint, or choose another trainer.default_local_dir",
+              flush=True)
+        first, last = logged_validation(run_dir)
+        return TrainResult(run_dir, plan.start_step, last, first, 0, t.max_restarts)
     from hybridflow.trainer.shm_model import apply_use_shm
     from hybridflow.trainer.verl_model_keys import apply_model_overrides
 
@@ -304,6 +310,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
                 if resume_from or restarts:
                     tracker.rewind(trainer.global_step)  # drop rows logged after the checkpoint by a crashed run
                     bar.start_at(trainer.global_step)
+                    initial_val = initial_val or logged_validation(run_dir)[0]  # the summary's "before"
                 if validator is not None and trainer.global_step == 0 and t.val_before_train:
                     initial_val = validator.run(0)
                     tracker.log(initial_val, step=0)
@@ -332,6 +339,39 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
         tracker.finish()
         reward_fn.close()
         shm_copy.close()
+
+
+def load_tokenizer(path: str) -> Any:
+    """The policy's tokenizer; a folder transformers cannot read is a ConfigError naming the key (no traceback)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        AutoConfig.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"actor_rollout_ref.model.path={path!r} does not load as a Hugging Face model: {err}") from err
+
+
+def logged_validation(run_dir: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(the validation metrics logged at step 0, the last ones logged) from the run's metrics.jsonl; {} when none."""
+    import json
+
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a row cut by a crash
+                val = {k: v for k, v in row.items() if k.startswith("val/")}
+                if val:
+                    first = val if row.get("step") == 0 else first
+                    last = val
+    except OSError:
+        pass
+    return first, last
 
 
 def _raise_preflight(problems: list[str]) -> None:
@@ -391,7 +431,10 @@ def _print_summary(result: TrainResult) -> None:
         return {k: v for k, v in metrics.items() if k.startswith("val/") and "/mean@" in k}
 
     before, after = acc(result.initial_val), acc(result.last_metrics)
-    print(f"\nrun directory: {result.run_dir} (metrics.jsonl, samples.jsonl, checkpoints)")
+    held = [name for name in ("metrics.jsonl", "samples.jsonl") if os.path.exists(os.path.join(result.run_dir, name))]
+    if any(n.startswith("global_step_") for n in (os.listdir(result.run_dir) if os.path.isdir(result.run_dir) else [])):
+        held.append("checkpoints")
+    print(f"\nrun directory: {result.run_dir} ({', '.join(held) or 'empty'})")
     print(f"restarts: {result.restarts} (trainer.max_restarts={result.max_restarts})"
           + (" - worker deaths recovered from the latest checkpoint" if result.restarts else ""))
     for key in sorted(set(before) | set(after)):

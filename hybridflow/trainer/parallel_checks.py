@@ -34,6 +34,8 @@ def layout_errors(cfg: Any) -> list[str]:
     if tp < 1:
         return [f"{TP_KEY}={tp} must be >= 1 (1: every rank generates with the whole model)"]
     ranks, per_node, keys = _rollout_ranks(cfg)
+    if ranks < 1 or per_node < 1:
+        return errors  # the rank counts themselves are refused, with their keys (config_checks.py)
     if tp > 1 and ranks % tp:
         errors.append(f"{TP_KEY}={tp} does not divide the {ranks} rollout ranks ({keys}); make the rank count a "
                       f"multiple of {tp} or pick a tensor-parallel size that divides {ranks}")

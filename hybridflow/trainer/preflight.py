@@ -45,17 +45,45 @@ def _resume_errors(cfg: Any) -> list[str]:
     mode = cfg.trainer.resume_mode
     if mode == "resume_path":  # veRL's spelling; main.py turns it into the path itself
         mode = cfg.trainer.resume_from_path
-    if not mode or mode in ("auto", "disable"):
+    if not mode or mode == "disable":
         return []
     from hybridflow.trainer.checkpoint import CheckpointError, CheckpointManager
 
     try:
-        CheckpointManager(cfg.trainer.default_local_dir).resolve(mode)
+        found = CheckpointManager(cfg.trainer.default_local_dir).resolve(mode)
     except CheckpointError as e:
+        if mode == "auto":
+            return []  # the run folder's own checks say it (run_dir.py), with what to do
         via_path = cfg.trainer.resume_from_path and mode == cfg.trainer.resume_from_path
         key = "trainer.resume_from_path" if via_path else "trainer.resume_mode"
         return [str(e).replace("trainer.resume_mode=", f"{key}=")]
-    return []
+    return _resume_world_errors(cfg, found) if found else []
+
+
+def _resume_world_errors(cfg: Any, checkpoint: str) -> list[str]:
+    """A checkpoint's sharded roles resume on as many ranks as wrote them (each rank reads its own shard file)."""
+    import json
+    import os
+
+    from hybridflow.engines.checkpoint_io import META_FILE
+
+    t = cfg.trainer
+    world = t.nnodes * t.n_gpus_per_node
+    errors = []
+    for role in ("actor", "critic"):
+        meta = os.path.join(checkpoint, role, META_FILE)
+        try:
+            with open(meta) as f:
+                written = int(json.load(f)["world_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not this role's checkpoint, or one the engine's own check will name
+        if written != world:
+            errors.append(
+                f"the checkpoint to resume from, {checkpoint}, holds {role} shards of {written} ranks and this run "
+                f"has {world} (trainer.nnodes*trainer.n_gpus_per_node); resume with {written} ranks, or start a "
+                f"new run from its weights: `hybridflow export {checkpoint} OUT_DIR`, then "
+                "actor_rollout_ref.model.path=OUT_DIR in another trainer.default_local_dir")
+    return errors
 
 
 def _rollout_model_errors(cfg: Any) -> list[str]:

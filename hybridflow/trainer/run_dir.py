@@ -40,8 +40,8 @@ class RunDirError(ValueError):
 class RunDirPlan:
     """What `prepare_run_dir` found and did: `archived_to` (or None), `foreign` (entries left alone)."""
 
-    def __init__(self, archived_to: str | None, foreign: list[str]) -> None:
-        self.archived_to, self.foreign = archived_to, foreign
+    def __init__(self, archived_to: str | None, foreign: list[str], start_step: int = 0) -> None:
+        self.archived_to, self.foreign, self.start_step = archived_to, foreign, start_step
 
 
 def _count_rows(path: str) -> int:
@@ -100,14 +100,18 @@ def planned_save_steps(start_step: int, total_steps: int, save_freq: int) -> lis
     ]
 
 
-def prepare_run_dir(run_dir: str, *, resume_mode: str, overwrite: bool, total_steps: int, save_freq: int) -> RunDirPlan:
+def prepare_run_dir(run_dir: str, *, resume_mode: str, overwrite: bool, total_steps: int, save_freq: int,
+                    check_only: bool = False) -> RunDirPlan:
     """Check `run_dir` before the first step; archive the old run when `overwrite` allows it. Raises RunDirError.
+    check_only (``--dry-run``): the same checks, nothing created, moved or printed (`archived_to` is then the
+    folder the old run *would* move to, without its time stamp).
 
     Starting afresh means resume_mode=disable, or resume_mode=auto with no checkpoint to resume from (a damaged one is
     a CheckpointError from CheckpointManager.latest, not a fresh start). Resuming from a checkpoint keeps the folder
     (rows after the checkpoint are rewound by the tracker).
     """
-    os.makedirs(run_dir, exist_ok=True)
+    if not check_only:
+        os.makedirs(run_dir, exist_ok=True)
     ours, foreign = classify_entries(run_dir)
     if LATEST_FILE in foreign:
         raise RunDirError(
@@ -131,9 +135,16 @@ def prepare_run_dir(run_dir: str, *, resume_mode: str, overwrite: bool, total_st
             start_step = 0  # resolve() reports the problem with its own message when the trainer calls it
     archived_to = None
     history = [n for n in ours if not n.startswith((".tmp-", ".fault_injected_"))]
+    rows = _count_rows(os.path.join(run_dir, "metrics.jsonl"))
+    steps = [n for n in ours if STEP_DIR.match(n)]
+    if not resuming and history and not rows and not steps and not _count_rows(os.path.join(run_dir, "samples.jsonl")):
+        # what a run that stopped before its first step leaves (an empty metrics.jsonl, tracker folders): no history
+        # to mix with, so the new run takes the folder as it is (nothing is moved or deleted)
+        if not check_only:
+            print(f"{run_dir}: the run that wrote it stopped before its first step (no metrics rows, samples or "
+                  "checkpoints); this run starts in it", flush=True)
+        history = []
     if not resuming and history:
-        rows = _count_rows(os.path.join(run_dir, "metrics.jsonl"))
-        steps = [n for n in ours if STEP_DIR.match(n)]
         what = f"{rows} metrics rows" + (f", checkpoints {', '.join(steps)}" if steps else "")
         why = "trainer.resume_mode=disable" if resume_mode == "disable" else "there is no checkpoint to resume from"
         if not overwrite:
@@ -143,10 +154,10 @@ def prepare_run_dir(run_dir: str, *, resume_mode: str, overwrite: bool, total_st
                 "trainer.default_local_dir, or set trainer.overwrite=true to move the old run into an archive "
                 "folder next to it"
             )
+        if check_only:
+            return RunDirPlan(f"{os.path.normpath(run_dir)}.archived-<time>", foreign, start_step)
         archived_to = _archive(run_dir, ours)
-        msg = f"trainer.overwrite=true: moved the previous run in {run_dir} ({what}) to {archived_to}"
-        logger.warning(msg)
-        print(msg, flush=True)
+        print(f"trainer.overwrite=true: moved the previous run in {run_dir} ({what}) to {archived_to}", flush=True)
     if foreign:
         logger.warning(
             "%s holds entries hybridflow did not write; they are left untouched and never resumed from: %s",
@@ -160,7 +171,7 @@ def prepare_run_dir(run_dir: str, *, resume_mode: str, overwrite: bool, total_st
                 "but folders of those names exist and were not written by hybridflow (no COMPLETE marker); "
                 "hybridflow never replaces them. Move them away or choose another trainer.default_local_dir"
             )
-    return RunDirPlan(archived_to, foreign)
+    return RunDirPlan(archived_to, foreign, start_step)
 
 
 def _archive(run_dir: str, names: list[str]) -> str:

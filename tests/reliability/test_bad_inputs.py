@@ -558,7 +558,7 @@ def test_model_path_missing(tmp_path):
     missing = str(tmp_path / "no_model")
     cfg = load_config([f"actor_rollout_ref.model.path={missing}", f"data.train_files={tmp_path / 't.parquet'}",
                        f"data.val_files={tmp_path / 'v.parquet'}"])
-    with pytest.raises(FileNotFoundError) as e:
+    with pytest.raises(ConfigError) as e:  # a user error: the CLI prints it and exits 2 (--dry-run too)
         resolve_defaults(cfg)
     msg = str(e.value)
     assert f"actor_rollout_ref.model.path={missing!r} is not a folder" in msg and "make-tiny-model" in msg

@@ -71,6 +71,62 @@ def test_auto_resume_with_nothing_to_resume_beside_old_rows_is_refused(tmp_path)
         prepare_run_dir(str(run_dir), resume_mode="auto", overwrite=False, total_steps=3, save_freq=-1)
 
 
+def test_what_a_run_that_stopped_before_its_first_step_leaves_does_not_block_the_next(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "tensorboard").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("")  # the tracker opened it, then the workers failed to start
+    plan = prepare_run_dir(str(run_dir), resume_mode="auto", overwrite=False, total_steps=3, save_freq=-1)
+    assert plan.archived_to is None and plan.start_step == 0 and "stopped before its first step" in capsys.readouterr().out
+    assert sorted(os.listdir(run_dir)) == ["metrics.jsonl", "tensorboard"]  # nothing moved or deleted
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')  # one step taken: a history again
+    with pytest.raises(RunDirError, match="already holds a run"):
+        prepare_run_dir(str(run_dir), resume_mode="auto", overwrite=False, total_steps=3, save_freq=-1)
+
+
+def test_a_run_already_at_its_last_step_says_so_and_starts_nothing(arithmetic_files, tiny_model_path, tmp_path,
+                                                                   capsys):
+    run_dir = str(tmp_path / "run")
+    cfg = _local(arithmetic_files, tiny_model_path, run_dir, "trainer.val_before_train=true", "trainer.test_freq=1")
+    first = run_training(cfg, progress=False)
+    capsys.readouterr()
+    again = run_training(_local(arithmetic_files, tiny_model_path, run_dir, "trainer.val_before_train=true",
+                                "trainer.test_freq=1", "trainer.resume_mode=auto"), progress=False)
+    out = capsys.readouterr().out
+    assert f"{run_dir} is already at step 1 of 1" in out and "Raise trainer.total_training_steps" in out
+    assert "resuming" not in out and again.global_step == 1 and _steps(run_dir) == [0, 1]  # no row added
+    assert again.initial_val == first.initial_val and again.initial_val  # the summary's "before" from the log
+    assert again.last_metrics == {k: v for k, v in first.last_metrics.items() if k.startswith("val/")}
+    # --dry-run runs the same folder checks and creates, moves and prints nothing
+    from hybridflow.trainer.dry_run import dry_run
+
+    plan = dry_run(_local(arithmetic_files, tiny_model_path, run_dir, "trainer.resume_mode=auto"))["plan"]
+    assert plan["run_dir"] == {"path": run_dir, "start_step": 1, "nothing_to_train": True}
+    with pytest.raises(RunDirError, match="already holds a run"):
+        dry_run(_local(arithmetic_files, tiny_model_path, run_dir, "trainer.resume_mode=disable"))
+    moved = dry_run(_local(arithmetic_files, tiny_model_path, run_dir, "trainer.resume_mode=disable",
+                           "trainer.overwrite=true"))["plan"]["run_dir"]
+    assert moved["old_run_moves_to"].endswith("run.archived-<time>") and _steps(run_dir) == [0, 1]
+    fresh = str(tmp_path / "not_yet")
+    assert dry_run(_local(arithmetic_files, tiny_model_path, fresh))["plan"]["run_dir"]["start_step"] == 0
+    assert not os.path.exists(fresh)
+
+
+def test_a_checkpoint_of_another_rank_count_is_named_before_the_workers_start(tmp_path):
+    from hybridflow.trainer.preflight import preflight_errors
+
+    run_dir = str(tmp_path / "run")
+    step = _commit(CheckpointManager(run_dir), 3)
+    with open(os.path.join(step, "actor", "meta.json"), "w") as f:
+        json.dump({"world_size": 2}, f)
+    base = ["actor_rollout_ref.rollout.n=2", f"trainer.default_local_dir={run_dir}"]
+    for mode in ("auto", step):
+        [msg] = preflight_errors(load_config([*base, f"trainer.resume_mode={mode}"]))
+        assert f"{step}, holds actor shards of 2 ranks and this run has 1" in msg
+        assert f"`hybridflow export {step} OUT_DIR`" in msg
+    assert preflight_errors(load_config([*base, "trainer.resume_mode=auto", "trainer.n_gpus_per_node=2"])) == []
+    assert preflight_errors(load_config([*base, "trainer.resume_mode=disable"])) == []
+
+
 def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(tmp_path):
     mgr = CheckpointManager(str(tmp_path / "run"), max_to_keep=None)
     paths = [_commit(mgr, s) for s in (1, 2)]

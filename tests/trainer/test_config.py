@@ -125,6 +125,16 @@ def test_hydra_dict_values_and_deletions():
                      "actor_rollout_ref.rollout.multi_turn.environment=guess_number", f"{env}={{turn_penaltyy:0.1}}"])
 
 
+def test_zero_ranks_is_one_message_and_a_missing_checkpoint_to_export_is_exit_2(tmp_path, capsys):
+    from hybridflow.cli import main
+
+    with pytest.raises(ConfigError) as e:
+        load_config(["trainer.n_gpus_per_node=0"])
+    assert str(e.value).count("\n  - ") == 1 and "trainer.n_gpus_per_node=0 must be >= 1" in str(e.value)
+    assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
+    assert "hybridflow export: " in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
 def test_cli_takes_overrides_on_both_sides_of_a_flag(capsys):
     """`bash examples/X.sh --dry-run key=value`: the script's own overrides, then "$@" with a flag first."""
     from hybridflow.cli import main
