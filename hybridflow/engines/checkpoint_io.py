@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from hybridflow.common.files import umask_modes
 from hybridflow.device import device_name
 from hybridflow.engines.hf_model import hf_name
 
@@ -233,6 +234,7 @@ def save_engine_state(
     weights = {hf_name(n): local_tensor(p.detach()).cpu().contiguous() for n, p in named}
     layout = {hf_name(n): lay for n, p in named if (lay := _layout(p)) is not None}
     save_file(weights, _model_file(directory, rank), metadata={LAYOUT_KEY: json.dumps(layout)})
+    umask_modes(_model_file(directory, rank))  # safetensors writes 0600 (common/files.py)
     state: dict[str, Any] = {"extra": dict(extra or {})}
     accelerator = _accelerator_module()
     if save_rng:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow import device as hf_device
+from hybridflow.common.files import umask_modes
 from hybridflow.common.metrics import reduce_metrics
 from hybridflow.engines import micro_batch as mb
 from hybridflow.engines import packing
@@ -627,6 +628,7 @@ class FSDPEngine:
             os.makedirs(directory, exist_ok=True)
             adapter = get_peft_model_state_dict(self.peft_model, state_dict=state)
             save_file(adapter, os.path.join(directory, "adapter_model.safetensors"))
+            umask_modes(directory)  # safetensors writes 0600 (common/files.py)
             config = self.peft_model.peft_config["default"]
             config.base_model_name_or_path = os.path.abspath(self.config.model_path)
             config.save_pretrained(directory)
@@ -739,6 +741,7 @@ class FSDPEngine:
                 raise KeyError(f"save_hf_model: unexpected {result.unexpected_keys[:5]}, missing {missing[:5]}")
             os.makedirs(directory, exist_ok=True)
             model.save_pretrained(directory, safe_serialization=True)
+            umask_modes(directory)
             self.tokenizer.save_pretrained(directory)
             if getattr(self.model.hf, "generation_config", None) is not None and not self.is_critic:
                 self.model.hf.generation_config.save_pretrained(directory)

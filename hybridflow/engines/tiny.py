@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridflow.common.files import umask_modes
+
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|im_end|>"
 BOS_TOKEN = "<|im_start|>"
@@ -213,6 +215,7 @@ def write_tiny_model(
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
+    umask_modes(os.fspath(path))  # safetensors writes 0600 (common/files.py)
     tokenizer.save_pretrained(path)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(path)
@@ -235,5 +238,6 @@ def write_tiny_reward_model(
     model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
+    umask_modes(os.fspath(path))  # safetensors writes 0600 (common/files.py)
     tokenizer.save_pretrained(path)
     return str(path)

@@ -13,6 +13,7 @@ import os
 import torch
 from safetensors import SafetensorError
 
+from hybridflow.common.files import umask_modes
 from hybridflow.engines.checkpoint_io import assemble_full_state, read_rank_file
 from hybridflow.trainer.checkpoint import CheckpointError
 
@@ -98,6 +99,7 @@ def write_lora_folder(adapter_state: dict[str, torch.Tensor], meta: dict, weight
     if adapter:
         os.makedirs(out_dir, exist_ok=True)
         peft_model.save_pretrained(out_dir)
+        umask_modes(out_dir)  # safetensors writes 0600 (common/files.py)
         AutoTokenizer.from_pretrained(base_path).save_pretrained(out_dir)
         return out_dir
     merged = peft_model.merge_and_unload()

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from hybridflow.common.files import umask_modes
 from hybridflow.trainer.checkpoint import STEP_DIR, CheckpointError, CheckpointManager
 from hybridflow.trainer.export import load_full_actor_state, lora_meta, write_lora_folder
 
@@ -177,6 +178,7 @@ def write_hf_folder(
         )
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+    umask_modes(out_dir)  # safetensors writes 0600 (common/files.py)
     try:
         AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=trust_remote_code).save_pretrained(out_dir)
     except (OSError, ValueError) as e:

@@ -64,3 +64,12 @@ def test_exported_model_has_the_trained_actors_log_probs(arithmetic_files, tiny_
     for other in ("from_actor", "merged"):
         weights = load_file(str(tmp_path / other / "model.safetensors"))
         assert weights.keys() == reference.keys() and all(torch.equal(weights[k], reference[k]) for k in reference)
+
+    # every weights file written gets the umask's mode, like the config beside it (safetensors alone writes 0600)
+    from hybridflow.common.files import process_umask
+
+    mode = 0o666 & ~process_umask()
+    written = [os.path.join(out, "model.safetensors"), os.path.join(ckpt, "actor", "model_rank0.safetensors"),
+               *(str(tmp_path / other / "model.safetensors") for other in ("from_actor", "merged"))]
+    assert {w: oct(os.stat(w).st_mode & 0o777) for w in written} == {w: oct(mode) for w in written}
+    assert os.stat(os.path.join(out, "config.json")).st_mode & 0o777 == mode
