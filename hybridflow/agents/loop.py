@@ -4,7 +4,8 @@ Per episode (one row):
   1. an environment from ``env_factory`` (if any) is reset with the row; its first observation joins the prompt;
   2. the prompt is rendered once (trajectory.py); then, until a limit or the end:
      generate a turn from exactly the trajectory's tokens; parse its tool calls; if there are calls, run them
-     (concurrently, each under ``tool_timeout_s``) and append their results as a ``tool`` delta; else, if the
+     (concurrently, each under ``tool_timeout_s`` of its own run time) and append their results as a ``tool`` delta
+     (an error observation, like a result, cut to ``max_observation_tokens``); else, if the
      environment has ``step``, step it with the turn's text and append its observation as a ``user`` delta; else the
      episode is over (the model answered);
   3. rewards: the environment's (per-step rewards + ``get_reward()``) and the user's
@@ -30,7 +31,6 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,7 @@ from hybridflow.agents.environment import read_step
 from hybridflow.agents.generator import Generator
 from hybridflow.agents.parsers import ParsedResponse, ToolCall, ToolCallParser, get_parser
 from hybridflow.agents.schema import check_arguments
-from hybridflow.agents.tools import Tool, as_tool, call_maybe_async, to_tool_result
+from hybridflow.agents.tools import Tool, ToolThreads, as_tool, call_maybe_async, has_own, to_tool_result
 from hybridflow.agents.trajectory import TRUNCATE_SIDES, ChatRenderer, Trajectory, truncate_text
 from hybridflow.engines.rollout.base import SamplingParams
 
@@ -50,6 +50,12 @@ SINGLE_TURN_AGENT = "single_turn_agent"  # a row's agent_name for one generation
 # the others are the model's mistakes, answered with an error observation so that it can learn from them.
 FAILURE_KINDS = frozenset({"raised", "timeout", "create_raised"})
 
+# The name recorded for a call whose name could not be read (malformed JSON, no "name", an unterminated call), so
+# that per-name counts (agent/tool_calls_by_name/...) have a key that no tool can have (function names are
+# [A-Za-z0-9_-]); what went wrong is counted by kind in tool_errors.
+UNPARSED_CALL_NAME = "<unparsed>"
+ERROR_TEXT_CHARS = 200  # of an exception's message in an error observation (then cut to max_observation_tokens)
+
 
 class AgentFailureError(RuntimeError):
     """Too many episodes of a batch failed in their tools or environments."""
@@ -59,13 +65,15 @@ class AgentFailureError(RuntimeError):
 class AgentLoopConfig:
     """Limits of one episode (None: no limit) and of the batch. Token counts are tokens of the response part."""
 
-    max_assistant_turns: int | None = 8
-    max_user_turns: int | None = None  # observations appended (tool results or environment messages)
-    max_tool_calls: int | None = 16  # per episode; a turn asking for more gets error observations for the rest
+    max_assistant_turns: int | None = 8  # >= 1 (veRL reads 0 as no limit: here that is None)
+    # observations appended (tool results or environment messages); 0: the model answers once - a turn's tool calls
+    # end the episode unrun, an environment is still stepped on the answer (to score it) but nothing is appended
+    max_user_turns: int | None = None
+    max_tool_calls: int | None = 16  # per episode, >= 1; a turn asking for more gets error observations for the rest
     max_parallel_calls: int = 4  # per turn; calls beyond it are answered with an error
     max_response_tokens: int = 512  # generated + observation tokens of the whole episode
     max_tokens_per_turn: int = 128
-    max_observation_tokens: int | None = 256  # per tool result / environment message, before template wrapping
+    max_observation_tokens: int | None = 256  # per tool result / error / environment message, before the template
     observation_truncate_side: str = "left"  # what a cut observation keeps: left (its start) | middle | right
     tool_timeout_s: float | None = 10.0
     env_timeout_s: float | None = 30.0
@@ -73,14 +81,25 @@ class AgentLoopConfig:
     failure_reward: float = 0.0  # the reward of an episode whose environment failed
     add_tool_rewards: bool = False  # add the tools' per-call rewards to the episode reward (veRL ignores them)
     max_concurrent_episodes: int | None = None
-    tool_threads: int = 16  # threads for sync tools and environments (a hung sync call keeps its thread)
+    # sync tool / environment calls running at once, each in its own thread; a call past its timeout frees its slot
+    # (its thread runs on, abandoned), so a hung tool never starves the others
+    tool_threads: int = 16
     seed: int = 0  # seeds the loop's draw of a base seed per run() when sampling.seed is None
 
     def validate(self) -> None:
-        for name in ("max_assistant_turns", "max_user_turns", "max_tool_calls", "max_observation_tokens"):
+        if self.max_assistant_turns is not None and self.max_assistant_turns < 1:
+            # 0 would make every episode empty (no turn generated) and train on nothing, silently
+            raise ValueError(f"agent loop: max_assistant_turns must be >= 1, or None for no limit (veRL reads 0 as "
+                             f"no limit), got {self.max_assistant_turns}")
+        if self.max_user_turns is not None and self.max_user_turns < 0:
+            raise ValueError(f"agent loop: max_user_turns must be >= 0 (0: the model answers once) or None for no "
+                             f"limit, got {self.max_user_turns}")
+        for name, why in (("max_tool_calls", "0 would end every episode at its first call without running it; to "
+                                            "run without tools, configure none"),
+                          ("max_observation_tokens", "0 would cut every tool result to nothing")):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"agent loop: {name} must be >= 0 or None, got {value}")
+            if value is not None and value < 1:
+                raise ValueError(f"agent loop: {name} must be >= 1, or None for no limit ({why}), got {value}")
         for name in ("max_parallel_calls", "max_response_tokens", "max_tokens_per_turn", "tool_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"agent loop: {name} must be >= 1, got {getattr(self, name)}")
@@ -171,6 +190,10 @@ def _messages_of(row: dict[str, Any], index: int) -> list[dict[str, Any]]:
     return [dict(m) for m in messages]
 
 
+def _shorten(text: str, max_chars: int) -> str:
+    return text if len(text) <= max_chars else text[:max_chars] + "..."
+
+
 def _tools_kwargs(row: dict[str, Any]) -> dict[str, Any]:
     kwargs = row.get("tools_kwargs")
     if kwargs is None:
@@ -225,11 +248,12 @@ class AgentLoop:
         # sampling.seed, and fresh for every run() when it is None (as the rollout engines treat seed=None).
         base_seed = sampling.seed if sampling.seed is not None else self._seeds.randrange(2**62)
         limit = asyncio.Semaphore(self.config.max_concurrent_episodes or max(len(rows), 1))
-        executor = ThreadPoolExecutor(self.config.tool_threads, thread_name_prefix="hybridflow-agent-tool")
+        # hung sync calls must not hold the batch: their daemon threads are abandoned at their timeout (tools.py)
+        threads = ToolThreads(self.config.tool_threads)
 
         async def one(i: int, row: dict[str, Any]) -> Episode:
             async with limit:
-                return await _EpisodeRun(self, i, row, sampling, base_seed, executor).run()
+                return await _EpisodeRun(self, i, row, sampling, base_seed, threads).run()
 
         tasks = [asyncio.ensure_future(one(i, dict(r))) for i, r in enumerate(rows)]
         try:
@@ -240,8 +264,6 @@ class AgentLoop:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        finally:
-            executor.shutdown(wait=False, cancel_futures=True)  # hung sync tools must not hold the batch
         self._check_failures(episodes)
         return list(episodes)
 
@@ -263,9 +285,9 @@ class _EpisodeRun:
     """The state of one running episode (kept off the AgentLoop so that episodes share nothing)."""
 
     def __init__(self, loop: AgentLoop, index: int, row: dict[str, Any], sampling: SamplingParams, base_seed: int,
-                 executor):
+                 threads: ToolThreads):
         self.loop, self.cfg, self.index, self.row = loop, loop.config, index, row
-        self.sampling, self.base_seed, self.executor = sampling, base_seed, executor
+        self.sampling, self.base_seed, self.threads = sampling, base_seed, threads
         self.single_turn = row.get("agent_name") == SINGLE_TURN_AGENT
         self.tools: dict[str, Tool] = {} if self.single_turn else dict(loop.tools)
         self.states: dict[str, asyncio.Future] = {}
@@ -290,7 +312,7 @@ class _EpisodeRun:
         start = time.monotonic()
         try:
             return await call_maybe_async(getattr(self.env, method), *args, timeout=self.cfg.env_timeout_s,
-                                          executor=self.executor, **kwargs)
+                                          threads=self.threads, **kwargs)
         finally:
             if self.ep is not None:
                 self.ep.env_time_s += time.monotonic() - start
@@ -426,14 +448,15 @@ class _EpisodeRun:
                 reward: float | None = None, latency: float = 0.0, metrics: dict | None = None) -> dict[str, Any]:
         ep = self.ep
         assert ep is not None
-        cut = False
-        if error is None:  # the tool's own output; the loop's error messages are short already
-            output, cut = truncate_text(self.loop.tokenizer, output, self.cfg.max_observation_tokens,
-                                        side=self.cfg.observation_truncate_side)
-            ep.observations_truncated += int(cut)
+        # An error observation is an observation too: cut like a tool's output, so that it still fits the budget
+        # (an observation that does not fit is dropped, and the model would never see what went wrong).
+        output, cut = truncate_text(self.loop.tokenizer, output, self.cfg.max_observation_tokens,
+                                    side=self.cfg.observation_truncate_side)
+        ep.observations_truncated += int(cut)
         if error is not None:
             ep.tool_errors[error] += 1
-        return {"turn": turn, "name": call.name, "arguments": call.arguments, "error": error, "detail": detail,
+        name = call.name if isinstance(call.name, str) and call.name else UNPARSED_CALL_NAME
+        return {"turn": turn, "name": name, "arguments": call.arguments, "error": error, "detail": detail,
                 "output": output, "reward": reward, "latency_s": latency, "truncated": cut,
                 "metrics": dict(metrics or {})}
 
@@ -445,9 +468,13 @@ class _EpisodeRun:
 
     async def _state(self, tool: Tool) -> Any:
         if tool.name not in self.states:
-            kwargs = dict((_tools_kwargs(self.row).get(tool.name) or {}).get("create_kwargs") or {})
-            self.states[tool.name] = asyncio.ensure_future(
-                call_maybe_async(tool.create, timeout=self.cfg.tool_timeout_s, executor=self.executor, **kwargs))
+            if has_own(tool, "create"):
+                kwargs = dict((_tools_kwargs(self.row).get(tool.name) or {}).get("create_kwargs") or {})
+                self.states[tool.name] = asyncio.ensure_future(
+                    call_maybe_async(tool.create, timeout=self.cfg.tool_timeout_s, threads=self.threads, **kwargs))
+            else:  # Tool's no-op create (a function tool): no state, and no thread to wait for
+                self.states[tool.name] = asyncio.get_running_loop().create_future()
+                self.states[tool.name].set_result(None)
         return await self.states[tool.name]
 
     async def _call(self, call: ToolCall, turn: int) -> dict[str, Any]:
@@ -472,7 +499,7 @@ class _EpisodeRun:
         execute_kwargs = dict((_tools_kwargs(self.row).get(tool.name) or {}).get("execute_kwargs") or {})
         try:
             raw = await call_maybe_async(tool.execute, state, dict(call.arguments or {}),
-                                         timeout=self.cfg.tool_timeout_s, executor=self.executor, **execute_kwargs)
+                                         timeout=self.cfg.tool_timeout_s, threads=self.threads, **execute_kwargs)
             result = to_tool_result(raw)
             result.text = str(result.text)
         except asyncio.TimeoutError:
@@ -483,7 +510,8 @@ class _EpisodeRun:
         except Exception as e:
             self._fail(where, "raised", e)
             message = f"{type(e).__name__}: {str(e)[:500]}"
-            return self._record(call, turn, "raised", f"Error: tool {tool.name!r} failed: {message}", message,
+            shown = f"{type(e).__name__}: {_shorten(str(e), ERROR_TEXT_CHARS)}"
+            return self._record(call, turn, "raised", f"Error: tool {tool.name!r} failed: {shown}", message,
                                 latency=time.monotonic() - start)
         finally:
             assert self.ep is not None
@@ -499,9 +527,11 @@ class _EpisodeRun:
         for name, future in self.states.items():
             if not future.done() or future.cancelled() or future.exception() is not None:
                 continue
+            if not has_own(self.tools[name], "release"):  # Tool's no-op release (a function tool): nothing to free
+                continue
             try:
                 await call_maybe_async(self.tools[name].release, future.result(), timeout=self.cfg.tool_timeout_s,
-                                       executor=self.executor)
+                                       threads=self.threads)
             except Exception:  # a release failure must not lose the episode; it is counted
                 ep.tool_errors["release_raised"] += 1
         if self.env is not None and hasattr(self.env, "close"):
@@ -524,10 +554,9 @@ class _EpisodeRun:
                 self._fail(self.env_name, "reward_raised", e)
                 ep.termination = "env_error"
         tool_reward = sum(c["reward"] for c in ep.tool_calls if c["reward"] is not None)
-        parts = {"env": float(env_reward), "tool": float(tool_reward)}
+        ep.reward_parts = parts = {"env": float(env_reward), "tool": float(tool_reward)}
         if self.loop.compute_score is not None:
             parts["score"] = self._user_score()
-        ep.reward_parts = parts
         total = parts["env"] + parts.get("score", 0.0) + (parts["tool"] if self.cfg.add_tool_rewards else 0.0)
         ep.reward = self.cfg.failure_reward if ep.termination == "env_error" else float(total)
 
@@ -536,8 +565,11 @@ class _EpisodeRun:
         assert ep is not None
         row = self.row
         extra = dict(row.get("extra_info") or {})
+        # env_reward: the environment's total (its failure reward if it failed), as the training reward manager
+        # passes it (trainer/agent_rewards.py), so one scorer serves both; env_rewards: the per-step rewards
+        env_reward = self.cfg.failure_reward if ep.termination == "env_error" else ep.reward_parts["env"]
         extra.update(turns=ep.conversation, tool_calls=ep.tool_calls, num_turns=ep.num_turns,
-                     termination=ep.termination, env_rewards=ep.env_rewards)
+                     termination=ep.termination, env_rewards=ep.env_rewards, env_reward=env_reward)
         ground_truth = (row.get("reward_model") or {}).get("ground_truth", row.get("ground_truth"))
         solution = self.loop.tokenizer.decode(ep.trajectory.response_ids, skip_special_tokens=True)
         try:

@@ -6,7 +6,8 @@ Two ways to make one:
     or a ``ToolResult`` to add a reward / metrics;
   * a ``Tool`` subclass for tools with per-episode state: ``create(**create_kwargs) -> state`` once per episode
     (on the first call), ``execute(state, arguments) -> ToolResult | str``, ``release(state)`` when the episode ends.
-    Each method may be sync or async; sync ones run in a thread so that a slow tool never blocks the event loop.
+    Each method may be sync or async; sync ones run in a thread (``ToolThreads``) so that a slow tool never blocks
+    the event loop. A tool that keeps ``Tool``'s no-op create / release (a ``FunctionTool``) is not called for them.
 
 The loop (loop.py) owns timeouts and error handling: a tool only has to compute.
 """
@@ -14,17 +15,19 @@ The loop (loop.py) owns timeouts and error handling: a tool only has to compute.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.agents.schema import function_schema
 
-__all__ = ["FunctionTool", "Tool", "ToolResult", "as_tool", "call_maybe_async", "to_tool_result"]
+__all__ = ["FunctionTool", "Tool", "ToolResult", "ToolThreads", "as_tool", "call_maybe_async", "has_own",
+           "to_tool_result"]
 
 
 @dataclass
@@ -86,6 +89,12 @@ class FunctionTool(Tool):
         return await self.fn(**arguments)
 
 
+def has_own(tool: Tool, method: str) -> bool:
+    """Whether `tool`'s ``create`` / ``release`` does anything: False when it is ``Tool``'s no-op (a FunctionTool's),
+    which the loop then does not call at all."""
+    return getattr(getattr(tool, method), "__func__", None) is not getattr(Tool, method)
+
+
 def as_tool(obj: Any) -> Tool:
     """A Tool instance as is, a Tool subclass instantiated without arguments, a function wrapped in FunctionTool."""
     if isinstance(obj, Tool):
@@ -121,24 +130,75 @@ def to_tool_result(value: Any) -> ToolResult:
         return ToolResult(str(value))
 
 
+class ToolThreads:
+    """Where the loop runs sync tool and environment calls: each call in a thread of its own, at most `max_running`
+    calls at once (None: no cap).
+
+    A call's timeout counts from when it starts running, never while it waits for a free slot. A call past its timeout
+    gives its slot back at once while its thread runs on, abandoned (Python cannot kill a thread): a hung tool costs a
+    thread, not a slot that healthy calls wait for. The threads are daemons, so a hung one never holds the process at
+    exit either (a ThreadPoolExecutor joins its threads then).
+    """
+
+    def __init__(self, max_running: int | None = None):
+        if max_running is not None and max_running < 1:
+            raise ValueError(f"ToolThreads: max_running must be >= 1 or None, got {max_running}")
+        self._slots = None if max_running is None else asyncio.Semaphore(max_running)
+
+    async def run(self, fn: Callable[[], Any], timeout: float | None) -> Any:
+        """``fn()`` in a new thread; asyncio.TimeoutError if it runs longer than `timeout` seconds (None: no limit)."""
+        if self._slots is None:
+            return await self._run(fn, timeout)
+        async with self._slots:
+            return await self._run(fn, timeout)
+
+    async def _run(self, fn: Callable[[], Any], timeout: float | None) -> Any:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if done.done():  # the call timed out: nobody waits for its value any more
+                return
+            if error is None:
+                done.set_result(value)
+            else:
+                done.set_exception(error)
+
+        def target() -> None:
+            value, error = None, None
+            try:
+                value = fn()
+            except BaseException as e:  # handed to the awaiting episode, which counts it
+                # a future cannot carry StopIteration or a non-Exception (SystemExit): wrap them
+                error = e if isinstance(e, Exception) and not isinstance(e, StopIteration) else RuntimeError(
+                    f"{type(e).__name__} raised in a tool thread: {e}")
+            # a closed event loop (RuntimeError): the batch ended without waiting for this call
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, value, error)
+
+        threading.Thread(target=target, name="hybridflow-agent-tool", daemon=True).start()
+        return await asyncio.wait_for(done, timeout)
+
+
 async def call_maybe_async(
-    fn: Callable[..., Any], *args: Any, timeout: float | None, executor: Executor | None = None, **kwargs: Any
+    fn: Callable[..., Any], *args: Any, timeout: float | None, threads: ToolThreads | None = None, **kwargs: Any
 ) -> Any:
     """Call a sync or async callable under one deadline (seconds; None = no limit).
 
-    Sync callables run in `executor` (a thread) so the event loop keeps serving other episodes; a sync call that hangs
-    past the deadline raises asyncio.TimeoutError here while its thread runs on (Python cannot kill a thread), which
-    is why the loop gives tools their own executor.
+    Sync callables run in a thread of `threads` (a fresh uncapped ToolThreads if None), so the event loop keeps
+    serving other episodes; their deadline starts when the thread starts, so time spent waiting for a free slot does
+    not count. A sync call that hangs past the deadline raises asyncio.TimeoutError here while its thread runs on.
     """
-    deadline = None if timeout is None else time.monotonic() + timeout
-
-    def left() -> float | None:
-        return None if deadline is None else max(deadline - time.monotonic(), 0.0)
-
     if inspect.iscoroutinefunction(fn):
-        return await asyncio.wait_for(fn(*args, **kwargs), left())
-    loop = asyncio.get_running_loop()
-    result = await asyncio.wait_for(loop.run_in_executor(executor, lambda: fn(*args, **kwargs)), left())
+        return await asyncio.wait_for(fn(*args, **kwargs), timeout)
+    started: list[float] = []
+
+    def call() -> Any:
+        started.append(time.monotonic())
+        return fn(*args, **kwargs)
+
+    result = await (threads or ToolThreads()).run(call, timeout)
     if inspect.isawaitable(result):  # e.g. a functools.partial around an async function
-        result = await asyncio.wait_for(result, left())
+        left = None if timeout is None else max(started[0] + timeout - time.monotonic(), 0.0)
+        result = await asyncio.wait_for(result, left)
     return result

@@ -11,11 +11,16 @@ import time
 import pytest
 from agent_helpers import QWEN_STYLE_TEMPLATE, ScriptedGenerator, assistant_turns, tokenizer_with
 
-from hybridflow.agents import AgentFailureError, AgentLoop, AgentLoopConfig, Tool, ToolResult
+from hybridflow.agents import AgentFailureError, AgentLoop, AgentLoopConfig, Generation, Tool, ToolResult
+from hybridflow.agents.collate import collate_episodes
+from hybridflow.agents.loop import UNPARSED_CALL_NAME
+from hybridflow.trainer.config import ConfigError, load_config
+from hybridflow.workers.agent_rollout import agent_batch_metrics
 
 # What a "hung" tool or environment waits on in its thread: far longer than its timeout unless a test lets it go, so
-# a timeout that fails to cut it shows up as a slow episode, and no sleeping thread outlives the test.
-HUNG_S = 10
+# a timeout that fails to cut it shows up as a slow episode (the bounds leave room for a loaded machine), and no
+# sleeping thread outlives the test.
+HUNG_S = 30
 _LET_GO = threading.Event()
 
 
@@ -135,11 +140,20 @@ def test_model_mistakes_become_error_observations(tiny_lm, qwen_tok):
         "unknown": [call("divide", a=1, b=2), "done"],
         "types": [call("multiply", a="12", b=3), "done"],
         "missing": [call("multiply", a=2), "done"],
+        "unterminated": ['<tool_call>{"name": "multiply"', "done"],
     }))
     loop = AgentLoop(gen, qwen_tok, AgentLoopConfig(), tools=[multiply])
-    eps = loop.run_sync([row("json"), row("unknown"), row("types"), row("missing")])
+    eps = loop.run_sync([row("json"), row("unknown"), row("types"), row("missing"), row("unterminated")])
     kinds = [dict(e.tool_errors) for e in eps]
-    assert kinds == [{"malformed_json": 1}, {"unknown_tool": 1}, {"bad_arguments": 1}, {"bad_arguments": 1}]
+    assert kinds == [{"malformed_json": 1}, {"unknown_tool": 1}, {"bad_arguments": 1}, {"bad_arguments": 1},
+                     {"unterminated": 1}]
+    # a call whose name could not be read is counted under a name no tool can have, never under None
+    assert [e.tool_calls[0]["name"] for e in eps] == [
+        UNPARSED_CALL_NAME, "divide", "multiply", "multiply", UNPARSED_CALL_NAME]
+    by_name = {k: v for k, v in agent_batch_metrics(collate_episodes(eps, pad_token_id=0)).items()
+               if k.startswith("agent/tool_calls_by_name/")}
+    assert by_name == {"agent/tool_calls_by_name/<unparsed>": 2.0, "agent/tool_calls_by_name/divide": 1.0,
+                       "agent/tool_calls_by_name/multiply": 2.0}
     outputs = [e.tool_calls[0]["output"] for e in eps]
     assert outputs[0].startswith("Error: could not read the tool call: invalid JSON")
     assert outputs[1] == "Error: unknown tool 'divide'; available tools: ['multiply']."
@@ -195,7 +209,7 @@ def test_tool_failures_cost_their_episode_not_the_batch(tiny_lm, qwen_tok, let_h
         "huge": [call("flaky", mode="huge"), "done"],
         "ok": [call("flaky", mode="ok"), call("flaky", mode="ok"), "done"],
     }))
-    cfg = AgentLoopConfig(tool_timeout_s=0.3, max_observation_tokens=32, add_tool_rewards=True,
+    cfg = AgentLoopConfig(tool_timeout_s=0.3, max_observation_tokens=48, add_tool_rewards=True,
                           max_failure_fraction=1.0)
     loop = AgentLoop(gen, qwen_tok, cfg, tools=[flaky, AsyncHang()])
     start = time.monotonic()
@@ -212,7 +226,7 @@ def test_tool_failures_cost_their_episode_not_the_batch(tiny_lm, qwen_tok, let_h
     assert dict(by["hang"].tool_errors) == {"timeout": 1} and dict(by["ahang"].tool_errors) == {"timeout": 1}
     assert "timed out after 0.3 s" in by["ahang"].tool_calls[0]["output"]
     huge = by["huge"].tool_calls[0]
-    assert huge["error"] is None and huge["truncated"] and huge["output"] == "7" * 32 + "...(truncated)"
+    assert huge["error"] is None and huge["truncated"] and huge["output"] == "7" * 48 + "...(truncated)"
     assert by["huge"].observations_truncated == 1 and by["huge"].failure is None
     ok = by["ok"]
     assert [c["output"] for c in ok.tool_calls] == ["ok 1 T", "ok 2 T"] and ok.reward == 1.0
@@ -220,6 +234,86 @@ def test_tool_failures_cost_their_episode_not_the_batch(tiny_lm, qwen_tok, let_h
     assert all(e.termination == "stop" for e in eps)
     # one create per episode that called the tool, one release each, with that episode's state
     assert flaky.created == 4 and sorted(flaky.released) == [1, 1, 1, 2]
+
+
+class ModelFree:
+    """A Generator without a model (so that the event loop is never busy for long): `script(context) -> reply`,
+    its tokens + eos, log-probs 0."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script = tokenizer, script
+
+    async def generate(self, prompt_token_ids, max_new_tokens, sampling):
+        reply = self.script(self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False))
+        ids = [*self.tokenizer(reply, add_special_tokens=False)["input_ids"], self.tokenizer.eos_token_id]
+        ids = ids[:max_new_tokens]
+        return Generation(ids, [0.0] * len(ids), "stop" if ids[-1] == self.tokenizer.eos_token_id else "length")
+
+
+def test_hung_sync_tools_cost_threads_not_the_healthy_calls(qwen_tok, let_hung_threads_go):
+    """Half the calls hang far past their timeout, twice as many as there are tool threads: every healthy call still
+    succeeds (waiting for a free thread is not part of a call's timeout, and a timed-out call frees its slot), the
+    batch ends in about two timeouts, not when the hung threads return, and a function tool, which has nothing to
+    create or release, is never queued for either."""
+    def work(n: int) -> str:
+        """Do some work.
+
+        Args:
+            n: the work's number
+        """
+        if n % 2:
+            _LET_GO.wait(HUNG_S)
+        return f"did {n}"
+
+    gen = ModelFree(qwen_tok, lambda c: call("work", n=int(first_user(c))) if assistant_turns(c) == 0 else "done")
+    cfg = AgentLoopConfig(tool_timeout_s=0.5, tool_threads=4, max_failure_fraction=1.0)
+    rows = [row(str(i)) for i in range(16)]
+    start = time.monotonic()
+    eps = AgentLoop(gen, qwen_tok, cfg, tools=[work]).run_sync(rows)
+    assert time.monotonic() - start < HUNG_S - 2  # the 8 hung calls were abandoned at their timeouts
+    healthy, hung = eps[0::2], eps[1::2]
+    assert [e.tool_calls[0]["output"] for e in healthy] == [f"did {i}" for i in range(0, 16, 2)]
+    assert all(e.failure is None and e.termination == "stop" and not e.tool_errors for e in healthy)
+    assert all(dict(e.tool_errors) == {"timeout": 1} and e.termination == "stop" for e in hung)
+    assert all(e.failure == "tool 'work': timeout: no answer within tool_timeout_s=0.5" for e in hung)
+
+
+def test_error_observations_are_cut_like_tool_results(tiny_lm, qwen_tok):
+    """A long error (a raised exception's message) is cut to max_observation_tokens on the configured side, so it
+    fits what is left of the response budget and the model sees it; uncut, it would not fit and would be dropped."""
+    model, _ = tiny_lm
+
+    def evaluate(expression: str) -> str:
+        """Evaluate an expression.
+
+        Args:
+            expression: what to evaluate
+        """
+        raise ValueError(f"cannot parse {expression!r}: " + "unexpected token; " * 40)
+
+    gen = ScriptedGenerator(model, qwen_tok, scripted({"1+": [call("evaluate", expression="1+"), "sorry"]}))
+
+    def run(**cfg):
+        cfg = AgentLoopConfig(max_response_tokens=200, max_failure_fraction=1.0, **cfg)
+        loop = AgentLoop(gen, qwen_tok, cfg, tools=[evaluate])
+        return loop.run_sync([row("1+")])[0]
+
+    ep = run(max_observation_tokens=24, observation_truncate_side="left")
+    record = ep.tool_calls[0]
+    assert record["error"] == "raised" and record["truncated"] and ep.observations_truncated == 1
+    kept = record["output"].removesuffix("...(truncated)")
+    assert kept.startswith("Error: tool 'evaluate' f")
+    assert len(qwen_tok(kept, add_special_tokens=False)["input_ids"]) == 24
+    assert record["detail"].startswith("ValueError: cannot parse '1+': unexpected token;")  # the whole story kept
+    assert ep.termination == "stop" and ep.conversation[-1] == {"role": "assistant", "content": "sorry"}
+    assert record["output"] in qwen_tok.decode(ep.trajectory.response_ids)  # the model saw it
+    right = run(max_observation_tokens=24, observation_truncate_side="right").tool_calls[0]["output"]
+    assert right.startswith("...(truncated)") and "Error" not in right and "unexpected token; " in right
+    assert run(max_observation_tokens=None).termination == "response_budget"  # what happened before: dropped
+    # uncut by tokens, an exception's text is still kept short (the whole of it stays in the record's detail)
+    big = AgentLoop(gen, qwen_tok, AgentLoopConfig(max_observation_tokens=None, max_failure_fraction=1.0),
+                    tools=[evaluate])
+    assert len(big.run_sync([row("1+")])[0].tool_calls[0]["output"]) < 300
 
 
 def test_failure_fraction_stops_naming_the_tool_and_first_sample(tiny_lm, qwen_tok):
@@ -265,8 +359,16 @@ def test_environment_failures_end_the_episode_with_the_failure_reward(tiny_lm, l
     gen = ScriptedGenerator(model, tok, lambda c: ["[1]", "[2]"][min(assistant_turns(c), 1)])
     cfg = AgentLoopConfig(failure_reward=-1.0, max_failure_fraction=1.0, env_timeout_s=0.2)
     rows = [row("go", extra_info={"secret": 5})]
-    ok = AgentLoop(gen, tok, cfg, env_factory=GuessEnv).run_sync(rows)[0]
+    seen = {}
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info):
+        seen.update(extra_info)
+        return 0.0
+
+    ok = AgentLoop(gen, tok, cfg, env_factory=GuessEnv, compute_score=compute_score).run_sync(rows)[0]
     assert ok.termination == "env_done" and ok.env_rewards == [0.25, 0.25] and ok.reward == 1.5
+    # the scorer sees the step rewards, and the environment's total under the key the training path uses
+    assert seen["env_rewards"] == [0.25, 0.25] and seen["env_reward"] == 1.5
     assert ok.conversation[0]["content"] == "go Guess 2."  # reset's text joins the last user message
     results = {}
     cases = {"reset": lambda: GuessEnv("reset"), "step": lambda: GuessEnv("step"),
@@ -327,10 +429,38 @@ def test_limits(tiny_lm, qwen_tok):
     assert [c["error"] for c in ep.tool_calls] == [None, None, "call_limit"]
     with pytest.raises(ValueError, match="max_tokens_per_turn must be >= 1"):
         AgentLoopConfig(max_tokens_per_turn=0).validate()
+    # max_user_turns=0: the model answers once; its tool call ends the episode unrun
+    ep = run(max_user_turns=0)
+    assert ep.termination == "max_user_turns" and ep.num_turns == 1 and ep.tool_calls == []
     with pytest.raises(ValueError, match="two tools are named 'multiply'"):
         AgentLoop(always, qwen_tok, tools=[multiply, multiply])
     with pytest.raises(ValueError, match="row 0: 'raw_prompt' / 'prompt' must be a list of chat messages"):
         AgentLoop(always, qwen_tok, tools=[multiply]).run_sync([{"prompt": "hi"}])
+
+
+def test_limits_that_would_leave_nothing_to_train_on_are_refused(tiny_lm):
+    """max_assistant_turns=0 made every episode empty and training ran on nothing; 0 for a limit that cannot be 0 is
+    refused, naming the key (veRL reads 0 as no limit: None is that here). max_user_turns=0 is meaningful."""
+    for key in ("max_assistant_turns", "max_tool_calls", "max_observation_tokens"):
+        with pytest.raises(ValueError, match=f"{key} must be >= 1, or None for no limit"):
+            AgentLoopConfig(**{key: 0}).validate()
+        AgentLoopConfig(**{key: None}).validate()
+    with pytest.raises(ValueError, match="max_assistant_turns must be >= 1"):
+        AgentLoop(None, None, AgentLoopConfig(max_assistant_turns=-1))
+    with pytest.raises(ValueError, match=r"max_user_turns must be >= 0 \(0: the model answers once\)"):
+        AgentLoopConfig(max_user_turns=-1).validate()
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.multi_turn: agent loop: max_assistant_turns "
+                                          r"must be >= 1, or None for no limit \(veRL reads 0 as no limit\), got 0"):
+        load_config(["data.return_raw_chat=true", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                     "actor_rollout_ref.rollout.multi_turn.environment=guess_number",
+                     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=0"])
+    # max_user_turns=0 with an environment: one answer, stepped (so scored), no observation appended
+    model, tok = tiny_lm
+    gen = ScriptedGenerator(model, tok, lambda c: "[1]")
+    (ep,) = AgentLoop(gen, tok, AgentLoopConfig(max_user_turns=0), env_factory=GuessEnv).run_sync(
+        [row("go", extra_info={"secret": 5})])
+    assert ep.termination == "max_user_turns" and ep.num_turns == 1 and ep.env_rewards == [0.25]
+    assert ep.reward == 1.25  # the step's reward + get_reward()
 
 
 def test_tool_calls_of_many_episodes_overlap(tiny_lm, qwen_tok):
