@@ -390,9 +390,13 @@ class _EpisodeRun:
             ep.conversation.append({"role": "assistant", "content": text})
             parsed = self.loop.parser.parse(text) if self.tools else ParsedResponse(text, [])
             user_limit = cfg.max_user_turns is not None and self.user_turns >= cfg.max_user_turns
+            # the last turn the limit allows: nothing it asks for is run, since no turn would read the result
+            last_turn = cfg.max_assistant_turns is not None and traj.num_assistant_turns >= cfg.max_assistant_turns
             if parsed.calls:
                 if user_limit:
                     return "max_user_turns"
+                if last_turn:
+                    return "max_assistant_turns"
                 if cfg.max_tool_calls is not None and len(ep.tool_calls) >= cfg.max_tool_calls:
                     return "max_tool_calls"
                 new = await self._run_calls(parsed.calls, traj.num_assistant_turns - 1)
@@ -415,6 +419,8 @@ class _EpisodeRun:
                     return "env_done"
                 if user_limit:
                     return "max_user_turns"
+                if last_turn:  # stepped (its reward counts), but no observation is added for a turn that never comes
+                    return "max_assistant_turns"
                 obs, cut = renderer.truncate(step.observation or "", cfg.max_observation_tokens,
                                               cfg.observation_truncate_side)
                 ep.observations_truncated += int(cut)

@@ -414,6 +414,8 @@ def test_limits(tiny_lm, qwen_tok):
 
     ep = run(max_assistant_turns=3, max_tool_calls=None)
     assert ep.termination == "max_assistant_turns" and ep.trajectory.num_assistant_turns == 3
+    # the last allowed turn's call is not run: no turn would read its result, and the episode ends on the model's turn
+    assert len(ep.tool_calls) == 2 and ep.trajectory.turns[-1].kind == "assistant"
     ep = run(max_tool_calls=2, max_assistant_turns=None)
     assert ep.termination == "max_tool_calls" and len(ep.tool_calls) == 2
     ep = run(max_user_turns=1, max_tool_calls=None)
@@ -461,6 +463,11 @@ def test_limits_that_would_leave_nothing_to_train_on_are_refused(tiny_lm):
         [row("go", extra_info={"secret": 5})])
     assert ep.termination == "max_user_turns" and ep.num_turns == 1 and ep.env_rewards == [0.25]
     assert ep.reward == 1.25  # the step's reward + get_reward()
+    # the same for the last turn max_assistant_turns allows: stepped and scored, no observation after it
+    (ep,) = AgentLoop(gen, tok, AgentLoopConfig(max_assistant_turns=2), env_factory=GuessEnv).run_sync(
+        [row("go", extra_info={"secret": 5})])
+    assert ep.termination == "max_assistant_turns" and ep.env_rewards == [0.25, 0.25]
+    assert ep.trajectory.turns[-1].kind == "assistant" and ep.num_turns == 3
 
 
 def test_tool_calls_of_many_episodes_overlap(tiny_lm, qwen_tok):
