@@ -17,6 +17,12 @@ Two ways, chosen by what the engine offers (``keep_kv``: None picks the first th
   context (vllm's prefix caching reuses the shared prefix). Each request gets back its own row, cut to its own
   ``max_new_tokens``. Seeds: one per engine call (the first request's), so a sampled episode's tokens depend on
   which other requests shared its batch; greedy is unaffected.
+
+**Tensor-parallel engines** (``mirror``): the ranks of a tensor-parallel group must make the same engine calls in the
+same order, but episodes' tools and environments finish in any order. So one rank (the group's first) runs the
+loop, and its generator hands every engine operation, in the order it applies them (a turn submitted, a session
+ended, a scheduler step, an ``engine.generate`` batch), to ``mirror(ops)``; the other ranks replay them with `follow`
+on a generator of their own over their shard of the same model, so the collectives inside each step line up.
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -35,7 +42,9 @@ from hybridflow.engines.rollout.base import RolloutEngine, SamplingParams
 from hybridflow.engines.rollout.sessions import TurnRequest
 from hybridflow.protocol import DataProto
 
-__all__ = ["RolloutEngineGenerator"]
+__all__ = ["STOP", "RolloutEngineGenerator"]
+
+STOP = "stop"  # the op that ends `follow`; its payload is what follow returns (the leader's batch)
 
 
 def _batch_key(s: SamplingParams) -> tuple:
@@ -51,8 +60,11 @@ class RolloutEngineGenerator:
 
     def __init__(self, engine: RolloutEngine, pad_token_id: int | None = None, stop_token_ids: list[int] | None = None,
                  max_batch_size: int = 64, max_wait_s: float = 0.005, keep_kv: bool | None = None,
-                 max_cached_tokens: int | None = None):
+                 max_cached_tokens: int | None = None, mirror: Callable[[list[tuple]], None] | None = None):
         self.engine = engine
+        self.mirror = mirror  # a tensor-parallel group's first rank: each engine op goes to the others first
+        self._session_ids: dict[Any, int] = {}  # mirrored sessions travel as numbers (an episode does not pickle)
+        self._next_session_id = itertools.count()
         self.pad_token_id = int(pad_token_id if pad_token_id is not None else engine.pad_token_id)  # type: ignore[attr-defined]
         stops = stop_token_ids if stop_token_ids is not None else getattr(engine, "eos_token_ids", None)
         if not stops:
@@ -98,7 +110,49 @@ class RolloutEngineGenerator:
                 if self._serving:  # the serving thread owns the sessions: it applies this before its next step
                     self._inbox.append(("end", session))
                 else:
+                    self._send([self._end_op(session)])
                     self.sessions.end_session(session)
+
+    # ------------------------------------------------------------------ tensor parallel: the ops other ranks replay
+    def _send(self, ops: list[tuple]) -> None:
+        if self.mirror is not None and ops:
+            self.mirror(ops)
+
+    def _sid(self, session: Hashable | None) -> int | None:
+        if session is None or self.mirror is None:
+            return None
+        return self._session_ids.setdefault(session, next(self._next_session_id))
+
+    def _end_op(self, session: Hashable) -> tuple:
+        return ("end", self._session_ids.pop(session, None)) if self.mirror is not None else ("end", None)
+
+    def follow(self, receive: Callable[[], list[tuple]]) -> Any:
+        """A tensor-parallel group's other ranks: replay the first rank's engine ops (`receive` blocks for the next
+        list) on this rank's engine until the STOP op; returns its payload. Errors are the first rank's to report:
+        an op that fails here failed there too (same state, same inputs), and the replay goes on as it does."""
+        while True:
+            for op in receive():
+                kind = op[0]
+                if kind == STOP:
+                    return op[1]
+                if kind == "generate":
+                    with contextlib.suppress(Exception):
+                        self.engine.generate(op[1], op[2])
+                    continue
+                assert self.sessions is not None, f"a {kind!r} op for a generator without sessions"
+                if kind == "turn":
+                    with contextlib.suppress(Exception):
+                        self.sessions.submit(TurnRequest(op[1], op[2], op[3], op[4]))
+                elif kind == "end":
+                    if op[1] is not None:
+                        self.sessions.end_session(op[1])
+                elif kind == "step":
+                    try:
+                        self.sessions.step()
+                    except Exception:
+                        self.sessions.abort()
+                else:
+                    raise ValueError(f"follow: unknown engine op {kind!r}")
 
     async def generate(self, prompt_token_ids: list[int], max_new_tokens: int, sampling: SamplingParams,
                        session: Hashable | None = None) -> Generation:
@@ -144,6 +198,7 @@ class RolloutEngineGenerator:
         prompts = DataProto.from_dict({"input_ids": ids, "attention_mask": mask,
                                        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)})
         params = dataclasses.replace(batch[0][2], n=1, max_new_tokens=max(r[1] for r in batch))
+        self._send([("generate", prompts, params)])
         out = self.engine.generate(prompts, params)
         self.calls += 1
         self.requests += B
@@ -198,18 +253,24 @@ class RolloutEngineGenerator:
         while True:
             with self._lock:
                 inbox, self._inbox = self._inbox, []
+                ops: list[tuple] = []
                 for op, payload in inbox:
                     if op == "end":
+                        ops.append(self._end_op(payload))
                         sessions.end_session(payload)
                     else:
+                        ops.append(("turn", self._sid(payload.session), payload.context, payload.max_new_tokens,
+                                    payload.sampling))
                         try:
                             sessions.submit(payload)
                         except Exception as e:  # a bad request fails its own turn only
                             payload.error = e
                             _deliver(payload)
                 if sessions.idle:
+                    self._send(ops)
                     self._serving = False  # the next generate() starts a new serving thread
                     return
+                self._send([*ops, ("step",)])  # in order, before this rank's step: the group steps together
             try:
                 done = sessions.step()
             except Exception as e:  # an engine error fails every turn it holds (raised in each episode)

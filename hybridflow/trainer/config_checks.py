@@ -68,12 +68,6 @@ def config_errors(cfg: HybridFlowConfig) -> list[str]:
     errors += placement_errors(cfg)
     errors += rollout_correction_errors(alg.rollout_correction)
     errors += multi_turn_config_errors(cfg)
-    if rollout.multi_turn.enable and rollout.tensor_model_parallel_size > 1:
-        errors.append("actor_rollout_ref.rollout.multi_turn.enable=true with tensor_model_parallel_size="
-                      f"{rollout.tensor_model_parallel_size}: each rollout rank runs its own episodes on a whole-model "
-                      "engine (a tensor-parallel group's ranks would have to take every turn of every episode "
-                      "together, which the agent loop does not do); set tensor_model_parallel_size=1 for multi-turn "
-                      "rollouts")
     if t.backend not in ("ray", "local"):
         errors.append(f"trainer.backend={t.backend!r}: choose 'ray' or 'local'")
     if t.backend == "local" and world != 1:

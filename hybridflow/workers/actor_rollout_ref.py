@@ -162,9 +162,17 @@ class ActorRolloutRefWorker(Worker):
             t = int(r.tensor_model_parallel_size)
             self.register_dp_mesh("rollout", self.rank // t, self.world_size // t, self.rank % t == 0)
             if r.multi_turn.enable:
-                from hybridflow.workers.agent_rollout import AgentRollout
+                from hybridflow.workers.agent_rollout import AgentRollout, TensorParallelLink
 
-                self.agent = AgentRollout.from_config(cfg, self.rollout, path)
+                link = None
+                if t > 1:  # the group's first rank runs the episodes, the others replay its engine ops
+                    import torch.distributed as dist
+
+                    groups = [dist.new_group(list(range(g * t, (g + 1) * t)), backend="gloo")
+                              for g in range(self.world_size // t)]  # every rank makes every group, in order
+                    first = self.rank - self.rank % t
+                    link = TensorParallelLink(groups[self.rank // t], first, self.rank == first)
+                self.agent = AgentRollout.from_config(cfg, self.rollout, path, tensor_parallel=link)
         info = {"rank": self.rank, "pid": os.getpid(), "threads": torch.get_num_threads()}
         if self.actor is not None and self.actor.device.type == "cpu":
             # The matmul peak at this rank's own thread count (the driver asks at the configured one); measured once

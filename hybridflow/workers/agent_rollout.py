@@ -42,6 +42,7 @@ import torch
 from hybridflow.agents import AgentLoop, AgentLoopConfig, RolloutEngineGenerator, collate_episodes, get_parser
 from hybridflow.agents.adapters import load_verl_tool_config
 from hybridflow.agents.builtin import environment_factory
+from hybridflow.agents.engine_generator import STOP
 from hybridflow.agents.loop import SINGLE_TURN_AGENT
 from hybridflow.agents.trajectory import TRUNCATE_SIDES
 from hybridflow.engines.rollout.base import SamplingParams
@@ -49,8 +50,17 @@ from hybridflow.engines.rollout.layout import pad_responses
 from hybridflow.plugins import import_object
 from hybridflow.protocol import DataProto
 
-__all__ = ["AGENT_LOOPS", "AgentRollout", "agent_batch_metrics", "agent_loop_config", "agent_name_errors",
-           "default_agent_loop", "multi_turn_config_errors", "multi_turn_tools"]
+__all__ = [
+    "AGENT_LOOPS",
+    "AgentRollout",
+    "TensorParallelLink",
+    "agent_batch_metrics",
+    "agent_loop_config",
+    "agent_name_errors",
+    "default_agent_loop",
+    "multi_turn_config_errors",
+    "multi_turn_tools",
+]
 
 # the prompt's non-tensor columns an episode reads (others stay on the driver's copy of the batch)
 ROW_COLUMNS = ("raw_prompt", "data_source", "extra_info", "reward_model", "ground_truth", "tools_kwargs", "index",
@@ -188,11 +198,33 @@ def _environment_kwargs_errors(name: str, kwargs: dict[str, Any], key: str) -> l
     return []
 
 
+class TensorParallelLink:
+    """A tensor-parallel rollout group's channel for the agent loop: the first rank `send`s its engine ops, the others
+    `receive` them (torch.distributed.broadcast_object_list over a CPU group of the group's ranks)."""
+
+    def __init__(self, group: Any, first_rank: int, leader: bool):
+        self.group, self.first_rank, self.leader = group, first_rank, leader
+
+    def send(self, ops: list[tuple]) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([ops], src=self.first_rank, group=self.group)
+
+    def receive(self) -> list[tuple]:
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=self.first_rank, group=self.group)
+        return box[0]
+
+
 class AgentRollout:
     """One rank's agent loop over its rollout engine; `generate` has the engine's signature."""
 
-    def __init__(self, cfg: Any, engine: Any, tokenizer: Any):
+    def __init__(self, cfg: Any, engine: Any, tokenizer: Any, tensor_parallel: TensorParallelLink | None = None):
         mt = cfg.actor_rollout_ref.rollout.multi_turn
+        # a tensor-parallel group: its first rank runs the episodes, the others replay its engine ops (mirror/follow)
+        self.tp = tensor_parallel
         self.max_prompt_length = int(cfg.data.max_prompt_length)
         self.max_response_length = int(cfg.data.max_response_length)
         self.engine = engine
@@ -202,7 +234,8 @@ class AgentRollout:
         env_factory = environment_factory(env_name, env_kwargs) if env_name else None
         cap = cfg.actor_rollout_ref.rollout.max_num_seqs  # veRL's decode batch cap: the turns batched at once too
         self.loop = AgentLoop(
-            RolloutEngineGenerator(engine, **({"max_batch_size": int(cap)} if cap is not None else {})),
+            RolloutEngineGenerator(engine, **({"max_batch_size": int(cap)} if cap is not None else {}),
+                                   mirror=self.tp.send if self.tp is not None and self.tp.leader else None),
             tokenizer,
             agent_loop_config(mt, self.max_response_length, seed=cfg.trainer.seed),
             tools=multi_turn_tools(mt),
@@ -212,10 +245,11 @@ class AgentRollout:
         )
 
     @classmethod
-    def from_config(cls, cfg: Any, engine: Any, model_path: str) -> AgentRollout:
+    def from_config(cls, cfg: Any, engine: Any, model_path: str,
+                    tensor_parallel: TensorParallelLink | None = None) -> AgentRollout:
         from transformers import AutoTokenizer
 
-        return cls(cfg, engine, AutoTokenizer.from_pretrained(os.fspath(model_path)))
+        return cls(cfg, engine, AutoTokenizer.from_pretrained(os.fspath(model_path)), tensor_parallel)
 
     def rows(self, prompts: DataProto, n: int) -> list[dict[str, Any]]:
         nt = prompts.non_tensor_batch
@@ -229,7 +263,24 @@ class AgentRollout:
         return [dict(r) for r in rows for _ in range(n)]  # sample j of prompt i at row i*n + j
 
     def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
-        """prompts (with the non-tensor columns above) -> len(prompts) * params.n episodes in the rollout layout."""
+        """prompts (with the non-tensor columns above) -> len(prompts) * params.n episodes in the rollout layout.
+        In a tensor-parallel group every rank calls it with the same prompts and returns the first rank's batch."""
+        if self.tp is None:
+            return self._generate(prompts, params)
+        if not self.tp.leader:
+            status, payload = self.loop.generator.follow(self.tp.receive)
+            if status != "ok":
+                raise RuntimeError(f"the tensor-parallel group's first rank failed its episodes: {payload}")
+            return payload
+        try:
+            out = self._generate(prompts, params)
+        except BaseException as e:
+            self.tp.send([(STOP, ("error", f"{type(e).__name__}: {e}"))])
+            raise
+        self.tp.send([(STOP, ("ok", out))])
+        return out
+
+    def _generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         rows = self.rows(prompts, params.n)
         sampling = dataclasses.replace(params, n=1, max_new_tokens=self.max_response_length)
         episodes = self.loop.run_sync(rows, sampling)

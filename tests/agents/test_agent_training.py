@@ -33,8 +33,10 @@ MULTI_TURN = [
 ]
 
 
-@pytest.mark.parametrize("engine,ranks", [("native", 1), ("hf", 2)])
-def test_one_multi_turn_grpo_step_on_ray(engine, ranks, ray_session, tiny_model_path, tmp_path):
+@pytest.mark.parametrize("engine,ranks,tp", [("native", 1, 1), ("hf", 2, 1), ("native", 2, 2)])
+def test_one_multi_turn_grpo_step_on_ray(engine, ranks, tp, ray_session, tiny_model_path, tmp_path):
+    """tp=2: veRL's multi-turn scripts set a tensor-parallel rollout; the group's first rank runs the episodes and the
+    other replays its engine ops (agents/engine_generator.py, mirror / follow)."""
     files = generate_guess_number_task(str(tmp_path / "data"), num_train=16, num_val=4, num_sft_games=1)
     # veRL's per-row agent loop (the agent_name column): every other prompt a plain single-turn generation
     table = pq.read_table(files["train"])
@@ -46,6 +48,7 @@ def test_one_multi_turn_grpo_step_on_ray(engine, ranks, ray_session, tiny_model_
     cfg = load_config(tiny_run_overrides(
         (files["train"], files["val"]), tiny_model_path, run_dir, *MULTI_TURN,
         "trainer.backend=ray", f"trainer.n_gpus_per_node={ranks}", f"actor_rollout_ref.rollout.name={engine}",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
         "trainer.total_training_steps=1", "trainer.log_samples_freq=1",
         f"custom_reward_function.path={scorer}", "custom_reward_function.name=compute_score",
     ))

@@ -79,3 +79,37 @@ def test_an_engine_error_fails_the_turns_it_holds_and_the_next_call_works(tiny_m
     assert gen.sessions.idle and gen.sessions.memory()["parked_sessions"] == 0
     again = asyncio.run(gen.generate([5, 6, 7], 4, greedy, session="ok"))
     assert len(again.token_ids) == 4 and again.finish_reason == "length"
+
+
+@pytest.mark.parametrize("keep_kv", [True, False], ids=["sessions", "re-prefill"])
+def test_a_follower_replays_the_first_ranks_engine_ops_to_the_same_state(tiny_lm, tiny_model_path, keep_kv):
+    """A tensor-parallel group's other ranks replay the first rank's ops (mirror / follow): their session engine goes
+    through the same states (same prefill and reuse counts, every session freed), and the re-prefill path's batches
+    are replayed too. The ops pickle (they cross processes in broadcast_object_list)."""
+    import pickle
+
+    from hybridflow.agents.engine_generator import STOP
+
+    _, tok = tiny_lm
+    sampling = SamplingParams(temperature=0.8, top_k=30, top_p=0.95, seed=7)
+    log: list[list[tuple]] = []
+    first = create_rollout_engine("native", tiny_model_path, dtype="fp32", seed=0, num_threads=1)
+    lead = RolloutEngineGenerator(first, keep_kv=keep_kv,
+                                  mirror=lambda ops: log.append(pickle.loads(pickle.dumps(ops))))
+    episodes = AgentLoop(lead, tok, CFG, env_factory=Countdown).run_sync(ROWS, sampling)
+    assert all(e.trajectory.num_assistant_turns > 1 for e in episodes)
+    log.append([(STOP, ("ok", 3))])
+    other = create_rollout_engine("native", tiny_model_path, dtype="fp32", seed=0, num_threads=1)
+    follower = RolloutEngineGenerator(other, keep_kv=keep_kv)
+    replayed = []
+
+    def receive():
+        replayed.append(log[len(replayed)])
+        return replayed[-1]
+
+    assert follower.follow(receive) == ("ok", 3) and len(replayed) == len(log)
+    if keep_kv:
+        assert follower.stats == lead.stats and lead.stats["prefill_tokens"] > 0
+        assert follower.sessions.idle and follower.sessions.memory()["parked_sessions"] == 0
+    else:
+        assert sum(op[0] == "generate" for ops in log for op in ops) == lead.calls > 1
