@@ -32,3 +32,24 @@ def test_grpo_with_vllm_rollout(arithmetic_files, model_path, tmp_path):
     # bf16 rollout vs fp32 actor: ~1e-2, never 0, and it does not drift upwards as the weights change (lr is large).
     assert all(1e-4 < m < 0.1 for m in mismatch), mismatch
     assert mismatch[-1] < 3 * mismatch[0], mismatch
+
+
+def test_a_tensor_parallel_vllm_rollout_leaves_no_shared_memory_and_runs_again(ray_session, arithmetic_files,
+                                                                               model_path, tmp_path):
+    """vLLM's CPU tensor-parallel group keeps shared-memory segments under a name that is the same in every run (the
+    external launcher's); left in /dev/shm they failed the next run on the machine at start-up ("create shm in
+    SHMManager failed. errno: 17"). The rollout drops their names once every rank has mapped them."""
+    import os
+
+    def shm() -> set[str]:
+        return {n for n in os.listdir("/dev/shm") if "cpushm" in n or n.startswith("psm_")}
+
+    before = shm()
+    for run in ("first", "second"):
+        cfg = load_config(tiny_run_overrides(
+            arithmetic_files, model_path, str(tmp_path / run), "trainer.backend=ray", "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            "trainer.total_training_steps=1", "actor_rollout_ref.rollout.engine_kwargs={kv_cache_space_gib: 1}",
+        ))
+        assert run_training(cfg, progress=False).global_step == 1
+        assert shm() <= before, shm() - before

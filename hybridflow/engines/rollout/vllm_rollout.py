@@ -60,6 +60,31 @@ _INSTALL_HINT = (
 )
 
 
+def _unlink_shm_segments() -> None:
+    """Remove the names of vLLM's CPU shared-memory segments of this rank's parallel groups (the communicator's and
+    the broadcast buffer's), once every rank has mapped them (vLLM joins them while the engine starts, behind a
+    barrier): the memory stays until the last process unmaps it. vLLM leaves the names in /dev/shm, and a
+    tensor-parallel engine's group name is the same in every run with the external launcher, so the next run on the
+    machine failed at start-up with "create shm in SHMManager failed. errno: 17" (the name exists); a run killed
+    later leaves nothing behind either."""
+    from vllm.distributed import parallel_state
+
+    for ref in list(getattr(parallel_state, "_groups", {}).values()):
+        group = ref()
+        comm = getattr(group, "device_communicator", None)
+        name = getattr(getattr(comm, "dist_module", None), "group_name", None)
+        if name:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", f"{name}_{comm.rank}".lstrip("/")))  # shm_open drops leading /
+        # the group's broadcast ring buffer (a multiprocessing SharedMemory, psm_*): its creator drops the name; its
+        # own __del__ would unlink it again, so it no longer counts as the creator
+        buffer = getattr(getattr(group, "mq_broadcaster", None), "buffer", None)
+        if buffer is not None and getattr(buffer, "is_creator", False):
+            with contextlib.suppress(FileNotFoundError):
+                buffer.shared_memory.unlink()
+            buffer.is_creator = False
+
+
 def _raise_picklable(e: Exception) -> None:
     """Re-raise `e`, or, when Ray could not send it to the driver (vLLM's config errors carry pydantic objects that
     do not pickle, and the driver then saw only "cannot pickle 'ArgsKwargs'"), a RuntimeError with its text."""
@@ -338,6 +363,8 @@ class VLLMRollout(RolloutEngine):
                     self.llm = LLM(**engine_kw)
                 except Exception as e:
                     _raise_picklable(e)
+                if not self.on_gpu:
+                    _unlink_shm_segments()
                 restore_model_classes(self.llm, classes)
                 global _live_engines
                 _live_engines += 1
