@@ -250,7 +250,8 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
         # resuming a run that already took its last step: say so before Ray and the workers start, and stop
         print(f"{run_dir} is already at step {plan.start_step} of {total_steps} (trainer.total_training_steps or the "
               "epochs' steps): nothing to train. Raise trainer.total_training_steps to train on, use "
-              "trainer.val_only=true to validate the checkpoint, or choose another trainer.default_local_dir",
+              "trainer.val_only=true to validate the checkpoint, start again with trainer.resume_mode=disable "
+              "trainer.overwrite=true (the old run is moved aside), or choose another trainer.default_local_dir",
               flush=True)
         first, last = logged_validation(run_dir)
         return TrainResult(run_dir, plan.start_step, last, first, 0, t.max_restarts)
