@@ -53,3 +53,25 @@ def test_a_tensor_parallel_vllm_rollout_leaves_no_shared_memory_and_runs_again(r
         ))
         assert run_training(cfg, progress=False).global_step == 1
         assert shm() <= before, shm() - before
+
+
+def test_multi_turn_episodes_on_a_tensor_parallel_vllm_rollout(ray_session, model_path, tmp_path):
+    """veRL's multi-turn scripts: vLLM with tensor_model_parallel_size=2 under the agent loop. The group's first rank
+    runs the episodes; the other replays its engine.generate batches, so vLLM's two ranks take every call together."""
+    from hybridflow.data.tasks.agent_tasks import generate_guess_number_task
+
+    files = generate_guess_number_task(str(tmp_path / "data"), num_train=8, num_val=4, num_sft_games=1)
+    run_dir = str(tmp_path / "run")
+    cfg = load_config(tiny_run_overrides(
+        (files["train"], files["val"]), model_path, run_dir, "trainer.backend=ray", "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.engine_kwargs={kv_cache_space_gib: 1}",
+        "data.return_raw_chat=true", "data.max_prompt_length=48", "data.max_response_length=64",
+        "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.environment=guess_number",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+        "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=6", "trainer.total_training_steps=1",
+    ))
+    assert run_training(cfg, progress=False).global_step == 1
+    row = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")][-1]
+    assert row["agent/assistant_turns/mean"] > 1 and 0 < row["agent/observation_token_share/mean"] < 1
+    assert math.isfinite(row["actor/pg_loss"]) and row["rollout/mismatch_mean_abs"] < 0.1
