@@ -67,7 +67,8 @@ def test_multi_turn_episodes_on_a_tensor_parallel_vllm_rollout(ray_session, mode
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.engine_kwargs={kv_cache_space_gib: 1}",
         "data.return_raw_chat=true", "data.max_prompt_length=48", "data.max_response_length=64",
-        "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.multi_turn.environment=guess_number",
+        "actor_rollout_ref.rollout.multi_turn.enable=true",
+        "actor_rollout_ref.rollout.multi_turn.environment=guess_number",
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
         "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=6", "trainer.total_training_steps=1",
     ))
