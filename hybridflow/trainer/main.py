@@ -350,7 +350,8 @@ def load_tokenizer(path: str) -> Any:
         AutoConfig.from_pretrained(path)
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
-        raise ConfigError(f"actor_rollout_ref.model.path={path!r} does not load as a Hugging Face model: {err}") from err
+        raise ConfigError(
+            f"actor_rollout_ref.model.path={path!r} does not load as a Hugging Face model: {err}") from err
 
 
 def logged_validation(run_dir: str) -> tuple[dict[str, float], dict[str, float]]:

@@ -76,7 +76,8 @@ def test_what_a_run_that_stopped_before_its_first_step_leaves_does_not_block_the
     (run_dir / "tensorboard").mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text("")  # the tracker opened it, then the workers failed to start
     plan = prepare_run_dir(str(run_dir), resume_mode="auto", overwrite=False, total_steps=3, save_freq=-1)
-    assert plan.archived_to is None and plan.start_step == 0 and "stopped before its first step" in capsys.readouterr().out
+    assert plan.archived_to is None and plan.start_step == 0
+    assert "stopped before its first step" in capsys.readouterr().out
     assert sorted(os.listdir(run_dir)) == ["metrics.jsonl", "tensorboard"]  # nothing moved or deleted
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')  # one step taken: a history again
     with pytest.raises(RunDirError, match="already holds a run"):
