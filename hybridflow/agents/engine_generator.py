@@ -44,7 +44,7 @@ from hybridflow.protocol import DataProto
 
 __all__ = ["STOP", "RolloutEngineGenerator"]
 
-STOP = "stop"  # the op that ends `follow`; its payload is what follow returns (the leader's batch)
+STOP = "stop"  # the op that ends `follow`; its payload is what follow returns (None, or the first rank's error)
 
 
 def _batch_key(s: SamplingParams) -> tuple:

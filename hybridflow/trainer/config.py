@@ -622,7 +622,8 @@ def _hydra_flow_to_yaml(raw: str) -> str:
             stack.append(ch)
             at_key = ch == "{"
         elif ch in "}]":
-            stack and stack.pop()
+            if stack:
+                stack.pop()
             at_key = False
         elif ch == "," and stack:
             at_key = stack[-1] == "{"
@@ -736,7 +737,7 @@ def merge_overrides(schema: type, overrides: list[str] | None, preset: str | Non
         merged = base.copy()
         for layer in layers:
             if isinstance(layer, tuple):
-                _delete(merged, layer[1], OmegaConf.structured(schema), what)
+                _delete(merged, layer[1], base, what)  # base: the schema's defaults (merged is its copy)
             else:
                 merged = OmegaConf.merge(merged, layer)
         layers = [layer for layer in layers if not isinstance(layer, tuple)]

@@ -16,7 +16,7 @@ __all__ = ["dry_run"]
 
 def dry_run(cfg: HybridFlowConfig) -> dict[str, Any]:
     """Validate `cfg` as `run_training` would, up to its first step; returns {"config": ..., "plan": ...}."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from hybridflow.algorithms import get_advantage_estimator
     from hybridflow.engines.rollout.registry import get_rollout_engine, rollout_engine_kwargs
@@ -25,6 +25,7 @@ def dry_run(cfg: HybridFlowConfig) -> dict[str, Any]:
         _raise_preflight,
         build_datasets,
         build_reward_fn,
+        load_policy_files,
         load_reward_function,
         resolve_defaults,
         total_steps_of,
@@ -36,11 +37,7 @@ def dry_run(cfg: HybridFlowConfig) -> dict[str, Any]:
     cfg = resolve_defaults(cfg)
     arr, alg = cfg.actor_rollout_ref, cfg.algorithm
     path = arr.model.path
-    try:
-        model_config = AutoConfig.from_pretrained(path)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"actor_rollout_ref.model.path={path!r} does not load as a Hugging Face model: {err}") from err
+    model_config, tokenizer = load_policy_files(path)
     for section, model in (("critic", cfg.critic.model), ("reward_model", cfg.reward_model.model)):
         enabled = cfg.critic.enable if section == "critic" else cfg.reward_model.enable
         if enabled and model.path:

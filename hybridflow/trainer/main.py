@@ -230,7 +230,7 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
 
     cfg = resolve_defaults(cfg)
     t, rm = cfg.trainer, cfg.reward_model
-    tokenizer = load_tokenizer(cfg.actor_rollout_ref.model.path)
+    _, tokenizer = load_policy_files(cfg.actor_rollout_ref.model.path)
     train_loader, val_loader = build_datasets(cfg, tokenizer)
     train_ds, val_ds = train_loader.dataset, (val_loader.dataset if val_loader else None)
     data_metrics = train_ds.count_metrics()
@@ -342,13 +342,13 @@ def run_training(cfg: HybridFlowConfig, *, progress: bool = True) -> TrainResult
         shm_copy.close()
 
 
-def load_tokenizer(path: str) -> Any:
-    """The policy's tokenizer; a folder transformers cannot read is a ConfigError naming the key (no traceback)."""
+def load_policy_files(path: str) -> tuple[Any, Any]:
+    """(transformers config, tokenizer) of the policy's folder; one transformers cannot read is a ConfigError naming
+    the key (no traceback). The run and --dry-run both start here."""
     from transformers import AutoConfig, AutoTokenizer
 
     try:
-        AutoConfig.from_pretrained(path)
-        return AutoTokenizer.from_pretrained(path)
+        return AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
         raise ConfigError(
             f"actor_rollout_ref.model.path={path!r} does not load as a Hugging Face model: {err}") from err
@@ -356,23 +356,16 @@ def load_tokenizer(path: str) -> Any:
 
 def logged_validation(run_dir: str) -> tuple[dict[str, float], dict[str, float]]:
     """(the validation metrics logged at step 0, the last ones logged) from the run's metrics.jsonl; {} when none."""
-    import json
+    from hybridflow.trainer.report import load_jsonl
 
+    path = os.path.join(run_dir, "metrics.jsonl")
     first: dict[str, float] = {}
     last: dict[str, float] = {}
-    try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue  # a row cut by a crash
-                val = {k: v for k, v in row.items() if k.startswith("val/")}
-                if val:
-                    first = val if row.get("step") == 0 else first
-                    last = val
-    except OSError:
-        pass
+    for row in load_jsonl(path) if os.path.exists(path) else []:
+        val = {k: v for k, v in row.items() if k.startswith("val/")}
+        if val:
+            first = val if row.get("step") == 0 else first
+            last = val
     return first, last
 
 

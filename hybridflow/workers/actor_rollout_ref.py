@@ -214,6 +214,9 @@ class ActorRolloutRefWorker(Worker):
         start = time.perf_counter()
         if self.agent is not None:  # multi-turn episodes (tools, environments) over the same engine
             out = self.agent.generate(prompts, params)
+            if out is None:  # a tensor-parallel group's other rank: its first rank returns the rows (the collector)
+                self.rollout.release_memory()
+                return DataProto()
         else:
             out = self.rollout.generate(prompts.select(["input_ids", "attention_mask", "position_ids"]), params)
         # One response width per call, whatever this rank's longest response: the driver gathers every rank's rows

@@ -262,22 +262,23 @@ class AgentRollout:
             r["agent_name"] = r.get("agent_name") or self.default_agent
         return [dict(r) for r in rows for _ in range(n)]  # sample j of prompt i at row i*n + j
 
-    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+    def generate(self, prompts: DataProto, params: SamplingParams) -> DataProto | None:
         """prompts (with the non-tensor columns above) -> len(prompts) * params.n episodes in the rollout layout.
-        In a tensor-parallel group every rank calls it with the same prompts and returns the first rank's batch."""
+        In a tensor-parallel group every rank calls it with the same prompts; the first rank returns the batch (the
+        group's collector), the others None once they have replayed its engine ops."""
         if self.tp is None:
             return self._generate(prompts, params)
         if not self.tp.leader:
-            status, payload = self.loop.generator.follow(self.tp.receive)
-            if status != "ok":
-                raise RuntimeError(f"the tensor-parallel group's first rank failed its episodes: {payload}")
-            return payload
+            error = self.loop.generator.follow(self.tp.receive)
+            if error is not None:
+                raise RuntimeError(f"the tensor-parallel group's first rank failed its episodes: {error}")
+            return None
         try:
             out = self._generate(prompts, params)
         except BaseException as e:
-            self.tp.send([(STOP, ("error", f"{type(e).__name__}: {e}"))])
+            self.tp.send([(STOP, f"{type(e).__name__}: {e}")])
             raise
-        self.tp.send([(STOP, ("ok", out))])
+        self.tp.send([(STOP, None)])
         return out
 
     def _generate(self, prompts: DataProto, params: SamplingParams) -> DataProto:
